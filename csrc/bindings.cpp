@@ -1,0 +1,264 @@
+// Python bindings of agentkv's native core: the only NB_MODULE.
+//
+// Arrays cross the boundary as mlx.core.array (the extension is built against
+// the installed MLX and nanobind's "mlx" domain, as MLX documents for custom
+// extensions) so loaded KV blocks land in MLX-owned memory with one copy.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <mlx/mlx.h>
+#include <mlx/version.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/block_io.h"
+#include "core/checksum.h"
+#include "core/store_error.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace {
+
+// (heads, width, dtype name) of one component of a layer's cache.
+using ComponentArg = std::tuple<uint32_t, uint32_t, std::string>;
+using SegmentArg = std::tuple<std::string, uint64_t, uint32_t>;
+using BlockArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+using SpanArg = std::tuple<uint64_t, uint64_t>;
+
+mx::Dtype dtype_from_name(const std::string& name) {
+  if (name == "uint32") return mx::uint32;
+  if (name == "uint8") return mx::uint8;
+  if (name == "float16") return mx::float16;
+  if (name == "bfloat16") return mx::bfloat16;
+  if (name == "float32") return mx::float32;
+  throw nb::value_error(("unsupported component dtype " + name).c_str());
+}
+
+struct Layout {
+  agentkv::Geometry geometry;
+  std::vector<mx::Dtype> dtypes;
+  std::vector<uint32_t> widths;
+};
+
+Layout make_layout(uint32_t layers, uint32_t block_tokens, const std::vector<ComponentArg>& comps) {
+  Layout out;
+  out.geometry.layers = layers;
+  out.geometry.block_tokens = block_tokens;
+  for (const auto& [heads, width, name] : comps) {
+    const mx::Dtype dtype = dtype_from_name(name);
+    out.dtypes.push_back(dtype);
+    out.widths.push_back(width);
+    out.geometry.components.push_back({heads, static_cast<uint32_t>(width * dtype.size())});
+  }
+  out.geometry.validate();
+  return out;
+}
+
+std::vector<agentkv::LayerSpan> make_spans(const std::vector<SpanArg>& spans) {
+  std::vector<agentkv::LayerSpan> out;
+  out.reserve(spans.size());
+  for (const auto& [first, capacity] : spans) {
+    out.push_back({first, capacity});
+  }
+  return out;
+}
+
+Py_buffer get_buffer(nb::handle obj) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+    throw nb::python_error();
+  }
+  return view;
+}
+
+uint32_t py_crc32c(nb::handle data, uint32_t value) {
+  Py_buffer view = get_buffer(data);
+  uint32_t crc;
+  {
+    nb::gil_scoped_release release;
+    crc = agentkv::crc32c_extend(value, view.buf, static_cast<size_t>(view.len));
+  }
+  PyBuffer_Release(&view);
+  return crc;
+}
+
+uint32_t py_block_checksum(nb::handle data) {
+  Py_buffer view = get_buffer(data);
+  uint32_t crc;
+  {
+    nb::gil_scoped_release release;
+    crc = agentkv::block_checksum(view.buf, static_cast<size_t>(view.len));
+  }
+  PyBuffer_Release(&view);
+  return crc;
+}
+
+// Load tokens [0, tokens) of an agent's blocks into fresh MLX arrays,
+// one [1, heads, capacity, width] array per layer and component.
+std::vector<mx::array> gather_blocks(
+    uint32_t layers,
+    uint32_t block_tokens,
+    const std::vector<ComponentArg>& components,
+    const std::vector<SegmentArg>& segments,
+    const std::vector<BlockArg>& blocks,
+    uint64_t tokens,
+    const std::vector<SpanArg>& spans,
+    int threads) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  const auto layer_spans = make_spans(spans);
+  if (layer_spans.size() != layers) {
+    throw nb::value_error("need one span per layer");
+  }
+  std::vector<agentkv::SegmentRef> segs;
+  for (const auto& [path, size, crc] : segments) {
+    segs.push_back({path, size, crc});
+  }
+  std::vector<agentkv::BlockRef> refs;
+  for (const auto& [segment, offset, length, checksum, count] : blocks) {
+    refs.push_back({segment, offset, length, checksum, count});
+  }
+  const size_t ncomp = components.size();
+  std::vector<mx::array> arrays;
+  std::vector<uint8_t*> dst;
+  arrays.reserve(layers * ncomp);
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (size_t c = 0; c < ncomp; ++c) {
+      const auto& comp = layout.geometry.components[c];
+      const uint64_t capacity = layer_spans[l].capacity;
+      auto data = mx::allocator::malloc(comp.heads * capacity * comp.row_bytes);
+      dst.push_back(static_cast<uint8_t*>(data.buffer().raw_ptr()));
+      arrays.emplace_back(
+          std::move(data),
+          mx::Shape{1, static_cast<int>(comp.heads), static_cast<int>(capacity),
+                    static_cast<int>(layout.widths[c])},
+          layout.dtypes[c]);
+    }
+  }
+  {
+    nb::gil_scoped_release release;
+    agentkv::gather_blocks(layout.geometry, segs, refs, tokens, layer_spans, dst, threads);
+  }
+  return arrays;
+}
+
+// Lay tokens [first_block * block_tokens, end_token) of per-layer cache arrays
+// out as block regions; returns the packed bytes and (offset, length,
+// checksum, tokens) per block.
+std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_blocks(
+    std::vector<mx::array> arrays,
+    uint32_t layers,
+    uint32_t block_tokens,
+    const std::vector<ComponentArg>& components,
+    uint64_t first_block,
+    uint64_t end_token,
+    const std::vector<SpanArg>& spans,
+    int threads) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  const auto layer_spans = make_spans(spans);
+  const size_t ncomp = components.size();
+  if (arrays.size() != layers * ncomp || layer_spans.size() != layers) {
+    throw nb::value_error("need one array per layer and component and one span per layer");
+  }
+  for (auto& a : arrays) {
+    if (!a.flags().row_contiguous) {
+      a = mx::contiguous(a);
+    }
+  }
+  mx::eval(arrays);
+  std::vector<const uint8_t*> src;
+  for (uint32_t l = 0; l < layers; ++l) {
+    for (size_t c = 0; c < ncomp; ++c) {
+      const mx::array& a = arrays[l * ncomp + c];
+      const auto& comp = layout.geometry.components[c];
+      if (a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != static_cast<int>(comp.heads) ||
+          a.shape(3) != static_cast<int>(layout.widths[c]) || a.dtype() != layout.dtypes[c] ||
+          static_cast<uint64_t>(a.shape(2)) != layer_spans[l].capacity) {
+        throw nb::value_error(
+            ("array for layer " + std::to_string(l) + " component " + std::to_string(c) +
+             " does not match the geometry")
+                .c_str());
+      }
+      src.push_back(a.data<uint8_t>());
+    }
+  }
+  const uint64_t size = agentkv::packed_size(layout.geometry, first_block, end_token);
+  auto* out = new uint8_t[size ? size : 1];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<uint8_t*>(p); });
+  std::vector<agentkv::PackedBlock> packed;
+  {
+    nb::gil_scoped_release release;
+    packed = agentkv::pack_blocks(
+        layout.geometry, first_block, end_token, layer_spans, src, out, threads);
+  }
+  std::vector<BlockArg> records;
+  for (const auto& p : packed) {
+    records.emplace_back(0u, p.offset, p.length, p.checksum, p.tokens);
+  }
+  size_t shape[1] = {static_cast<size_t>(size)};
+  return {nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, 1, shape, owner), records};
+}
+
+nb::dict build_info() {
+  nb::dict info;
+#if defined(__clang__)
+  info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  info["compiler"] = "unknown";
+#endif
+  info["cxx_standard"] = static_cast<long>(__cplusplus);
+  info["mlx_version"] = mx::version();
+  info["nanobind_version"] = std::to_string(NB_VERSION_MAJOR) + "." +
+      std::to_string(NB_VERSION_MINOR) + "." + std::to_string(NB_VERSION_PATCH);
+  info["crc32c"] = agentkv::crc32c_implementation();
+#ifdef NDEBUG
+  info["build_type"] = "release";
+#else
+  info["build_type"] = "debug";
+#endif
+  return info;
+}
+
+} // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "agentkv native core: checksums and the mmap KV block loader.";
+
+  // Held for the life of the process (never released at interpreter exit).
+  static PyObject* cache_format_error =
+      nb::object(nb::module_::import_("agentkv.errors").attr("CacheFormatError")).release().ptr();
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const agentkv::StoreError& e) {
+      nb::object exc = nb::borrow(cache_format_error)(e.path(), e.reason());
+      PyErr_SetObject(cache_format_error, exc.ptr());
+    }
+  });
+
+  m.def("build_info", &build_info, "Compiler, MLX and nanobind versions this extension was built with.");
+  m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0, "CRC-32C of a bytes-like object (continue from value).");
+  m.def("block_checksum", &py_block_checksum, "data"_a, "The striped CRC-32C agentkv stores per KV block.");
+  m.def(
+      "gather_blocks",
+      &gather_blocks,
+      "layers"_a, "block_tokens"_a, "components"_a, "segments"_a, "blocks"_a, "tokens"_a,
+      "spans"_a, "threads"_a = 2,
+      "Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.");
+  m.def(
+      "pack_blocks",
+      &pack_blocks,
+      "arrays"_a, "layers"_a, "block_tokens"_a, "components"_a, "first_block"_a, "end_token"_a,
+      "spans"_a, "threads"_a = 2,
+      "Lay cache arrays out as checksummed block regions for a segment file.");
+}

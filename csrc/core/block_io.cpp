@@ -1,0 +1,227 @@
+#include "block_io.h"
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include "checksum.h"
+#include "mapped_file.h"
+#include "parallel.h"
+#include "store_error.h"
+
+namespace agentkv {
+namespace {
+
+// A safetensors header longer than this is not one agentkv wrote.
+constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
+
+uint64_t ceil_div(uint64_t a, uint64_t b) {
+  return (a + b - 1) / b;
+}
+
+// The first byte after the JSON header, once the segment passes its checks.
+uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
+  if (file.size() != ref.size) {
+    throw StoreError(
+        ref.path,
+        "file is " + std::to_string(file.size()) + " bytes, the manifest says " +
+            std::to_string(ref.size) + " (truncated or replaced)");
+  }
+  if (file.size() < 8) {
+    throw StoreError(ref.path, "file is shorter than a safetensors header");
+  }
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, file.data(), 8);
+  if (header_len < 2 || header_len > kMaxHeaderBytes || header_len > file.size() - 8) {
+    throw StoreError(ref.path, "header length " + std::to_string(header_len) + " is not sane");
+  }
+  if (crc32c(file.data() + 8, header_len) != ref.header_checksum) {
+    throw StoreError(ref.path, "header checksum mismatch");
+  }
+  return 8 + header_len;
+}
+
+void check_spans(
+    const Geometry& g,
+    const std::vector<LayerSpan>& spans,
+    uint64_t end_token,
+    size_t buffers) {
+  if (spans.size() != g.layers) {
+    throw std::invalid_argument("need one LayerSpan per layer");
+  }
+  if (buffers != static_cast<size_t>(g.layers) * g.components.size()) {
+    throw std::invalid_argument("need one buffer per layer and component");
+  }
+  for (uint32_t l = 0; l < g.layers; ++l) {
+    const auto& s = spans[l];
+    if (s.first_token % g.block_tokens != 0) {
+      throw std::invalid_argument("a layer's first token must start a block");
+    }
+    if (end_token > s.first_token && end_token - s.first_token > s.capacity) {
+      throw std::invalid_argument(
+          "layer " + std::to_string(l) + " needs " +
+          std::to_string(end_token - s.first_token) + " rows but has capacity " +
+          std::to_string(s.capacity));
+    }
+  }
+}
+
+} // namespace
+
+uint64_t Geometry::layer_token_bytes() const {
+  uint64_t total = 0;
+  for (const auto& c : components) {
+    total += static_cast<uint64_t>(c.heads) * c.row_bytes;
+  }
+  return total;
+}
+
+void Geometry::validate() const {
+  if (layers == 0 || block_tokens == 0 || components.empty()) {
+    throw std::invalid_argument("geometry needs layers, block tokens and components");
+  }
+  for (const auto& c : components) {
+    if (c.heads == 0 || c.row_bytes == 0) {
+      throw std::invalid_argument("every component needs heads and row bytes");
+    }
+  }
+}
+
+void gather_blocks(
+    const Geometry& g,
+    const std::vector<SegmentRef>& segments,
+    const std::vector<BlockRef>& blocks,
+    uint64_t tokens,
+    const std::vector<LayerSpan>& spans,
+    const std::vector<uint8_t*>& dst,
+    int threads) {
+  g.validate();
+  check_spans(g, spans, tokens, dst.size());
+  const uint64_t needed = ceil_div(tokens, g.block_tokens);
+  if (needed == 0) {
+    return;
+  }
+  if (needed > blocks.size()) {
+    throw std::invalid_argument("the block list covers fewer tokens than requested");
+  }
+  std::vector<char> used(segments.size(), 0);
+  for (uint64_t i = 0; i < needed; ++i) {
+    if (blocks[i].segment >= segments.size()) {
+      throw std::invalid_argument("block refers to a segment that does not exist");
+    }
+    used[blocks[i].segment] = 1;
+  }
+  const BlockRef& tail = blocks[needed - 1];
+  if ((needed - 1) * g.block_tokens + tail.tokens < tokens) {
+    throw std::invalid_argument("the blocks hold fewer tokens than requested");
+  }
+  std::vector<std::unique_ptr<MappedFile>> files(segments.size());
+  std::vector<uint64_t> data_start(segments.size(), 0);
+  for (size_t s = 0; s < segments.size(); ++s) {
+    if (used[s]) {
+      files[s] = std::make_unique<MappedFile>(MappedFile::open(segments[s].path));
+      data_start[s] = verify_segment(*files[s], segments[s]);
+    }
+  }
+
+  const size_t ncomp = g.components.size();
+  parallel_for(needed, threads, [&](size_t i) {
+    const BlockRef& b = blocks[i];
+    const MappedFile& file = *files[b.segment];
+    const std::string& path = segments[b.segment].path;
+    const uint64_t t0 = i * g.block_tokens;
+    const bool last = i + 1 == blocks.size();
+    if (b.tokens == 0 || b.tokens > g.block_tokens || (!last && b.tokens != g.block_tokens)) {
+      throw StoreError(path, "block " + std::to_string(i) + " has a bad token count");
+    }
+    if (b.length != g.block_bytes(b.tokens)) {
+      throw StoreError(path, "block " + std::to_string(i) + " has the wrong length");
+    }
+    if (b.offset < data_start[b.segment] || b.offset > file.size() ||
+        b.length > file.size() - b.offset) {
+      throw StoreError(path, "block " + std::to_string(i) + " lies outside the file");
+    }
+    const uint8_t* region = file.data() + b.offset;
+    if (block_checksum(region, b.length) != b.checksum) {
+      throw StoreError(path, "block " + std::to_string(i) + " checksum mismatch");
+    }
+    const uint64_t n = std::min<uint64_t>(b.tokens, tokens - t0);
+    const uint8_t* src = region;
+    for (uint32_t l = 0; l < g.layers; ++l) {
+      const LayerSpan& span = spans[l];
+      for (size_t c = 0; c < ncomp; ++c) {
+        const ComponentSpec& comp = g.components[c];
+        const uint64_t plane = static_cast<uint64_t>(b.tokens) * comp.row_bytes;
+        if (t0 >= span.first_token) {
+          uint8_t* out = dst[l * ncomp + c];
+          for (uint32_t h = 0; h < comp.heads; ++h) {
+            std::memcpy(
+                out + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes,
+                src + h * plane,
+                n * comp.row_bytes);
+          }
+        }
+        src += comp.heads * plane;
+      }
+    }
+  });
+}
+
+uint64_t packed_size(const Geometry& g, uint64_t first_block, uint64_t end_token) {
+  const uint64_t start = first_block * g.block_tokens;
+  return end_token > start ? g.block_bytes(end_token - start) : 0;
+}
+
+std::vector<PackedBlock> pack_blocks(
+    const Geometry& g,
+    uint64_t first_block,
+    uint64_t end_token,
+    const std::vector<LayerSpan>& spans,
+    const std::vector<const uint8_t*>& src,
+    uint8_t* out,
+    int threads) {
+  g.validate();
+  check_spans(g, spans, end_token, src.size());
+  const uint64_t start = first_block * g.block_tokens;
+  if (end_token <= start) {
+    return {};
+  }
+  for (uint32_t l = 0; l < g.layers; ++l) {
+    if (spans[l].first_token > start) {
+      throw std::invalid_argument(
+          "layer " + std::to_string(l) + " holds no data for token " + std::to_string(start));
+    }
+  }
+  const uint64_t count = ceil_div(end_token - start, g.block_tokens);
+  std::vector<PackedBlock> packed(count);
+  uint64_t offset = 0;
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t t0 = start + i * g.block_tokens;
+    const auto tokens = static_cast<uint32_t>(std::min<uint64_t>(g.block_tokens, end_token - t0));
+    packed[i] = PackedBlock{offset, g.block_bytes(tokens), 0, tokens};
+    offset += packed[i].length;
+  }
+  const size_t ncomp = g.components.size();
+  parallel_for(count, threads, [&](size_t i) {
+    PackedBlock& p = packed[i];
+    const uint64_t t0 = start + i * g.block_tokens;
+    uint8_t* dst = out + p.offset;
+    for (uint32_t l = 0; l < g.layers; ++l) {
+      const LayerSpan& span = spans[l];
+      for (size_t c = 0; c < ncomp; ++c) {
+        const ComponentSpec& comp = g.components[c];
+        const uint8_t* in = src[l * ncomp + c];
+        for (uint32_t h = 0; h < comp.heads; ++h) {
+          const size_t bytes = static_cast<size_t>(p.tokens) * comp.row_bytes;
+          std::memcpy(
+              dst, in + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes, bytes);
+          dst += bytes;
+        }
+      }
+    }
+    p.checksum = block_checksum(out + p.offset, p.length);
+  });
+  return packed;
+}
+
+} // namespace agentkv

@@ -1,0 +1,91 @@
+// KV blocks in segment files <-> one contiguous buffer per layer and component.
+//
+// A block holds `tokens` (<= block_tokens) consecutive tokens of every layer.
+// Its region inside a segment file is laid out layer-major, so one block is
+// one sequential read and one checksum:
+//
+//   block region = for layer in [0, L):
+//                    for comp in components:      e.g. k.w k.s k.b v.w v.s v.b
+//                      [heads, tokens, row_bytes]
+//
+// In memory each (layer, component) is one buffer [heads, capacity, row_bytes]
+// (the layout of an mlx-lm cache array [1, heads, capacity, width]) whose row 0
+// holds token `first_token` of that layer: 0, or where a sliding window starts.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace agentkv {
+
+struct ComponentSpec {
+  uint32_t heads;
+  uint32_t row_bytes; // bytes per token per head
+};
+
+struct Geometry {
+  uint32_t layers;
+  uint32_t block_tokens;
+  std::vector<ComponentSpec> components; // per layer, in region order
+
+  uint64_t layer_token_bytes() const; // one token of one layer, all components
+  uint64_t block_bytes(uint64_t tokens) const {
+    return tokens * layer_token_bytes() * layers;
+  }
+  void validate() const; // throws std::invalid_argument
+};
+
+struct LayerSpan {
+  uint64_t first_token; // multiple of block_tokens
+  uint64_t capacity;    // rows of the in-memory buffer
+};
+
+struct SegmentRef {
+  std::string path;
+  uint64_t size;            // expected file size
+  uint32_t header_checksum; // crc32c of the safetensors JSON header bytes
+};
+
+struct BlockRef {
+  uint32_t segment;
+  uint64_t offset; // of the region in the file
+  uint64_t length;
+  uint32_t checksum; // block_checksum of the region
+  uint32_t tokens;
+};
+
+// Verifies every segment (size, header length, header checksum) and every block
+// it reads (bounds, length, checksum), then copies tokens [span.first_token,
+// tokens) of each layer into dst[layer * components + comp]. Throws StoreError
+// naming the file on any mismatch; dst contents are then unspecified.
+void gather_blocks(
+    const Geometry& geometry,
+    const std::vector<SegmentRef>& segments,
+    const std::vector<BlockRef>& blocks,
+    uint64_t tokens,
+    const std::vector<LayerSpan>& spans,
+    const std::vector<uint8_t*>& dst,
+    int threads);
+
+struct PackedBlock {
+  uint64_t offset; // within the packed buffer
+  uint64_t length;
+  uint32_t checksum;
+  uint32_t tokens;
+};
+
+uint64_t packed_size(const Geometry& geometry, uint64_t first_block, uint64_t end_token);
+
+// The inverse of gather_blocks: lays tokens [first_block * block_tokens,
+// end_token) out as consecutive block regions in `out` (packed_size bytes).
+std::vector<PackedBlock> pack_blocks(
+    const Geometry& geometry,
+    uint64_t first_block,
+    uint64_t end_token,
+    const std::vector<LayerSpan>& spans,
+    const std::vector<const uint8_t*>& src,
+    uint8_t* out,
+    int threads);
+
+} // namespace agentkv

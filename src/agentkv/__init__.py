@@ -1,0 +1,38 @@
+"""agentkv: persistent, quantized per-agent KV caches for multi-agent LLM workflows.
+
+Import agentkv before mlx: on Linux it first gives MLX's CPU backend a fast BLAS
+(see ``agentkv._blas``).
+"""
+
+from ._blas import STATUS as BLAS_STATUS  # noqa: I001  (must run before mlx.core loads)
+
+import mlx.core  # noqa: F401
+
+from .engine import AgentInfo, ChatResult, ChatStream, Engine, TurnStats
+from .errors import (
+    AgentKVError,
+    CacheFormatError,
+    InvalidAgentIdError,
+    InvalidRequestError,
+    ModelImportError,
+)
+from .kv.cache import AgentKVCache
+from .kv.quant import KVQuant
+
+__version__ = "0.1.0"
+__all__ = [
+    "BLAS_STATUS",
+    "AgentInfo",
+    "AgentKVCache",
+    "AgentKVError",
+    "CacheFormatError",
+    "ChatResult",
+    "ChatStream",
+    "Engine",
+    "InvalidAgentIdError",
+    "InvalidRequestError",
+    "KVQuant",
+    "ModelImportError",
+    "TurnStats",
+    "__version__",
+]

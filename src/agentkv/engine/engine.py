@@ -1,0 +1,419 @@
+"""Engine: the Python API — per-agent persistent KV caches under an mlx-lm model.
+
+::
+
+    eng = Engine()                                   # embedded SmolLM2-135M, 4-bit KV
+    r = eng.chat("planner", [{"role": "user", "content": "..."}], max_tokens=64)
+    r.text, r.tokens, r.stats.cache                  # "hot" | "warm" | "cold"
+    for piece in eng.stream_chat("planner", messages): ...
+    eng.generate("planner", "raw prompt text")      # no chat template
+    eng.close()                                      # flushes every agent to disk
+
+One agent's turns run one at a time (a lock per agent); different agents may
+be driven from different threads (model steps are serialized internally).
+Each finished turn is saved by a background writer, off the request path.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..agent_id import validate_agent_id
+from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
+from ..kv.quant import KVQuant
+from ..model.load import LoadedModel, load_model
+from ..paths import kv_dir
+from ..store.agent_store import AgentStore, DurableState, build_save_job
+from ..store.format import BLOCK_TOKENS
+from ..store.writer import BackgroundWriter
+from ..text.matcher import DEFAULT_MIN_REUSE, MatchKind, match_prefix
+from ..text.tokens import TokenText
+from .generation import SamplingParams, prefill
+from .results import ChatResult
+from .state import AgentState
+from .turn import Resumed, Turn
+
+DEFAULT_HOT_BUDGET = 1 << 30
+# A full rewrite after this many incremental saves keeps an agent's segment count bounded.
+MAX_INCREMENTAL_SAVES = 32
+PACK_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    agent_id: str
+    tokens: int
+    tier: str  # "hot" (in memory) or "warm" (on disk only)
+    memory_bytes: int
+    disk_bytes: int
+    last_used: float | None  # time.time() of the last turn in this process, if any
+
+
+class ChatStream:
+    """Iterate to get text pieces as they are generated; ``result`` is set at the end."""
+
+    def __init__(self, pieces: Iterator[str]):
+        self._pieces = pieces
+        self.result: ChatResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.result = yield from self._pieces
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+class Engine:
+    """Serve chats for many agents, each with its own persistent quantized KV cache."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        kv_bits: int = 4,
+        *,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+        group_size: int = 64,
+        min_reuse_tokens: int = DEFAULT_MIN_REUSE,
+        hot_budget_bytes: int = DEFAULT_HOT_BUDGET,
+        prefill_chunk: int = 512,
+        warmup: bool = True,
+    ):
+        self.quant = KVQuant.from_bits(kv_bits, key_bits=key_bits, value_bits=value_bits,
+                                       group_size=group_size)
+        if min_reuse_tokens < 0 or prefill_chunk < 64:
+            raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
+        self.loaded: LoadedModel = load_model(model)
+        spec = self.loaded.spec
+        self.quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
+        self.min_reuse = min_reuse_tokens
+        self.hot_budget = hot_budget_bytes
+        self.prefill_chunk = prefill_chunk
+        self.query_heads = _query_heads(self.loaded.model, spec.kv_heads)
+        hf_tokenizer = self.loaded.tokenizer._tokenizer
+        self.token_text = TokenText.for_tokenizer(hf_tokenizer)
+        self.eos_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
+        self.bos_id = hf_tokenizer.bos_token_id if getattr(hf_tokenizer, "add_bos_token", False) else None
+        self.store = AgentStore(Path(cache_dir) if cache_dir else kv_dir(), spec, self.loaded.name)
+        self.store.ensure_layout()
+        self.writer = BackgroundWriter(self.store)
+        self.compute_lock = threading.RLock()
+        self._registry = threading.Lock()
+        self._agent_locks: dict[str, threading.Lock] = {}
+        self._hot: OrderedDict[str, AgentState] = OrderedDict()
+        self._saves: dict[str, int] = {}
+        self._last_used: dict[str, float] = {}
+        self._closed = False
+        if warmup:
+            self._warmup()
+
+    # -- public API -------------------------------------------------------------
+
+    @property
+    def spec(self):
+        return self.loaded.spec
+
+    def chat(self, agent_id: str, messages: list[dict], **options) -> ChatResult:
+        """Run one chat turn: ``messages`` is the whole conversation so far."""
+        stream = self.stream_chat(agent_id, messages, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_chat(self, agent_id: str, messages: list[dict], *, max_tokens: int = 256,
+                    temperature: float = 0.0, top_p: float = 1.0, stop=None) -> ChatStream:
+        """Like ``chat``, yielding text pieces as they are generated."""
+        messages = validate_messages(messages)
+        prompt = self.render_chat(messages)
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        return ChatStream(self._turn(validate_agent_id(agent_id), prompt, params, messages))
+
+    def generate(self, agent_id: str, prompt: str, **options) -> ChatResult:
+        """Continue raw text (no chat template): ``prompt`` is the agent's whole context."""
+        stream = self.stream_generate(agent_id, prompt, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_generate(self, agent_id: str, prompt: str, *, max_tokens: int = 256,
+                        temperature: float = 0.0, top_p: float = 1.0, stop=None) -> ChatStream:
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string")
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        return ChatStream(self._turn(validate_agent_id(agent_id), prompt, params, None))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        tokenizer = self.loaded.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use generate()")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def history(self, agent_id: str) -> list[dict] | None:
+        """The chat messages of the agent's last chat turn (with the reply), if stored."""
+        validate_agent_id(agent_id)
+        with self._agent_lock(agent_id):
+            state = self._hot.get(agent_id)
+            if state is not None:
+                return state.messages
+            self.writer.flush(agent_id)
+            try:
+                manifest, _ = self.store.read_manifest(agent_id)
+            except CacheFormatError:
+                return None
+            return manifest.messages if manifest else None
+
+    def agents(self) -> list[AgentInfo]:
+        ids = set(self.store.agent_ids()) | set(self._hot)
+        return [self.agent_info(agent_id) for agent_id in sorted(ids)]
+
+    def agent_info(self, agent_id: str) -> AgentInfo | None:
+        validate_agent_id(agent_id)
+        state = self._hot.get(agent_id)
+        disk = self.store.disk_bytes(agent_id)
+        if state is None and not disk:
+            return None
+        tokens = state.size if state is not None else _stored_tokens(self.store, agent_id)
+        return AgentInfo(agent_id, tokens, "hot" if state is not None else "warm",
+                         state.nbytes if state is not None else 0, disk,
+                         self._last_used.get(agent_id))
+
+    def evict(self, agent_id: str) -> bool:
+        """Drop an agent from memory (its state stays on disk); True if it was hot."""
+        validate_agent_id(agent_id)
+        with self._agent_lock(agent_id):
+            self.writer.flush(agent_id)
+            return self._hot.pop(agent_id, None) is not None
+
+    def delete_agent(self, agent_id: str) -> bool:
+        """Forget an agent in memory and on disk; True if anything was deleted."""
+        validate_agent_id(agent_id)
+        with self._agent_lock(agent_id):
+            self.writer.flush(agent_id)
+            hot = self._hot.pop(agent_id, None) is not None
+            deleted = self.store.delete(agent_id)
+            self.writer.set_durable(agent_id, DurableState())
+            return hot or deleted
+
+    def flush(self) -> None:
+        """Wait until every finished turn is on disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush every agent's state to disk and stop the background writer."""
+        if not self._closed:
+            self._closed = True
+            self.writer.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- turns ------------------------------------------------------------------
+
+    def _agent_lock(self, agent_id: str) -> threading.Lock:
+        with self._registry:
+            return self._agent_locks.setdefault(agent_id, threading.Lock())
+
+    def _turn(self, agent_id: str, prompt: str, params: SamplingParams, messages) -> Iterator[str]:
+        if self._closed:
+            raise AgentKVError("the engine is closed")
+        started = time.perf_counter()
+        data = prompt.encode("utf-8")
+        with self._agent_lock(agent_id):
+            resumed = self._resume(agent_id, data)
+            turn = Turn(self, resumed, data, params, messages, started)
+            failed = True
+            try:
+                yield from turn.run()
+                failed = False
+            except GeneratorExit:
+                failed = False
+                raise
+            finally:
+                result = turn.finish(failed)
+                self._commit(turn.state, failed)
+        return result
+
+    def _resume(self, agent_id: str, prompt: bytes) -> Resumed:
+        """Find the agent's state (memory, then disk), keep what matches, plan the prefill."""
+        state = self._hot.pop(agent_id, None)
+        if state is not None:
+            m = match_prefix(state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse)
+            loaded_from = max(c.start for c in state.caches)
+            if m.kind is not MatchKind.DIVERGE and m.reuse >= loaded_from:
+                refeed_span = state.spans[m.reuse] if m.refeed is not None else None
+                stored = state.size
+                state.trim(m.reuse)
+                return self._plan(state, "hot", m, stored, refeed_span, prompt, 0.0)
+            if m.kind is MatchKind.DIVERGE:
+                fresh = AgentState.empty(agent_id, self.quant, self.spec.layers)
+                return self._plan(fresh, "cold", m, state.size, None, prompt, 0.0)
+        return self._resume_from_disk(agent_id, prompt)
+
+    def _resume_from_disk(self, agent_id: str, prompt: bytes) -> Resumed:
+        fresh = AgentState.empty(agent_id, self.quant, self.spec.layers)
+        self.writer.flush(agent_id)
+        t0 = time.perf_counter()
+        try:
+            manifest, durable = self.store.read_manifest(agent_id)
+        except CacheFormatError as exc:
+            return self._reject(agent_id, exc, fresh, prompt)
+        if manifest is None:
+            self.writer.set_durable(agent_id, DurableState())
+            self._saves[agent_id] = 0
+            others = self.store.other_fingerprints(agent_id)
+            note = (f"no stored state for this model; the agent has one for another model "
+                    f"({', '.join(others)}), which this model cannot use") if others else None
+            return self._plan(fresh, "cold", None, 0, None, prompt, 0.0, note=note)
+        self.writer.set_durable(agent_id, durable)
+        self._saves[agent_id] = len(manifest.segments)
+        m = match_prefix(manifest.text, manifest.spans[:, 1], manifest.tokens, prompt,
+                         min_reuse=self.min_reuse)
+        if m.kind is MatchKind.DIVERGE or m.reuse == 0:
+            load_ms = (time.perf_counter() - t0) * 1000
+            return self._plan(fresh, "cold", m, manifest.token_count, None, prompt, load_ms)
+        try:
+            caches = self.store.load_caches(manifest, agent_id, m.reuse)
+        except CacheFormatError as exc:
+            return self._reject(agent_id, exc, fresh, prompt)
+        end = int(manifest.spans[m.reuse - 1, 1])
+        state = AgentState(agent_id, manifest.quant, caches, manifest.tokens[: m.reuse].tolist(),
+                           manifest.spans[: m.reuse].astype(np.int64), manifest.text[:end],
+                           durable=m.reuse, messages=manifest.messages)
+        refeed_span = manifest.spans[m.reuse] if m.refeed is not None else None
+        load_ms = (time.perf_counter() - t0) * 1000
+        return self._plan(state, "warm", m, manifest.token_count, refeed_span, prompt, load_ms)
+
+    def _reject(self, agent_id: str, exc: CacheFormatError, fresh: AgentState, prompt: bytes) -> Resumed:
+        moved = self.store.quarantine(agent_id, str(exc))
+        self.writer.set_durable(agent_id, DurableState())
+        self._saves[agent_id] = 0
+        note = f"stored state rejected ({exc.reason}); kept at {moved}"
+        return self._plan(fresh, "cold", None, 0, None, prompt, 0.0, note=note)
+
+    def _plan(self, state: AgentState, tier: str, m, stored: int, refeed_span, prompt: bytes,
+              load_ms: float, note: str | None = None) -> Resumed:
+        reusing = tier != "cold" and m is not None
+        resume = m.resume_at if reusing else 0
+        encoded = self.token_text.encode(prompt[resume:].decode("utf-8"))
+        ids, spans = list(encoded.ids), encoded.spans + resume
+        if reusing and m.refeed is not None:
+            ids.insert(0, m.refeed)
+            spans = np.concatenate([np.asarray(refeed_span, dtype=np.int64)[None], spans])
+        elif state.size == 0 and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+            spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), spans])
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if note is None and m is not None and m.kind is not MatchKind.EXTEND and (reusing or stored):
+            note = m.note
+        match = m.kind.value if m is not None else "none"
+        return Resumed(state, tier, match, stored, ids, spans, note, load_ms)
+
+    def _commit(self, state: AgentState, failed: bool) -> None:
+        agent_id = state.agent_id
+        if failed:
+            return  # the caches may hold a partial step; the next turn reloads from disk
+        self._hot[agent_id] = state
+        self._hot.move_to_end(agent_id)
+        self._last_used[agent_id] = time.time()
+        self._enqueue_save(state)
+        self._evict_over_budget(keep=agent_id)
+
+    def _enqueue_save(self, state: AgentState) -> None:
+        agent_id = state.agent_id
+        if state.size == 0 or state.durable == state.size:
+            return
+        first_block = state.durable // BLOCK_TOKENS
+        planned = self.writer.planned_blocks(agent_id)
+        saves = self._saves.get(agent_id, 0)
+        if (self.writer.take_failure(agent_id) is not None or planned is None
+                or planned < first_block or saves >= MAX_INCREMENTAL_SAVES):
+            first_block = 0
+        if first_block == 0:
+            saves = 0
+        with self.compute_lock:
+            job = build_save_job(
+                self.spec, agent_id, state.caches, tokens=state.tokens, spans=state.spans,
+                text=state.text, messages=state.messages, first_block=first_block,
+                threads=PACK_THREADS,
+            )
+        self.writer.submit(job)
+        self._saves[agent_id] = saves + 1
+        state.durable = state.size
+
+    def _evict_over_budget(self, keep: str) -> None:
+        total = sum(s.nbytes for s in self._hot.values())
+        for agent_id in list(self._hot):
+            if total <= self.hot_budget:
+                return
+            lock = self._agent_lock(agent_id)
+            if agent_id == keep or not lock.acquire(blocking=False):
+                continue
+            try:
+                state = self._hot.pop(agent_id, None)
+                total -= state.nbytes if state else 0
+            finally:
+                lock.release()
+
+    def _warmup(self) -> None:
+        """Run the model once on a scratch cache so the first real turn pays no one-time costs."""
+        scratch = AgentState.empty("warmup", self.quant, self.spec.layers)
+        ids = self.token_text.encode("Warm up the kernels.").ids or [0]
+        logits = prefill(self.loaded.model, scratch.caches, ids, max_chunk=self.prefill_chunk,
+                         query_heads=self.query_heads, lock=self.compute_lock)
+        for _ in range(2):
+            token = mx.argmax(logits, axis=-1)
+            logits = self.loaded.model(token[:, None], cache=scratch.caches)[:, -1, :]
+            mx.eval(logits)
+
+
+def validate_messages(messages) -> list[dict]:
+    """Check chat messages; text content blocks are joined into one string."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequestError(f"messages[{i}].role must be a non-empty string")
+        if isinstance(content, list):
+            parts = []
+            for j, block in enumerate(content):
+                if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
+                        block.get("text"), str):
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be a text block")
+                parts.append(block["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"messages[{i}].content must be a string or text blocks")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _query_heads(model, kv_heads: int) -> int:
+    layers = getattr(model, "layers", None) or []
+    attn = getattr(layers[0], "self_attn", None) if layers else None
+    return int(getattr(attn, "n_heads", kv_heads))
+
+
+def _stored_tokens(store: AgentStore, agent_id: str) -> int:
+    try:
+        manifest, _ = store.read_manifest(agent_id)
+    except CacheFormatError:
+        return 0
+    return manifest.token_count if manifest else 0

@@ -1,0 +1,170 @@
+"""Prefill in bounded chunks, sample, and decode with stop handling.
+
+Prefill runs in chunks with ``mx.eval`` of the cache between them, so the
+attention scores of one chunk over the whole context are the largest thing
+alive at a time. Chunk sizes depend only on (tokens, context), so a turn
+resumed from disk runs exactly the same computation as the same turn in a
+process that never stopped. The final chunk is kept short (<= 64 tokens):
+its logits are computed for every position, and only the last one is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..errors import InvalidRequestError
+
+MAX_TOKENS_LIMIT = 1 << 20
+LAST_CHUNK_MAX = 64
+SCORES_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate: validated once, then read by the decode loop."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}]")
+        if not 0.0 <= float(self.temperature) <= 10.0:
+            raise InvalidRequestError("temperature must be in [0, 10]")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+
+    @classmethod
+    def create(cls, max_tokens=256, temperature=0.0, top_p=1.0, stop=None) -> SamplingParams:
+        if isinstance(stop, str):
+            stop = (stop,)
+        return cls(max_tokens, float(temperature), float(top_p), tuple(stop or ()))
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        if self.temperature == 0.0:
+            return lambda logits: mx.argmax(logits, axis=-1)
+        from mlx_lm.sample_utils import make_sampler
+
+        sample = make_sampler(temp=self.temperature, top_p=self.top_p)
+        return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def plan_chunks(n: int, offset: int, *, max_chunk: int, query_heads: int) -> list[int]:
+    """Chunk sizes for prefilling ``n`` tokens after ``offset`` cached ones."""
+    sizes = []
+    pos = 0
+    while n - pos > LAST_CHUNK_MAX:
+        context = offset + pos + max_chunk
+        fits = SCORES_BUDGET_BYTES // max(1, query_heads * 4 * context)
+        chunk = max(LAST_CHUNK_MAX, min(max_chunk, fits))
+        chunk = min(chunk, n - pos - LAST_CHUNK_MAX // 2)
+        sizes.append(chunk)
+        pos += chunk
+    if n - pos:
+        sizes.append(n - pos)
+    return sizes
+
+
+def cache_arrays(caches) -> list[mx.array]:
+    return [x for c in caches for x in c.components]
+
+
+@dataclass
+class StopScanner:
+    """Finds stop strings in streamed text and holds back what could start one."""
+
+    stops: tuple[str, ...]
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = field(default=False)
+
+    def feed(self, piece: str) -> str:
+        """Add generated text; return what is now safe to show."""
+        if self.stopped:
+            return ""
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._take(len(self.text))
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        return self._take(max(self.emitted, len(self.text) - hold))
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        out = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return out
+
+
+def prefill(model, caches, ids: list[int], *, max_chunk: int, query_heads: int, lock) -> mx.array:
+    """Feed ``ids`` into ``caches``; return the logits after the last one."""
+    offset = caches[0].offset
+    pos = 0
+    logits = None
+    sizes = plan_chunks(len(ids), offset, max_chunk=max_chunk, query_heads=query_heads)
+    for i, size in enumerate(sizes):
+        chunk = mx.array([ids[pos : pos + size]])
+        with lock:
+            out = model(chunk, cache=caches)
+            if i == len(sizes) - 1:
+                logits = out[:, -1, :]
+                mx.eval(logits, cache_arrays(caches))
+            else:
+                mx.eval(cache_arrays(caches))
+        pos += size
+    return logits
+
+
+class Decoder:
+    """Sampled decoding that runs one step ahead.
+
+    The step feeding token t is launched before t is read (MLX overlaps it
+    with the Python that follows), so a token is usually already in the cache
+    when it turns out to be the last: ``fed`` counts the generated tokens the
+    cache holds. Only ``max_tokens`` stops a token from being fed.
+    """
+
+    def __init__(self, model, caches, logits: mx.array, *, params: SamplingParams, lock):
+        self._model = model
+        self._caches = caches
+        self._lock = lock
+        self._sample = params.sampler()
+        self.remaining = params.max_tokens
+        self.fed = 0
+        with lock:
+            self._y = self._sample(logits)
+            mx.async_eval(self._y)
+
+    def next(self) -> int:
+        if self._y is None:
+            raise StopIteration
+        y = self._y
+        self.remaining -= 1
+        with self._lock:
+            if self.remaining > 0:
+                logits = self._model(y[:, None], cache=self._caches)[:, -1, :]
+                self._y = self._sample(logits)
+                mx.async_eval(self._y)
+                self.fed += 1
+            else:
+                self._y = None
+            return y.item()
+
+    def finish(self) -> None:
+        """Wait for the step in flight, so the cache is complete."""
+        with self._lock:
+            if self._y is not None:
+                mx.eval(self._y, cache_arrays(self._caches))
+            self._y = None

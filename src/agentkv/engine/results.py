@@ -1,0 +1,51 @@
+"""What a turn returns: the generated text and how the agent's cache was used."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TurnStats:
+    """How one turn used (and rebuilt) the agent's cache.
+
+    ``cache`` is where the reused state came from: ``hot`` (memory, no I/O),
+    ``warm`` (reloaded from disk) or ``cold`` (nothing reused, full prefill).
+    ``stored_tokens`` is what the stored state held, ``reused_tokens`` what this
+    turn kept of it; whenever a hot or warm state is not reused in full,
+    ``reuse_note`` says why.
+    """
+
+    cache: str
+    match: str
+    stored_tokens: int
+    reused_tokens: int
+    prefill_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    decode_tps: float
+    load_ms: float
+    prefill_ms: float
+    total_ms: float
+    kv_format: str
+    reuse_note: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ChatResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    stats: TurnStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict(),
+        }

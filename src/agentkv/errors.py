@@ -1,0 +1,32 @@
+"""Exceptions raised by agentkv. Every caller-facing error derives from AgentKVError."""
+
+from __future__ import annotations
+
+
+class AgentKVError(Exception):
+    """Base class of agentkv's errors."""
+
+
+class InvalidAgentIdError(AgentKVError, ValueError):
+    """An agent id that is not 1-128 characters of [A-Za-z0-9._-] (or is '.' / '..')."""
+
+
+class InvalidRequestError(AgentKVError, ValueError):
+    """A request argument (messages, sampling options...) that cannot be served."""
+
+
+class ModelImportError(AgentKVError):
+    """A model file or directory that agentkv cannot import or load."""
+
+
+class CacheFormatError(AgentKVError):
+    """A stored cache file that fails validation; names the file and the reason."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class NativeExtensionError(AgentKVError, ImportError):
+    """The compiled extension agentkv._ext is missing or was built for another MLX."""

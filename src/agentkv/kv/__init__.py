@@ -1,0 +1,1 @@
+"""KV cache formats, the per-layer quantized cache, and attention over it."""

@@ -1,0 +1,335 @@
+"""Import a llama-architecture GGUF file into an mlx-lm model directory.
+
+MLX reads GGUF weights itself (``mx.load``); what a GGUF file lacks for mlx-lm is
+the directory around them: llama tensor names, a ``config.json`` and a Hugging
+Face tokenizer. This module writes all three from the GGUF's own metadata, so
+the import works offline.
+
+Weights are written either dequantized to float32 (MLX's CPU backend runs float
+weights ~25x faster than quantized ones) or kept quantized exactly as the GGUF
+stores them (Metal and CUDA run quantized matmuls fast). GGUF Q/K projections are
+permuted for interleaved rotary embeddings, hence ``rope_traditional: true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import mlx.core as mx
+
+from ..errors import ModelImportError
+from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
+
+#: Bumped whenever the import recipe changes what it writes; part of a model's identity.
+IMPORT_RECIPE_VERSION = 1
+IMPORT_INFO_FILE = "agentkv_import.json"
+WeightDtype = Literal["float32", "quantized"]
+
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# Pre-tokenizer regexes by GGUF ``tokenizer.ggml.pre`` name (the public patterns of
+# the tokenizers these names stand for).
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_SPLIT_DIGITS = {"smollm", "starcoder", "refact"}
+_PRE_PATTERNS = {
+    "default": _GPT2_PATTERN,
+    "gpt2": _GPT2_PATTERN,
+    "smollm": _GPT2_PATTERN,
+    "starcoder": _GPT2_PATTERN,
+    "refact": _GPT2_PATTERN,
+    "llama-bpe": _LLAMA3_PATTERN,
+    "llama3": _LLAMA3_PATTERN,
+    "qwen2": _QWEN2_PATTERN,
+}
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """Where an import went and what identifies it."""
+
+    path: Path
+    source_sha256: str
+    weight_dtype: WeightDtype
+    reused: bool
+
+
+def default_weight_dtype() -> WeightDtype:
+    """float32 on MLX's CPU backend, quantized where a GPU runs quantized matmuls fast."""
+    return "quantized" if mx.default_device() == mx.gpu else "float32"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def import_gguf(
+    gguf_path: str | os.PathLike,
+    dest: str | os.PathLike,
+    *,
+    weight_dtype: WeightDtype | None = None,
+    force: bool = False,
+) -> ImportResult:
+    """Write an mlx-lm model directory for ``gguf_path`` into ``dest``.
+
+    An existing import of the same file with the same recipe and dtype is reused
+    unless ``force``; a directory holding anything else is never overwritten.
+    """
+    src = Path(gguf_path)
+    if not src.is_file():
+        raise ModelImportError(f"GGUF file not found: {src}")
+    dtype = weight_dtype or default_weight_dtype()
+    if dtype not in ("float32", "quantized"):
+        raise ModelImportError(f"weight dtype must be 'float32' or 'quantized', not {dtype!r}")
+    dest = Path(dest)
+    sha = file_sha256(src)
+    info = {
+        "source": src.name,
+        "source_sha256": sha,
+        "recipe_version": IMPORT_RECIPE_VERSION,
+        "weight_dtype": dtype,
+    }
+    existing = _read_import_info(dest)
+    if existing == info and not force:
+        return ImportResult(dest, sha, dtype, reused=True)
+    if dest.exists() and any(dest.iterdir()) and existing is None:
+        raise ModelImportError(
+            f"{dest} exists and is not an agentkv import; choose another destination"
+        )
+
+    try:
+        weights, meta = mx.load(str(src), return_metadata=True)
+    except Exception as exc:  # MLX raises plain exceptions for unsupported quant types
+        raise ModelImportError(f"MLX cannot read {src}: {exc}") from exc
+    arch = _meta_str(meta, "general.architecture")
+    if arch != "llama":
+        raise ModelImportError(
+            f"{src.name}: architecture {arch!r} is not supported; only 'llama' GGUF files import"
+        )
+    if "rope_freqs.weight" in weights:
+        raise ModelImportError(
+            f"{src.name}: llama3-style rope frequency scaling is not supported by the importer"
+        )
+
+    secure_mkdir(dest)
+    config = _build_config(meta, weights)
+    tensors, quant_config = _convert_weights(weights, dtype)
+    if quant_config:
+        config["quantization"] = quant_config
+    tokenizer = _build_tokenizer(meta)
+
+    # The temporary name must not match mlx-lm's "model*.safetensors" glob.
+    tmp_weights = dest / f".tmp-{os.getpid()}.safetensors"
+    mx.save_safetensors(str(tmp_weights), tensors, metadata={"format": "mlx"})
+    os.chmod(tmp_weights, FILE_MODE)
+    _fsync_path(tmp_weights)
+    os.replace(tmp_weights, dest / "model.safetensors")
+    tokenizer.save_pretrained(str(dest))
+    for written in dest.iterdir():
+        os.chmod(written, FILE_MODE)
+    atomic_write_text(dest / "config.json", json.dumps(config, indent=2))
+    # Written last: its presence marks a complete import.
+    atomic_write_text(dest / IMPORT_INFO_FILE, json.dumps(info, indent=2))
+    return ImportResult(dest, sha, dtype, reused=False)
+
+
+def read_import_info(path: Path) -> dict | None:
+    """The import record of an agentkv-imported directory, or None."""
+    return _read_import_info(path)
+
+
+def _read_import_info(path: Path) -> dict | None:
+    try:
+        return json.loads((path / IMPORT_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _meta_str(meta: dict, key: str) -> str | None:
+    value = meta.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _meta_num(meta: dict, key: str, default=None):
+    value = meta.get(key)
+    if value is None:
+        return default
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def _build_config(meta: dict, weights: dict) -> dict:
+    def need(key):
+        value = _meta_num(meta, key)
+        if value is None:
+            raise ModelImportError(f"GGUF metadata lacks {key}")
+        return value
+
+    hidden = int(need("llama.embedding_length"))
+    heads = int(need("llama.attention.head_count"))
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("llama.block_count")),
+        "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
+        "head_dim": int(_meta_num(meta, "llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(need("llama.attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(
+            _meta_num(meta, "llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
+        ),
+        "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
+        "rope_traditional": True,
+        "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        value = _meta_num(meta, f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _mlx_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        if part not in _BLOCK_NAMES:
+            raise ModelImportError(f"unexpected GGUF tensor {gguf_name}")
+        return f"model.layers.{index}.{_BLOCK_NAMES[part]}.{suffix}"
+    if stem not in _TOP_NAMES:
+        raise ModelImportError(f"unexpected GGUF tensor {gguf_name}")
+    return f"{_TOP_NAMES[stem]}.{suffix}"
+
+
+def _convert_weights(weights: dict, dtype: WeightDtype) -> tuple[dict, dict]:
+    """Rename tensors; dequantize to float32 or keep MLX-quantized triplets."""
+    out: dict[str, mx.array] = {}
+    per_module: dict[str, dict] = {}
+    for name, value in weights.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        mlx_name = _mlx_name(name)
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        scales = weights.get(f"{stem}.scales") if stem else None
+        if scales is None:
+            out[mlx_name] = value.astype(mx.float32 if dtype == "float32" else mx.float16)
+            continue
+        biases = weights[f"{stem}.biases"]
+        in_features = scales.shape[-1] * 32
+        bits = value.shape[-1] * 32 // in_features
+        if dtype == "float32":
+            out[mlx_name] = mx.dequantize(
+                value,
+                scales.astype(mx.float32),
+                biases.astype(mx.float32),
+                group_size=32,
+                bits=bits,
+            )
+        else:
+            module = mlx_name[: -len(".weight")]
+            out[mlx_name] = value
+            out[f"{module}.scales"] = scales
+            out[f"{module}.biases"] = biases
+            per_module[module] = {"group_size": 32, "bits": bits}
+        mx.eval(out[mlx_name])
+    if not per_module:
+        return out, {}
+    bits_used = sorted({q["bits"] for q in per_module.values()})
+    default = {"group_size": 32, "bits": bits_used[0]}
+    quant = dict(default)
+    for module, q in per_module.items():
+        if q != default:
+            quant[module] = q
+    return out, quant
+
+
+def _build_tokenizer(meta: dict):
+    """A Hugging Face fast tokenizer rebuilt from the GGUF vocabulary and merges."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _meta_str(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelImportError(
+            f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') GGUF "
+            "tokenizers import (use an mlx-lm model directory for SentencePiece models)"
+        )
+    pre = _meta_str(meta, "tokenizer.ggml.pre") or "default"
+    if pre not in _PRE_PATTERNS:
+        raise ModelImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    splitters = [
+        pre_tokenizers.Split(Regex(_PRE_PATTERNS[pre]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    if pre in _SPLIT_DIGITS:
+        splitters.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
+    tok.decoder = decoders.ByteLevel()
+
+    types = meta.get("tokenizer.ggml.token_type")
+    types = types.tolist() if isinstance(types, mx.array) else list(types or [])
+    added = [
+        AddedToken(tokens[i], special=(t == _TOKEN_TYPE_CONTROL), normalized=False)
+        for i, t in enumerate(types)
+        if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    ]
+    tok.add_tokens(added)
+
+    def token_at(key):
+        value = _meta_num(meta, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(value)] if value is not None and int(value) < len(tokens) else None
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=token_at("bos"),
+        eos_token=token_at("eos"),
+        unk_token=token_at("unknown"),
+        pad_token=token_at("padding"),
+        clean_up_tokenization_spaces=False,
+    )
+    template = _meta_str(meta, "tokenizer.chat_template")
+    if template:
+        fast.chat_template = template
+    return fast

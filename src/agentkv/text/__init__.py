@@ -1,0 +1,1 @@
+"""Agent text: token spans and text-level prefix matching."""

@@ -1,0 +1,59 @@
+"""Small builders shared by the unit tests (synthetic specs and caches)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from agentkv.kv.cache import AgentKVCache
+from agentkv.kv.quant import KVQuant
+from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
+
+
+def synthetic_spec(layers=2, heads=2, dim=64, windows=None, weights_id="synthetic") -> ModelCacheSpec:
+    kinds = tuple(
+        LayerSpec(LayerKind.SLIDING, w) if w else LayerSpec(LayerKind.FULL)
+        for w in (windows or [None] * layers)
+    )
+    return ModelCacheSpec("synthetic", layers, heads, dim, dim, kinds, False, "float32", weights_id)
+
+
+def filled_caches(spec: ModelCacheSpec, tokens: int, quant=None, seed=0) -> list[AgentKVCache]:
+    """Caches holding ``tokens`` random tokens, fed in a few uneven chunks."""
+    quant = quant or KVQuant()
+    mx.random.seed(seed)
+    caches = [AgentKVCache(quant, window=layer.window) for layer in spec.layers]
+    done = 0
+    for size in _chunks(tokens):
+        for cache in caches:
+            k = mx.random.normal((1, spec.kv_heads, size, spec.key_head_dim))
+            v = mx.random.normal((1, spec.kv_heads, size, spec.value_head_dim))
+            cache.update_and_fetch(k, v)
+        done += size
+    mx.eval([x for c in caches for x in c.components])
+    return caches
+
+
+def _chunks(n):
+    sizes, left = [], n
+    step = 197
+    while left:
+        sizes.append(min(step, left))
+        left -= sizes[-1]
+        step = 61 if step == 197 else 197
+    return sizes
+
+
+def text_for(tokens: int, seed=0) -> tuple[list[int], np.ndarray, bytes]:
+    """Token ids, tiling spans and the text they cover (4 bytes per token)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 1000, size=tokens).tolist()
+    text = b"".join(f"{i:03d} ".encode() for i in ids)
+    ends = np.arange(1, tokens + 1, dtype=np.int64) * 4
+    spans = np.stack([ends - 4, ends], axis=1)
+    return ids, spans, text
+
+
+def held_arrays(cache: AgentKVCache) -> list[np.ndarray]:
+    keys, values = cache.keys_and_values()
+    return [np.array(x) for x in (*keys, *values)]

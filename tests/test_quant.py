@@ -1,0 +1,39 @@
+import pytest
+
+from agentkv.errors import InvalidRequestError
+from agentkv.kv.quant import KVQuant
+
+# The embedded model: 30 layers, 3 KV heads, head dim 64.
+GEOMETRY = dict(layers=30, heads=3, key_dim=64, value_dim=64)
+
+
+def test_bytes_per_token_of_the_embedded_geometry():
+    assert KVQuant(16, 16).bytes_per_token(**GEOMETRY) == 23_040
+    assert KVQuant(4, 4, 64).bytes_per_token(**GEOMETRY) == 6_480
+    assert KVQuant(8, 8, 64).bytes_per_token(**GEOMETRY) == 30 * 3 * 2 * (64 + 4)
+    # keys 8-bit, values 4-bit: half of each
+    assert KVQuant(8, 4, 64).bytes_per_token(**GEOMETRY) == 30 * 3 * (64 + 4 + 32 + 4)
+
+
+def test_components_follow_bits_and_group_size():
+    comps = KVQuant(4, 16, 32).components(heads=3, key_dim=64, value_dim=64)
+    assert [(c.name, c.width, c.dtype) for c in comps] == [
+        ("k.w", 8, "uint32"), ("k.s", 2, "float16"), ("k.b", 2, "float16"), ("v", 64, "float16"),
+    ]
+
+
+@pytest.mark.parametrize("bits", [1, 7, 12, 32])
+def test_rejects_unsupported_bits(bits):
+    with pytest.raises(InvalidRequestError, match="bits must be one of"):
+        KVQuant(bits, 4)
+
+
+def test_rejects_group_size_that_does_not_divide_head_dim():
+    with pytest.raises(InvalidRequestError, match="group"):
+        KVQuant(4, 4, 128).check_head_dims(64, 64)
+    with pytest.raises(InvalidRequestError, match="group size"):
+        KVQuant(4, 4, 48)
+
+
+def test_labels():
+    assert [KVQuant(4, 4).label, KVQuant(8, 4).label, KVQuant(16, 16).label] == ["q4", "k8v4", "fp16"]
