@@ -3,14 +3,13 @@
 // Arrays cross the boundary as mlx.core.array (the extension is built against
 // the installed MLX and nanobind's "mlx" domain, as MLX documents for custom
 // extensions) so loaded KV blocks land in MLX-owned memory with one copy.
+#include <mlx/mlx.h>
+#include <mlx/version.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-
-#include <mlx/mlx.h>
-#include <mlx/version.h>
 
 #include <cstring>
 #include <memory>
@@ -20,6 +19,7 @@
 
 #include "core/block_io.h"
 #include "core/checksum.h"
+#include "core/mapping_cache.h"
 #include "core/store_error.h"
 
 namespace nb = nanobind;
@@ -35,11 +35,16 @@ using BlockArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t>;
 using SpanArg = std::tuple<uint64_t, uint64_t>;
 
 mx::Dtype dtype_from_name(const std::string& name) {
-  if (name == "uint32") return mx::uint32;
-  if (name == "uint8") return mx::uint8;
-  if (name == "float16") return mx::float16;
-  if (name == "bfloat16") return mx::bfloat16;
-  if (name == "float32") return mx::float32;
+  if (name == "uint32")
+    return mx::uint32;
+  if (name == "uint8")
+    return mx::uint8;
+  if (name == "float16")
+    return mx::float16;
+  if (name == "bfloat16")
+    return mx::bfloat16;
+  if (name == "float32")
+    return mx::float32;
   throw nb::value_error(("unsupported component dtype " + name).c_str());
 }
 
@@ -104,15 +109,11 @@ uint32_t py_block_checksum(nb::handle data) {
 
 // Load tokens [0, tokens) of an agent's blocks into fresh MLX arrays,
 // one [1, heads, capacity, width] array per layer and component.
-std::vector<mx::array> gather_blocks(
-    uint32_t layers,
-    uint32_t block_tokens,
-    const std::vector<ComponentArg>& components,
-    const std::vector<SegmentArg>& segments,
-    const std::vector<BlockArg>& blocks,
-    uint64_t tokens,
-    const std::vector<SpanArg>& spans,
-    int threads) {
+std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
+                                     const std::vector<ComponentArg>& components,
+                                     const std::vector<SegmentArg>& segments,
+                                     const std::vector<BlockArg>& blocks, uint64_t tokens,
+                                     const std::vector<SpanArg>& spans, int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
   const auto layer_spans = make_spans(spans);
   if (layer_spans.size() != layers) {
@@ -136,11 +137,10 @@ std::vector<mx::array> gather_blocks(
       const uint64_t capacity = layer_spans[l].capacity;
       auto data = mx::allocator::malloc(comp.heads * capacity * comp.row_bytes);
       dst.push_back(static_cast<uint8_t*>(data.buffer().raw_ptr()));
-      arrays.emplace_back(
-          std::move(data),
-          mx::Shape{1, static_cast<int>(comp.heads), static_cast<int>(capacity),
-                    static_cast<int>(layout.widths[c])},
-          layout.dtypes[c]);
+      arrays.emplace_back(std::move(data),
+                          mx::Shape{1, static_cast<int>(comp.heads), static_cast<int>(capacity),
+                                    static_cast<int>(layout.widths[c])},
+                          layout.dtypes[c]);
     }
   }
   {
@@ -154,14 +154,9 @@ std::vector<mx::array> gather_blocks(
 // out as block regions; returns the packed bytes and (offset, length,
 // checksum, tokens) per block.
 std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_blocks(
-    std::vector<mx::array> arrays,
-    uint32_t layers,
-    uint32_t block_tokens,
-    const std::vector<ComponentArg>& components,
-    uint64_t first_block,
-    uint64_t end_token,
-    const std::vector<SpanArg>& spans,
-    int threads) {
+    std::vector<mx::array> arrays, uint32_t layers, uint32_t block_tokens,
+    const std::vector<ComponentArg>& components, uint64_t first_block, uint64_t end_token,
+    const std::vector<SpanArg>& spans, int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
   const auto layer_spans = make_spans(spans);
   const size_t ncomp = components.size();
@@ -182,10 +177,9 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> 
       if (a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != static_cast<int>(comp.heads) ||
           a.shape(3) != static_cast<int>(layout.widths[c]) || a.dtype() != layout.dtypes[c] ||
           static_cast<uint64_t>(a.shape(2)) != layer_spans[l].capacity) {
-        throw nb::value_error(
-            ("array for layer " + std::to_string(l) + " component " + std::to_string(c) +
-             " does not match the geometry")
-                .c_str());
+        throw nb::value_error(("array for layer " + std::to_string(l) + " component " +
+                               std::to_string(c) + " does not match the geometry")
+                                  .c_str());
       }
       src.push_back(a.data<uint8_t>());
     }
@@ -196,8 +190,8 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> 
   std::vector<agentkv::PackedBlock> packed;
   {
     nb::gil_scoped_release release;
-    packed = agentkv::pack_blocks(
-        layout.geometry, first_block, end_token, layer_spans, src, out, threads);
+    packed = agentkv::pack_blocks(layout.geometry, first_block, end_token, layer_spans, src, out,
+                                  threads);
   }
   std::vector<BlockArg> records;
   for (const auto& p : packed) {
@@ -219,7 +213,8 @@ nb::dict build_info() {
   info["cxx_standard"] = static_cast<long>(__cplusplus);
   info["mlx_version"] = mx::version();
   info["nanobind_version"] = std::to_string(NB_VERSION_MAJOR) + "." +
-      std::to_string(NB_VERSION_MINOR) + "." + std::to_string(NB_VERSION_PATCH);
+                             std::to_string(NB_VERSION_MINOR) + "." +
+                             std::to_string(NB_VERSION_PATCH);
   info["crc32c"] = agentkv::crc32c_implementation();
 #ifdef NDEBUG
   info["build_type"] = "release";
@@ -229,7 +224,7 @@ nb::dict build_info() {
   return info;
 }
 
-} // namespace
+}  // namespace
 
 NB_MODULE(_ext, m) {
   m.doc() = "agentkv native core: checksums and the mmap KV block loader.";
@@ -246,19 +241,30 @@ NB_MODULE(_ext, m) {
     }
   });
 
-  m.def("build_info", &build_info, "Compiler, MLX and nanobind versions this extension was built with.");
-  m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0, "CRC-32C of a bytes-like object (continue from value).");
-  m.def("block_checksum", &py_block_checksum, "data"_a, "The striped CRC-32C agentkv stores per KV block.");
   m.def(
-      "gather_blocks",
-      &gather_blocks,
-      "layers"_a, "block_tokens"_a, "components"_a, "segments"_a, "blocks"_a, "tokens"_a,
-      "spans"_a, "threads"_a = 2,
-      "Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.");
+      "forget_mappings",
+      [](const std::vector<std::string>& paths) {
+        for (const auto& path : paths) {
+          agentkv::mapping_cache().forget(path);
+        }
+      },
+      "paths"_a, "Drop cached mappings of segment files about to be deleted.");
   m.def(
-      "pack_blocks",
-      &pack_blocks,
-      "arrays"_a, "layers"_a, "block_tokens"_a, "components"_a, "first_block"_a, "end_token"_a,
-      "spans"_a, "threads"_a = 2,
-      "Lay cache arrays out as checksummed block regions for a segment file.");
+      "clear_mappings", [] { agentkv::mapping_cache().clear(); },
+      "Drop every cached segment mapping (the next loads map their files again).");
+  m.def(
+      "mapped_bytes", [] { return agentkv::mapping_cache().mapped_bytes(); },
+      "Bytes of segment files currently mapped by the loader's cache.");
+  m.def("build_info", &build_info,
+        "Compiler, MLX and nanobind versions this extension was built with.");
+  m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0,
+        "CRC-32C of a bytes-like object (continue from value).");
+  m.def("block_checksum", &py_block_checksum, "data"_a,
+        "The striped CRC-32C agentkv stores per KV block.");
+  m.def("gather_blocks", &gather_blocks, "layers"_a, "block_tokens"_a, "components"_a, "segments"_a,
+        "blocks"_a, "tokens"_a, "spans"_a, "threads"_a = 2,
+        "Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.");
+  m.def("pack_blocks", &pack_blocks, "arrays"_a, "layers"_a, "block_tokens"_a, "components"_a,
+        "first_block"_a, "end_token"_a, "spans"_a, "threads"_a = 2,
+        "Lay cache arrays out as checksummed block regions for a segment file.");
 }

@@ -14,9 +14,8 @@ extern void scipy_cblas_sgemm(int, int, int, blasint, blasint, blasint, float, c
                               blasint, const float*, blasint, float, float*, blasint);
 extern void scipy_cblas_dgemm(int, int, int, blasint, blasint, blasint, double, const double*,
                               blasint, const double*, blasint, double, double*, blasint);
-extern void scipy_cblas_cgemm(int, int, int, blasint, blasint, blasint, const void*,
-                              const void*, blasint, const void*, blasint, const void*, void*,
-                              blasint);
+extern void scipy_cblas_cgemm(int, int, int, blasint, blasint, blasint, const void*, const void*,
+                              blasint, const void*, blasint, const void*, void*, blasint);
 
 void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n, blasint k, float alpha,
                  const float* a, blasint lda, const float* b, blasint ldb, float beta, float* c,
@@ -25,16 +24,18 @@ void cblas_sgemm(int order, int ta, int tb, blasint m, blasint n, blasint k, flo
 }
 
 void cblas_dgemm(int order, int ta, int tb, blasint m, blasint n, blasint k, double alpha,
-                 const double* a, blasint lda, const double* b, blasint ldb, double beta,
-                 double* c, blasint ldc) {
+                 const double* a, blasint lda, const double* b, blasint ldb, double beta, double* c,
+                 blasint ldc) {
   scipy_cblas_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 void cblas_cgemm(int order, int ta, int tb, blasint m, blasint n, blasint k, const void* alpha,
-                 const void* a, blasint lda, const void* b, blasint ldb, const void* beta,
-                 void* c, blasint ldc) {
+                 const void* a, blasint lda, const void* b, blasint ldb, const void* beta, void* c,
+                 blasint ldc) {
   scipy_cblas_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* Lets agentkv doctor tell that the shim is the cblas_sgemm in the global scope. */
-const char* agentkv_blas_shim_target(void) { return "scipy-openblas32"; }
+const char* agentkv_blas_shim_target(void) {
+  return "scipy-openblas32";
+}

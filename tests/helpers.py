@@ -10,7 +10,9 @@ from agentkv.kv.quant import KVQuant
 from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
 
 
-def synthetic_spec(layers=2, heads=2, dim=64, windows=None, weights_id="synthetic") -> ModelCacheSpec:
+def synthetic_spec(
+    layers=2, heads=2, dim=64, windows=None, weights_id="synthetic"
+) -> ModelCacheSpec:
     kinds = tuple(
         LayerSpec(LayerKind.SLIDING, w) if w else LayerSpec(LayerKind.FULL)
         for w in (windows or [None] * layers)
@@ -57,3 +59,28 @@ def text_for(tokens: int, seed=0) -> tuple[list[int], np.ndarray, bytes]:
 def held_arrays(cache: AgentKVCache) -> list[np.ndarray]:
     keys, values = cache.keys_and_values()
     return [np.array(x) for x in (*keys, *values)]
+
+
+def positional_caches(spec: ModelCacheSpec, tokens: int, quant=None) -> list[AgentKVCache]:
+    """Caches whose token t depends only on t (so any prefix of any save is comparable)."""
+    quant = quant or KVQuant()
+    t = mx.arange(tokens, dtype=mx.float32)[None, None, :, None]
+    h = mx.arange(spec.kv_heads, dtype=mx.float32)[None, :, None, None]
+    d = mx.arange(spec.key_head_dim, dtype=mx.float32)[None, None, None, :]
+    caches = []
+    for layer_index, layer in enumerate(spec.layers):
+        cache = AgentKVCache(quant, window=layer.window)
+        keys = mx.sin(t * 0.37 + h * 1.1 + d * 0.05 + layer_index)
+        values = mx.cos(t * 0.21 + h * 0.7 + d * 0.11 + layer_index)
+        cache.update_and_fetch(keys, values)
+        caches.append(cache)
+    mx.eval([x for c in caches for x in c.components])
+    return caches
+
+
+def text_for_count(tokens: int):
+    """Like text_for, but token i is a function of i only."""
+    ids = [(i * 7919) % 1000 for i in range(tokens)]
+    text = b"".join(f"{i:03d} ".encode() for i in ids)
+    ends = np.arange(1, tokens + 1, dtype=np.int64) * 4
+    return ids, np.stack([ends - 4, ends], axis=1), text

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import filled_caches, held_arrays, synthetic_spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,19 +11,27 @@ from agentkv.errors import CacheFormatError
 from agentkv.kv.quant import KVQuant
 from agentkv.store.format import BLOCK_TOKENS, encode_segment_header
 
-from helpers import filled_caches, held_arrays, synthetic_spec
-
 
 def write_segment(path, spec, caches, first_block, end_token):
     comps = spec.components(caches[0].quant)
     arrays = [x for c in caches for x in c.components]
     packed, records = _ext.pack_blocks(
-        arrays, spec.num_layers, BLOCK_TOKENS, [(c.heads, c.width, c.dtype) for c in comps],
-        first_block, end_token, [(c.start, c.capacity) for c in caches],
+        arrays,
+        spec.num_layers,
+        BLOCK_TOKENS,
+        [(c.heads, c.width, c.dtype) for c in comps],
+        first_block,
+        end_token,
+        [(c.start, c.capacity) for c in caches],
     )
     header, blocks = encode_segment_header(
-        agent_id="a", fingerprint=spec.fingerprint, generation=1, layers=spec.num_layers,
-        components=comps, first_block=first_block, packed=records,
+        agent_id="a",
+        fingerprint=spec.fingerprint,
+        generation=1,
+        layers=spec.num_layers,
+        components=comps,
+        first_block=first_block,
+        packed=records,
     )
     path.write_bytes(header + packed.tobytes())
     refs = [(0, len(header) + off, ln, crc, t) for _, off, ln, crc, t in blocks]
@@ -32,8 +41,13 @@ def write_segment(path, spec, caches, first_block, end_token):
 def gather(spec, quant, segments, blocks, tokens, spans):
     comps = spec.components(quant)
     return _ext.gather_blocks(
-        spec.num_layers, BLOCK_TOKENS, [(c.heads, c.width, c.dtype) for c in comps],
-        segments, blocks, tokens, spans,
+        spec.num_layers,
+        BLOCK_TOKENS,
+        [(c.heads, c.width, c.dtype) for c in comps],
+        segments,
+        blocks,
+        tokens,
+        spans,
     )
 
 

@@ -19,9 +19,10 @@ def crc32c_reference(data: bytes, crc: int = 0) -> int:
 
 
 def block_checksum_reference(data: bytes) -> int:
-    stripe = len(data) // 32 * 8
-    parts = [crc32c_reference(data[k * stripe : (k + 1) * stripe]) for k in range(4)]
-    parts.append(crc32c_reference(data[4 * stripe :]))
+    """Four CRC-32C lanes over interleaved 8-byte words, then the tail (see checksum.h)."""
+    words = len(data) // 8
+    lanes = [b"".join(data[8 * i : 8 * i + 8] for i in range(j, words, 4)) for j in range(4)]
+    parts = [crc32c_reference(lane) for lane in lanes] + [crc32c_reference(data[8 * words :])]
     return crc32c_reference(struct.pack("<5I", *parts))
 
 
@@ -44,12 +45,13 @@ def test_block_checksum_matches_its_definition(data):
     assert _ext.block_checksum(data) == block_checksum_reference(data)
 
 
-def test_block_checksum_sees_a_single_flipped_bit_and_swapped_stripes():
+def test_block_checksum_sees_a_single_flipped_bit_and_moved_words():
     data = np.random.default_rng(0).integers(0, 256, size=4096, dtype=np.uint8).tobytes()
     reference = _ext.block_checksum(data)
     flipped = bytearray(data)
     flipped[1234] ^= 0x10
     assert _ext.block_checksum(bytes(flipped)) != reference
-    q = len(data) // 4
-    swapped = data[q : 2 * q] + data[:q] + data[2 * q :]
+    swapped = data[8:16] + data[:8] + data[16:]  # two words trade lanes
     assert _ext.block_checksum(swapped) != reference
+    rotated = data[32:] + data[:32]  # every word keeps its lane, the order changes
+    assert _ext.block_checksum(rotated) != reference

@@ -75,3 +75,34 @@ def test_cut_never_splits_a_character():
     m = match_prefix(text, ends, [1, 2, 3], "cafè!".encode(), min_reuse=1)  # è = c3 a8
     assert m.common == 4
     assert m.reuse == 1 and m.resume_at == 3  # not after \xc3, which is mid-character
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pieces = st.lists(st.text(alphabet="ab é🙂\n", min_size=1, max_size=4), min_size=1, max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cached=pieces,
+    prompt=st.text(alphabet="ab é🙂\n", min_size=1, max_size=40),
+    min_reuse=st.integers(0, 6),
+)
+def test_match_invariants(cached, prompt, min_reuse):
+    text, ends, ids = toks(*cached)
+    data = prompt.encode()
+    m = match_prefix(text, ends, ids, data, min_reuse=min_reuse)
+    kept = m.reuse + (m.refeed is not None)
+    assert 0 <= m.reuse <= len(ends) and kept <= len(ends)
+    # what is kept is exactly a prefix of the prompt, ending where prefill resumes
+    covered = ends[kept - 1] if kept else 0
+    assert text[:covered] == data[:covered]
+    if m.kind is not MatchKind.DIVERGE:
+        assert m.resume_at == covered
+        data[m.resume_at :].decode()  # the rest is whole characters
+        assert m.refeed is None or m.resume_at == len(data)
+    if m.kind in (MatchKind.EXACT, MatchKind.EXTEND):
+        assert kept == len(ends)
+    if m.kind is MatchKind.PARTIAL:
+        assert kept >= min_reuse

@@ -18,7 +18,10 @@ def test_bytes_per_token_of_the_embedded_geometry():
 def test_components_follow_bits_and_group_size():
     comps = KVQuant(4, 16, 32).components(heads=3, key_dim=64, value_dim=64)
     assert [(c.name, c.width, c.dtype) for c in comps] == [
-        ("k.w", 8, "uint32"), ("k.s", 2, "float16"), ("k.b", 2, "float16"), ("v", 64, "float16"),
+        ("k.w", 8, "uint32"),
+        ("k.s", 2, "float16"),
+        ("k.b", 2, "float16"),
+        ("v", 64, "float16"),
     ]
 
 
@@ -36,4 +39,8 @@ def test_rejects_group_size_that_does_not_divide_head_dim():
 
 
 def test_labels():
-    assert [KVQuant(4, 4).label, KVQuant(8, 4).label, KVQuant(16, 16).label] == ["q4", "k8v4", "fp16"]
+    assert [KVQuant(4, 4).label, KVQuant(8, 4).label, KVQuant(16, 16).label] == [
+        "q4",
+        "k8v4",
+        "fp16",
+    ]

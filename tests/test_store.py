@@ -6,19 +6,27 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import filled_caches, held_arrays, synthetic_spec, text_for
 
+from agentkv import _ext
 from agentkv.errors import CacheFormatError, InvalidAgentIdError
 from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 from agentkv.store.format import MANIFEST_NAME, decode_manifest, encode_manifest
 
-from helpers import filled_caches, held_arrays, synthetic_spec, text_for
 
-
-def save(store, agent, caches, tokens, durable=DurableState(), first_block=0, messages=None):
+def save(store, agent, caches, tokens, durable=None, first_block=0, messages=None):
     ids, spans, text = text_for(tokens)
-    job = build_save_job(store.spec, agent, caches, tokens=ids, spans=spans, text=text,
-                         messages=messages, first_block=first_block)
-    return store.write(job, durable)
+    job = build_save_job(
+        store.spec,
+        agent,
+        caches,
+        tokens=ids,
+        spans=spans,
+        text=text,
+        messages=messages,
+        first_block=first_block,
+    )
+    return store.write(job, durable or DurableState())
 
 
 @pytest.fixture
@@ -62,7 +70,10 @@ def test_incremental_save_writes_only_new_blocks(store):
     assert part.blocks_written == 2 and full.blocks_written == 4
     assert part.bytes_written < block_bytes * 2 < full.bytes_written
     manifest, _ = store.read_manifest("a1")
-    assert {b.segment for b in manifest.blocks} == {"seg-00000001.safetensors", "seg-00000002.safetensors"}
+    assert {b.segment for b in manifest.blocks} == {
+        "seg-00000001.safetensors",
+        "seg-00000002.safetensors",
+    }
     loaded = store.load_caches(manifest, "a1", 1064)
     # blocks 0-2 came from the first save (same data: filled_caches is seeded)
     for a, b in zip(grown, loaded):
@@ -90,9 +101,23 @@ def test_a_second_writer_is_refused_not_overwritten(store):
     assert (store.agent_dir("a1") / MANIFEST_NAME).read_bytes() == before
 
 
-@pytest.mark.parametrize("agent_id", [
-    "", ".", "..", "a/b", "../etc", "a" * 129, "über", "a b", "a\x00b", 5, None, "x\n",
-])
+@pytest.mark.parametrize(
+    "agent_id",
+    [
+        "",
+        ".",
+        "..",
+        "a/b",
+        "../etc",
+        "a" * 129,
+        "über",
+        "a b",
+        "a\x00b",
+        5,
+        None,
+        "x\n",
+    ],
+)
 def test_hostile_agent_ids_are_rejected_before_touching_disk(store, agent_id):
     before = sorted(store.root.rglob("*"))
     with pytest.raises(InvalidAgentIdError):
@@ -155,7 +180,8 @@ def test_wrong_fingerprint_and_geometry_are_rejected(store):
 
 
 def test_unknown_version_is_rejected(store):
-    from safetensors.numpy import load, save as st_save
+    from safetensors.numpy import load
+    from safetensors.numpy import save as st_save
 
     save(store, "a1", filled_caches(store.spec, 300), 300)
     path = store.agent_dir("a1") / MANIFEST_NAME
@@ -164,7 +190,8 @@ def test_unknown_version_is_rejected(store):
     meta = json.loads(data[8 : 8 + n])["__metadata__"]
     record = json.loads(meta["agentkv"])
     record["format_version"] = 99
-    meta["agentkv"] = json.dumps(record)
+    meta["agentkv"] = json.dumps(record)  # as a future agentkv would write it
+    meta["agentkv_crc32c"] = str(_ext.crc32c(meta["agentkv"].encode()))
     path.write_bytes(st_save(load(data), metadata=meta))
     with pytest.raises(CacheFormatError, match="unknown format version 99"):
         store.read_manifest("a1")

@@ -6,6 +6,7 @@
 
 #include "checksum.h"
 #include "mapped_file.h"
+#include "mapping_cache.h"
 #include "parallel.h"
 #include "store_error.h"
 
@@ -22,10 +23,9 @@ uint64_t ceil_div(uint64_t a, uint64_t b) {
 // The first byte after the JSON header, once the segment passes its checks.
 uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
   if (file.size() != ref.size) {
-    throw StoreError(
-        ref.path,
-        "file is " + std::to_string(file.size()) + " bytes, the manifest says " +
-            std::to_string(ref.size) + " (truncated or replaced)");
+    throw StoreError(ref.path, "file is " + std::to_string(file.size()) +
+                                   " bytes, the manifest says " + std::to_string(ref.size) +
+                                   " (truncated or replaced)");
   }
   if (file.size() < 8) {
     throw StoreError(ref.path, "file is shorter than a safetensors header");
@@ -41,11 +41,8 @@ uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
   return 8 + header_len;
 }
 
-void check_spans(
-    const Geometry& g,
-    const std::vector<LayerSpan>& spans,
-    uint64_t end_token,
-    size_t buffers) {
+void check_spans(const Geometry& g, const std::vector<LayerSpan>& spans, uint64_t end_token,
+                 size_t buffers) {
   if (spans.size() != g.layers) {
     throw std::invalid_argument("need one LayerSpan per layer");
   }
@@ -58,15 +55,14 @@ void check_spans(
       throw std::invalid_argument("a layer's first token must start a block");
     }
     if (end_token > s.first_token && end_token - s.first_token > s.capacity) {
-      throw std::invalid_argument(
-          "layer " + std::to_string(l) + " needs " +
-          std::to_string(end_token - s.first_token) + " rows but has capacity " +
-          std::to_string(s.capacity));
+      throw std::invalid_argument("layer " + std::to_string(l) + " needs " +
+                                  std::to_string(end_token - s.first_token) +
+                                  " rows but has capacity " + std::to_string(s.capacity));
     }
   }
 }
 
-} // namespace
+}  // namespace
 
 uint64_t Geometry::layer_token_bytes() const {
   uint64_t total = 0;
@@ -87,14 +83,10 @@ void Geometry::validate() const {
   }
 }
 
-void gather_blocks(
-    const Geometry& g,
-    const std::vector<SegmentRef>& segments,
-    const std::vector<BlockRef>& blocks,
-    uint64_t tokens,
-    const std::vector<LayerSpan>& spans,
-    const std::vector<uint8_t*>& dst,
-    int threads) {
+void gather_blocks(const Geometry& g, const std::vector<SegmentRef>& segments,
+                   const std::vector<BlockRef>& blocks, uint64_t tokens,
+                   const std::vector<LayerSpan>& spans, const std::vector<uint8_t*>& dst,
+                   int threads) {
   g.validate();
   check_spans(g, spans, tokens, dst.size());
   const uint64_t needed = ceil_div(tokens, g.block_tokens);
@@ -115,11 +107,11 @@ void gather_blocks(
   if ((needed - 1) * g.block_tokens + tail.tokens < tokens) {
     throw std::invalid_argument("the blocks hold fewer tokens than requested");
   }
-  std::vector<std::unique_ptr<MappedFile>> files(segments.size());
+  std::vector<std::shared_ptr<const MappedFile>> files(segments.size());
   std::vector<uint64_t> data_start(segments.size(), 0);
   for (size_t s = 0; s < segments.size(); ++s) {
     if (used[s]) {
-      files[s] = std::make_unique<MappedFile>(MappedFile::open(segments[s].path));
+      files[s] = mapping_cache().open(segments[s].path);
       data_start[s] = verify_segment(*files[s], segments[s]);
     }
   }
@@ -141,28 +133,30 @@ void gather_blocks(
         b.length > file.size() - b.offset) {
       throw StoreError(path, "block " + std::to_string(i) + " lies outside the file");
     }
-    const uint8_t* region = file.data() + b.offset;
-    if (block_checksum(region, b.length) != b.checksum) {
-      throw StoreError(path, "block " + std::to_string(i) + " checksum mismatch");
-    }
+    // Copy each (layer, component, head) plane, then checksum it while it is in L1:
+    // the planes are the region in order, so this is the region's checksum.
+    const uint8_t* src = file.data() + b.offset;
     const uint64_t n = std::min<uint64_t>(b.tokens, tokens - t0);
-    const uint8_t* src = region;
+    BlockChecksum sum;
     for (uint32_t l = 0; l < g.layers; ++l) {
       const LayerSpan& span = spans[l];
+      const bool wanted = t0 >= span.first_token;
       for (size_t c = 0; c < ncomp; ++c) {
         const ComponentSpec& comp = g.components[c];
         const uint64_t plane = static_cast<uint64_t>(b.tokens) * comp.row_bytes;
-        if (t0 >= span.first_token) {
-          uint8_t* out = dst[l * ncomp + c];
-          for (uint32_t h = 0; h < comp.heads; ++h) {
-            std::memcpy(
-                out + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes,
-                src + h * plane,
-                n * comp.row_bytes);
+        uint8_t* out = dst[l * ncomp + c];
+        for (uint32_t h = 0; h < comp.heads; ++h) {
+          if (wanted) {
+            std::memcpy(out + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes, src,
+                        n * comp.row_bytes);
           }
+          sum.update(src, plane);
+          src += plane;
         }
-        src += comp.heads * plane;
       }
+    }
+    if (sum.finish() != b.checksum) {
+      throw StoreError(path, "block " + std::to_string(i) + " checksum mismatch");
     }
   });
 }
@@ -172,14 +166,10 @@ uint64_t packed_size(const Geometry& g, uint64_t first_block, uint64_t end_token
   return end_token > start ? g.block_bytes(end_token - start) : 0;
 }
 
-std::vector<PackedBlock> pack_blocks(
-    const Geometry& g,
-    uint64_t first_block,
-    uint64_t end_token,
-    const std::vector<LayerSpan>& spans,
-    const std::vector<const uint8_t*>& src,
-    uint8_t* out,
-    int threads) {
+std::vector<PackedBlock> pack_blocks(const Geometry& g, uint64_t first_block, uint64_t end_token,
+                                     const std::vector<LayerSpan>& spans,
+                                     const std::vector<const uint8_t*>& src, uint8_t* out,
+                                     int threads) {
   g.validate();
   check_spans(g, spans, end_token, src.size());
   const uint64_t start = first_block * g.block_tokens;
@@ -188,8 +178,8 @@ std::vector<PackedBlock> pack_blocks(
   }
   for (uint32_t l = 0; l < g.layers; ++l) {
     if (spans[l].first_token > start) {
-      throw std::invalid_argument(
-          "layer " + std::to_string(l) + " holds no data for token " + std::to_string(start));
+      throw std::invalid_argument("layer " + std::to_string(l) + " holds no data for token " +
+                                  std::to_string(start));
     }
   }
   const uint64_t count = ceil_div(end_token - start, g.block_tokens);
@@ -213,8 +203,8 @@ std::vector<PackedBlock> pack_blocks(
         const uint8_t* in = src[l * ncomp + c];
         for (uint32_t h = 0; h < comp.heads; ++h) {
           const size_t bytes = static_cast<size_t>(p.tokens) * comp.row_bytes;
-          std::memcpy(
-              dst, in + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes, bytes);
+          std::memcpy(dst, in + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes,
+                      bytes);
           dst += bytes;
         }
       }
@@ -224,4 +214,4 @@ std::vector<PackedBlock> pack_blocks(
   return packed;
 }
 
-} // namespace agentkv
+}  // namespace agentkv

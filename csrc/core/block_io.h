@@ -21,37 +21,37 @@ namespace agentkv {
 
 struct ComponentSpec {
   uint32_t heads;
-  uint32_t row_bytes; // bytes per token per head
+  uint32_t row_bytes;  // bytes per token per head
 };
 
 struct Geometry {
   uint32_t layers;
   uint32_t block_tokens;
-  std::vector<ComponentSpec> components; // per layer, in region order
+  std::vector<ComponentSpec> components;  // per layer, in region order
 
-  uint64_t layer_token_bytes() const; // one token of one layer, all components
+  uint64_t layer_token_bytes() const;  // one token of one layer, all components
   uint64_t block_bytes(uint64_t tokens) const {
     return tokens * layer_token_bytes() * layers;
   }
-  void validate() const; // throws std::invalid_argument
+  void validate() const;  // throws std::invalid_argument
 };
 
 struct LayerSpan {
-  uint64_t first_token; // multiple of block_tokens
-  uint64_t capacity;    // rows of the in-memory buffer
+  uint64_t first_token;  // multiple of block_tokens
+  uint64_t capacity;     // rows of the in-memory buffer
 };
 
 struct SegmentRef {
   std::string path;
-  uint64_t size;            // expected file size
-  uint32_t header_checksum; // crc32c of the safetensors JSON header bytes
+  uint64_t size;             // expected file size
+  uint32_t header_checksum;  // crc32c of the safetensors JSON header bytes
 };
 
 struct BlockRef {
   uint32_t segment;
-  uint64_t offset; // of the region in the file
+  uint64_t offset;  // of the region in the file
   uint64_t length;
-  uint32_t checksum; // block_checksum of the region
+  uint32_t checksum;  // block_checksum of the region
   uint32_t tokens;
 };
 
@@ -59,17 +59,13 @@ struct BlockRef {
 // it reads (bounds, length, checksum), then copies tokens [span.first_token,
 // tokens) of each layer into dst[layer * components + comp]. Throws StoreError
 // naming the file on any mismatch; dst contents are then unspecified.
-void gather_blocks(
-    const Geometry& geometry,
-    const std::vector<SegmentRef>& segments,
-    const std::vector<BlockRef>& blocks,
-    uint64_t tokens,
-    const std::vector<LayerSpan>& spans,
-    const std::vector<uint8_t*>& dst,
-    int threads);
+void gather_blocks(const Geometry& geometry, const std::vector<SegmentRef>& segments,
+                   const std::vector<BlockRef>& blocks, uint64_t tokens,
+                   const std::vector<LayerSpan>& spans, const std::vector<uint8_t*>& dst,
+                   int threads);
 
 struct PackedBlock {
-  uint64_t offset; // within the packed buffer
+  uint64_t offset;  // within the packed buffer
   uint64_t length;
   uint32_t checksum;
   uint32_t tokens;
@@ -79,13 +75,9 @@ uint64_t packed_size(const Geometry& geometry, uint64_t first_block, uint64_t en
 
 // The inverse of gather_blocks: lays tokens [first_block * block_tokens,
 // end_token) out as consecutive block regions in `out` (packed_size bytes).
-std::vector<PackedBlock> pack_blocks(
-    const Geometry& geometry,
-    uint64_t first_block,
-    uint64_t end_token,
-    const std::vector<LayerSpan>& spans,
-    const std::vector<const uint8_t*>& src,
-    uint8_t* out,
-    int threads);
+std::vector<PackedBlock> pack_blocks(const Geometry& geometry, uint64_t first_block,
+                                     uint64_t end_token, const std::vector<LayerSpan>& spans,
+                                     const std::vector<const uint8_t*>& src, uint8_t* out,
+                                     int threads);
 
-} // namespace agentkv
+}  // namespace agentkv

@@ -12,6 +12,29 @@
 #include "store_error.h"
 
 namespace agentkv {
+namespace {
+
+FileIdentity identity_of(const struct stat& st) {
+#if defined(__APPLE__)
+  const int64_t mtime_ns =
+      static_cast<int64_t>(st.st_mtimespec.tv_sec) * 1000000000 + st.st_mtimespec.tv_nsec;
+#else
+  const int64_t mtime_ns =
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+#endif
+  return FileIdentity{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                      static_cast<uint64_t>(st.st_size), mtime_ns};
+}
+
+}  // namespace
+
+FileIdentity MappedFile::identify(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw StoreError(path, std::string("cannot stat: ") + std::strerror(errno));
+  }
+  return identity_of(st);
+}
 
 MappedFile MappedFile::open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -43,13 +66,14 @@ MappedFile MappedFile::open(const std::string& path) {
 #ifndef MAP_POPULATE
   ::madvise(data, size, MADV_WILLNEED);
 #endif
-  return MappedFile(path, static_cast<const uint8_t*>(data), size);
+  return MappedFile(path, static_cast<const uint8_t*>(data), size, identity_of(st));
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : path_(std::move(other.path_)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      identity_(other.identity_) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
@@ -59,6 +83,7 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     path_ = std::move(other.path_);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    identity_ = other.identity_;
   }
   return *this;
 }
@@ -69,4 +94,4 @@ MappedFile::~MappedFile() {
   }
 }
 
-} // namespace agentkv
+}  // namespace agentkv

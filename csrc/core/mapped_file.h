@@ -7,10 +7,22 @@
 
 namespace agentkv {
 
+// What identifies a file's content for agentkv: segment files are written once
+// under a new name and never modified, so the same identity means the same bytes.
+struct FileIdentity {
+  uint64_t device = 0;
+  uint64_t inode = 0;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+
 class MappedFile {
  public:
   // Throws StoreError naming the path when the file cannot be opened or mapped.
   static MappedFile open(const std::string& path);
+  // Throws StoreError when the file cannot be stat'ed.
+  static FileIdentity identify(const std::string& path);
 
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;
@@ -27,13 +39,17 @@ class MappedFile {
   const std::string& path() const {
     return path_;
   }
+  const FileIdentity& identity() const {
+    return identity_;
+  }
 
  private:
-  MappedFile(std::string path, const uint8_t* data, size_t size)
-      : path_(std::move(path)), data_(data), size_(size) {}
+  MappedFile(std::string path, const uint8_t* data, size_t size, FileIdentity identity)
+      : path_(std::move(path)), data_(data), size_(size), identity_(identity) {}
   std::string path_;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  FileIdentity identity_;
 };
 
-} // namespace agentkv
+}  // namespace agentkv

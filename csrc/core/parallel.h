@@ -52,4 +52,4 @@ void parallel_for(size_t n, int threads, F&& f) {
   }
 }
 
-} // namespace agentkv
+}  // namespace agentkv

@@ -24,4 +24,4 @@ class StoreError : public std::runtime_error {
   std::string reason_;
 };
 
-} // namespace agentkv
+}  // namespace agentkv

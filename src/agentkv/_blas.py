@@ -70,7 +70,9 @@ def preload() -> BlasStatus:
             None,
             f"could not load OpenBLAS ({exc}); MLX uses its reference BLAS (~3 GFLOP/s)",
         )
-    return BlasStatus(True, "OpenBLAS (scipy-openblas32, via agentkv's cblas shim)", str(library), None)
+    return BlasStatus(
+        True, "OpenBLAS (scipy-openblas32, via agentkv's cblas shim)", str(library), None
+    )
 
 
 STATUS = preload()

@@ -16,6 +16,7 @@ Each finished turn is saved by a background writer, off the request path.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
+from ..kv.cache import window_start
 from ..kv.quant import KVQuant
 from ..model.load import LoadedModel, load_model
 from ..paths import kv_dir
@@ -41,6 +43,8 @@ from .generation import SamplingParams, prefill
 from .results import ChatResult
 from .state import AgentState
 from .turn import Resumed, Turn
+
+log = logging.getLogger("agentkv.engine")
 
 DEFAULT_HOT_BUDGET = 1 << 30
 # A full rewrite after this many incremental saves keeps an agent's segment count bounded.
@@ -89,8 +93,9 @@ class Engine:
         prefill_chunk: int = 512,
         warmup: bool = True,
     ):
-        self.quant = KVQuant.from_bits(kv_bits, key_bits=key_bits, value_bits=value_bits,
-                                       group_size=group_size)
+        self.quant = KVQuant.from_bits(
+            kv_bits, key_bits=key_bits, value_bits=value_bits, group_size=group_size
+        )
         if min_reuse_tokens < 0 or prefill_chunk < 64:
             raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
         self.loaded: LoadedModel = load_model(model)
@@ -103,7 +108,9 @@ class Engine:
         hf_tokenizer = self.loaded.tokenizer._tokenizer
         self.token_text = TokenText.for_tokenizer(hf_tokenizer)
         self.eos_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
-        self.bos_id = hf_tokenizer.bos_token_id if getattr(hf_tokenizer, "add_bos_token", False) else None
+        self.bos_id = (
+            hf_tokenizer.bos_token_id if getattr(hf_tokenizer, "add_bos_token", False) else None
+        )
         self.store = AgentStore(Path(cache_dir) if cache_dir else kv_dir(), spec, self.loaded.name)
         self.store.ensure_layout()
         self.writer = BackgroundWriter(self.store)
@@ -130,8 +137,16 @@ class Engine:
             pass
         return stream.result
 
-    def stream_chat(self, agent_id: str, messages: list[dict], *, max_tokens: int = 256,
-                    temperature: float = 0.0, top_p: float = 1.0, stop=None) -> ChatStream:
+    def stream_chat(
+        self,
+        agent_id: str,
+        messages: list[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop=None,
+    ) -> ChatStream:
         """Like ``chat``, yielding text pieces as they are generated."""
         messages = validate_messages(messages)
         prompt = self.render_chat(messages)
@@ -145,8 +160,16 @@ class Engine:
             pass
         return stream.result
 
-    def stream_generate(self, agent_id: str, prompt: str, *, max_tokens: int = 256,
-                        temperature: float = 0.0, top_p: float = 1.0, stop=None) -> ChatStream:
+    def stream_generate(
+        self,
+        agent_id: str,
+        prompt: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop=None,
+    ) -> ChatStream:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
@@ -183,9 +206,14 @@ class Engine:
         if state is None and not disk:
             return None
         tokens = state.size if state is not None else _stored_tokens(self.store, agent_id)
-        return AgentInfo(agent_id, tokens, "hot" if state is not None else "warm",
-                         state.nbytes if state is not None else 0, disk,
-                         self._last_used.get(agent_id))
+        return AgentInfo(
+            agent_id,
+            tokens,
+            "hot" if state is not None else "warm",
+            state.nbytes if state is not None else 0,
+            disk,
+            self._last_used.get(agent_id),
+        )
 
     def evict(self, agent_id: str) -> bool:
         """Drop an agent from memory (its state stays on disk); True if it was hot."""
@@ -193,6 +221,17 @@ class Engine:
         with self._agent_lock(agent_id):
             self.writer.flush(agent_id)
             return self._hot.pop(agent_id, None) is not None
+
+    def fork_agent(self, src: str, dst: str) -> None:
+        """Start agent ``dst`` from a copy of ``src``'s saved state (to branch a conversation)."""
+        validate_agent_id(src)
+        validate_agent_id(dst)
+        with self._agent_lock(src):
+            self.writer.flush(src)
+        with self._agent_lock(dst):
+            if dst in self._hot:
+                raise InvalidRequestError(f"agent {dst!r} already exists")
+            self.store.copy_agent(src, dst)
 
     def delete_agent(self, agent_id: str) -> bool:
         """Forget an agent in memory and on disk; True if anything was deleted."""
@@ -250,12 +289,15 @@ class Engine:
         """Find the agent's state (memory, then disk), keep what matches, plan the prefill."""
         state = self._hot.pop(agent_id, None)
         if state is not None:
-            m = match_prefix(state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse)
-            loaded_from = max(c.start for c in state.caches)
-            if m.kind is not MatchKind.DIVERGE and m.reuse >= loaded_from:
+            m = match_prefix(
+                state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse
+            )
+            in_memory = all(window_start(m.reuse, c.window) >= c.start for c in state.caches)
+            if m.kind is not MatchKind.DIVERGE and in_memory:
                 refeed_span = state.spans[m.reuse] if m.refeed is not None else None
                 stored = state.size
                 state.trim(m.reuse)
+                state.cap_windows()
                 return self._plan(state, "hot", m, stored, refeed_span, prompt, 0.0)
             if m.kind is MatchKind.DIVERGE:
                 fresh = AgentState.empty(agent_id, self.quant, self.spec.layers)
@@ -274,13 +316,20 @@ class Engine:
             self.writer.set_durable(agent_id, DurableState())
             self._saves[agent_id] = 0
             others = self.store.other_fingerprints(agent_id)
-            note = (f"no stored state for this model; the agent has one for another model "
-                    f"({', '.join(others)}), which this model cannot use") if others else None
+            note = (
+                (
+                    f"no stored state for this model; the agent has one for another model "
+                    f"({', '.join(others)}), which this model cannot use"
+                )
+                if others
+                else None
+            )
             return self._plan(fresh, "cold", None, 0, None, prompt, 0.0, note=note)
         self.writer.set_durable(agent_id, durable)
         self._saves[agent_id] = len(manifest.segments)
-        m = match_prefix(manifest.text, manifest.spans[:, 1], manifest.tokens, prompt,
-                         min_reuse=self.min_reuse)
+        m = match_prefix(
+            manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=self.min_reuse
+        )
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
             load_ms = (time.perf_counter() - t0) * 1000
             return self._plan(fresh, "cold", m, manifest.token_count, None, prompt, load_ms)
@@ -289,22 +338,40 @@ class Engine:
         except CacheFormatError as exc:
             return self._reject(agent_id, exc, fresh, prompt)
         end = int(manifest.spans[m.reuse - 1, 1])
-        state = AgentState(agent_id, manifest.quant, caches, manifest.tokens[: m.reuse].tolist(),
-                           manifest.spans[: m.reuse].astype(np.int64), manifest.text[:end],
-                           durable=m.reuse, messages=manifest.messages)
+        state = AgentState(
+            agent_id,
+            manifest.quant,
+            caches,
+            manifest.tokens[: m.reuse].tolist(),
+            manifest.spans[: m.reuse].astype(np.int64),
+            manifest.text[:end],
+            durable=m.reuse,
+            messages=manifest.messages,
+        )
         refeed_span = manifest.spans[m.reuse] if m.refeed is not None else None
         load_ms = (time.perf_counter() - t0) * 1000
         return self._plan(state, "warm", m, manifest.token_count, refeed_span, prompt, load_ms)
 
-    def _reject(self, agent_id: str, exc: CacheFormatError, fresh: AgentState, prompt: bytes) -> Resumed:
+    def _reject(
+        self, agent_id: str, exc: CacheFormatError, fresh: AgentState, prompt: bytes
+    ) -> Resumed:
         moved = self.store.quarantine(agent_id, str(exc))
         self.writer.set_durable(agent_id, DurableState())
         self._saves[agent_id] = 0
         note = f"stored state rejected ({exc.reason}); kept at {moved}"
         return self._plan(fresh, "cold", None, 0, None, prompt, 0.0, note=note)
 
-    def _plan(self, state: AgentState, tier: str, m, stored: int, refeed_span, prompt: bytes,
-              load_ms: float, note: str | None = None) -> Resumed:
+    def _plan(
+        self,
+        state: AgentState,
+        tier: str,
+        m,
+        stored: int,
+        refeed_span,
+        prompt: bytes,
+        load_ms: float,
+        note: str | None = None,
+    ) -> Resumed:
         reusing = tier != "cold" and m is not None
         resume = m.resume_at if reusing else 0
         encoded = self.token_text.encode(prompt[resume:].decode("utf-8"))
@@ -317,7 +384,12 @@ class Engine:
             spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), spans])
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        if note is None and m is not None and m.kind is not MatchKind.EXTEND and (reusing or stored):
+        if (
+            note is None
+            and m is not None
+            and m.kind is not MatchKind.EXTEND
+            and (reusing or stored)
+        ):
             note = m.note
         match = m.kind.value if m is not None else "none"
         return Resumed(state, tier, match, stored, ids, spans, note, load_ms)
@@ -333,25 +405,39 @@ class Engine:
         self._evict_over_budget(keep=agent_id)
 
     def _enqueue_save(self, state: AgentState) -> None:
+        """Queue the blocks that changed since the last save (the turn's, and its partial block)."""
         agent_id = state.agent_id
         if state.size == 0 or state.durable == state.size:
             return
-        first_block = state.durable // BLOCK_TOKENS
-        planned = self.writer.planned_blocks(agent_id)
+        self.writer.take_failure(agent_id)  # already logged; what is durable says where to resume
+        durable_blocks = self.writer.planned_blocks(agent_id) or 0
+        first_block = min(state.durable // BLOCK_TOKENS, durable_blocks)
+        held_from = max(c.start for c in state.caches) // BLOCK_TOKENS
         saves = self._saves.get(agent_id, 0)
-        if (self.writer.take_failure(agent_id) is not None or planned is None
-                or planned < first_block or saves >= MAX_INCREMENTAL_SAVES):
-            first_block = 0
-        if first_block == 0:
-            saves = 0
+        if saves >= MAX_INCREMENTAL_SAVES:
+            first_block = min(first_block, held_from)  # compact: rewrite all that memory holds
+        if first_block < held_from:
+            log.warning(
+                "agentkv: agent %r cannot be saved: its blocks before %d are neither "
+                "on disk nor in memory",
+                agent_id,
+                held_from,
+            )
+            return
         with self.compute_lock:
             job = build_save_job(
-                self.spec, agent_id, state.caches, tokens=state.tokens, spans=state.spans,
-                text=state.text, messages=state.messages, first_block=first_block,
+                self.spec,
+                agent_id,
+                state.caches,
+                tokens=state.tokens,
+                spans=state.spans,
+                text=state.text,
+                messages=state.messages,
+                first_block=first_block,
                 threads=PACK_THREADS,
             )
         self.writer.submit(job)
-        self._saves[agent_id] = saves + 1
+        self._saves[agent_id] = 1 if first_block == held_from else saves + 1
         state.durable = state.size
 
     def _evict_over_budget(self, keep: str) -> None:
@@ -372,8 +458,14 @@ class Engine:
         """Run the model once on a scratch cache so the first real turn pays no one-time costs."""
         scratch = AgentState.empty("warmup", self.quant, self.spec.layers)
         ids = self.token_text.encode("Warm up the kernels.").ids or [0]
-        logits = prefill(self.loaded.model, scratch.caches, ids, max_chunk=self.prefill_chunk,
-                         query_heads=self.query_heads, lock=self.compute_lock)
+        logits = prefill(
+            self.loaded.model,
+            scratch.caches,
+            ids,
+            max_chunk=self.prefill_chunk,
+            query_heads=self.query_heads,
+            lock=self.compute_lock,
+        )
         for _ in range(2):
             token = mx.argmax(logits, axis=-1)
             logits = self.loaded.model(token[:, None], cache=scratch.caches)[:, -1, :]
@@ -394,8 +486,11 @@ def validate_messages(messages) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, block in enumerate(content):
-                if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
-                        block.get("text"), str):
+                if (
+                    not isinstance(block, dict)
+                    or block.get("type") != "text"
+                    or not isinstance(block.get("text"), str)
+                ):
                     raise InvalidRequestError(f"messages[{i}].content[{j}] must be a text block")
                 parts.append(block["text"])
             content = "".join(parts)

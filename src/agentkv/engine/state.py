@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kv.cache import AgentKVCache
+from ..kv.cache import STEP, AgentKVCache, window_start
 from ..kv.quant import KVQuant
 
 
@@ -55,6 +55,13 @@ class AgentState:
             self.spans = self.spans[:keep]
             self.text = self.text[: int(self.spans[-1, 1]) if keep else 0]
         self.durable = min(self.durable, keep)
+
+    def cap_windows(self) -> None:
+        """Free sliding-window rows no future token can see (never rows not yet on disk)."""
+        durable_from = self.durable // STEP * STEP
+        for cache in self.caches:
+            if cache.window is not None:
+                cache.drop_before(min(window_start(self.size, cache.window), durable_from))
 
     def append(self, ids: list[int], spans: np.ndarray, text: bytes) -> None:
         """Record tokens just fed into the caches and the text they cover."""

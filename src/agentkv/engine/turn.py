@@ -35,8 +35,15 @@ class Resumed:
 
 
 class Turn:
-    def __init__(self, engine, resumed: Resumed, prompt: bytes, params: SamplingParams,
-                 messages: list | None, started: float):
+    def __init__(
+        self,
+        engine,
+        resumed: Resumed,
+        prompt: bytes,
+        params: SamplingParams,
+        messages: list | None,
+        started: float,
+    ):
         self.engine = engine
         self.resumed = resumed
         self.state = resumed.state
@@ -60,10 +67,18 @@ class Turn:
         reused = self.state.size
         t0 = time.perf_counter()
         logits = prefill(
-            model, self.state.caches, self.resumed.prefill_ids,
-            max_chunk=engine.prefill_chunk, query_heads=engine.query_heads, lock=engine.compute_lock,
+            model,
+            self.state.caches,
+            self.resumed.prefill_ids,
+            max_chunk=engine.prefill_chunk,
+            query_heads=engine.query_heads,
+            lock=engine.compute_lock,
         )
-        self.state.append(self.resumed.prefill_ids, self.resumed.prefill_spans, self.prompt[len(self.state.text):])
+        self.state.append(
+            self.resumed.prefill_ids,
+            self.resumed.prefill_spans,
+            self.prompt[len(self.state.text) :],
+        )
         self._prefill_ms = (time.perf_counter() - t0) * 1000
         assert self.state.size == reused + len(self.resumed.prefill_ids)
 
@@ -71,8 +86,9 @@ class Turn:
         detok.reset()
         eos = engine.eos_ids
         scanner = StopScanner(self.params.stop)
-        self._decoder = Decoder(model, self.state.caches, logits, params=self.params,
-                                lock=engine.compute_lock)
+        self._decoder = Decoder(
+            model, self.state.caches, logits, params=self.params, lock=engine.compute_lock
+        )
         while self._decoder.remaining > 0:
             token = self._decoder.next()
             now = time.perf_counter()

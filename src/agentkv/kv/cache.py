@@ -29,6 +29,17 @@ def _round_up(n: int, step: int = STEP) -> int:
     return (n + step - 1) // step * step
 
 
+def window_start(tokens: int, window: int | None) -> int:
+    """First token a sliding-window layer keeps at ``tokens``: the block its window reaches.
+
+    The same rule decides what a reload reads and what a live cache keeps, so a
+    resumed agent attends over exactly the keys the running one would.
+    """
+    if window is None or tokens <= window:
+        return 0
+    return (tokens - window) // STEP * STEP
+
+
 class AgentKVCache:
     """One layer's KV cache in a ``KVQuant`` format (default: 4-bit, group 64)."""
 
@@ -126,6 +137,26 @@ class AgentKVCache:
             mask = mask & (q_pos - k_pos < window)
         return mask
 
+    def drop_before(self, token: int) -> None:
+        """Free the rows of tokens before ``token`` (a block boundary; sliding windows only)."""
+        if token <= self.start or self.keys is None:
+            return
+        if token % STEP or token > self.offset:
+            raise ValueError(
+                f"cannot drop to token {token} (start {self.start}, offset {self.offset})"
+            )
+        cut = token - self.start
+        capacity = max(_round_up(self.offset - token) + self.step, self.step)
+
+        def shift(x):
+            kept = mx.zeros((*x.shape[:2], capacity, x.shape[-1]), dtype=x.dtype)
+            kept[..., : self.offset - token, :] = x[..., cut : self.held, :]
+            return kept
+
+        self.keys = tuple(shift(x) for x in self.keys)
+        self.values = tuple(shift(x) for x in self.values)
+        self.start = token
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -168,12 +199,17 @@ class AgentKVCache:
     def meta_state(self):
         q = self.quant
         window = -1 if self.window is None else self.window
-        return tuple(str(v) for v in (self.offset, self.start, window, q.key_bits, q.value_bits, q.group_size))
+        return tuple(
+            str(v)
+            for v in (self.offset, self.start, window, q.key_bits, q.value_bits, q.group_size)
+        )
 
     @classmethod
     def from_state(cls, state, meta_state) -> AgentKVCache:
         offset, start, window, key_bits, value_bits, group_size = (int(v) for v in meta_state)
-        cache = cls(KVQuant(key_bits, value_bits, group_size), window=None if window < 0 else window)
+        cache = cls(
+            KVQuant(key_bits, value_bits, group_size), window=None if window < 0 else window
+        )
         cache.start = start
         cache.state = state
         cache.offset = offset

@@ -75,7 +75,10 @@ class KVQuant:
         return f"k{self.key_bits}v{self.value_bits}"
 
     def check_head_dims(self, key_dim: int, value_dim: int) -> None:
-        for kind, bits, dim in (("key", self.key_bits, key_dim), ("value", self.value_bits, value_dim)):
+        for kind, bits, dim in (
+            ("key", self.key_bits, key_dim),
+            ("value", self.value_bits, value_dim),
+        ):
             if bits == FLOAT_BITS:
                 continue
             if dim % self.group_size or (dim * bits) % 32:

@@ -111,7 +111,7 @@ class ModelCacheSpec:
         shapes = {(c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]) for c in caches}
         if len(shapes) != 1:
             raise ModelImportError(f"layers have different KV geometries {sorted(shapes)}")
-        (heads, key_dim, value_dim), = shapes
+        ((heads, key_dim, value_dim),) = shapes
         sinks = any(
             getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
             for layer in getattr(model, "layers", [])

@@ -25,8 +25,8 @@ import numpy as np
 
 from .. import _ext
 from ..agent_id import validate_agent_id
-from ..errors import CacheFormatError
-from ..kv.cache import STEP, AgentKVCache
+from ..errors import CacheFormatError, InvalidRequestError
+from ..kv.cache import STEP, AgentKVCache, window_start
 from ..kv.quant import KVQuant
 from ..model.spec import LayerKind, ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
@@ -79,7 +79,7 @@ class DurableState:
 
     signature: Signature = None
     generation: int = 0
-    blocks: list[BlockRecord] | None = field(default_factory=list)  # None: unknown, rewrite all
+    blocks: list[BlockRecord] = field(default_factory=list)
     segments: dict[str, SegmentRecord] = field(default_factory=dict)
 
 
@@ -107,8 +107,11 @@ class AgentStore:
         secure_mkdir(self.agents_dir)
         info = self.model_dir / "model.json"
         if not info.exists():
-            record = {"fingerprint": self.spec.fingerprint, "model_name": self.model_name,
-                      "spec": self.spec.to_dict()}
+            record = {
+                "fingerprint": self.spec.fingerprint,
+                "model_name": self.model_name,
+                "spec": self.spec.to_dict(),
+            }
             atomic_write_text(info, json.dumps(record, indent=2))
 
     def agent_dir(self, agent_id: str) -> Path:
@@ -156,8 +159,9 @@ class AgentStore:
                 raise CacheFormatError(path, f"manifest is {signature[1]} bytes, too large")
             manifest = decode_manifest(path.read_bytes(), path)
         self._check_identity(manifest, agent_id, path)
-        durable = DurableState(signature, manifest.generation, list(manifest.blocks),
-                               dict(manifest.segments))
+        durable = DurableState(
+            signature, manifest.generation, list(manifest.blocks), dict(manifest.segments)
+        )
         return manifest, durable
 
     def _check_identity(self, m: Manifest, agent_id: str, path: Path) -> None:
@@ -170,13 +174,7 @@ class AgentStore:
 
     def layer_first_tokens(self, tokens: int) -> list[int]:
         """Where each layer's loaded rows start: 0, or the block a sliding window reaches."""
-        firsts = []
-        for layer in self.spec.layers:
-            if layer.kind is LayerKind.SLIDING and layer.window and tokens > layer.window:
-                firsts.append((tokens - layer.window) // BLOCK_TOKENS * BLOCK_TOKENS)
-            else:
-                firsts.append(0)
-        return firsts
+        return [window_start(tokens, layer.window) for layer in self.spec.layers]
 
     def load_caches(self, manifest: Manifest, agent_id: str, tokens: int) -> list[AgentKVCache]:
         """Load tokens [0, tokens) of the agent's KV blocks (mmap, one copy, checked)."""
@@ -188,13 +186,21 @@ class AgentStore:
             (str(directory / n), manifest.segments[n].size, manifest.segments[n].header_crc)
             for n in names
         ]
-        blocks = [(index[b.segment], b.offset, b.length, b.checksum, b.tokens) for b in manifest.blocks]
+        blocks = [
+            (index[b.segment], b.offset, b.length, b.checksum, b.tokens) for b in manifest.blocks
+        ]
         firsts = self.layer_first_tokens(tokens)
         spans = [(f, _capacity(tokens - f)) for f in firsts]
         with self._locked(agent_id, exclusive=False):
             arrays = _ext.gather_blocks(
-                self.spec.num_layers, BLOCK_TOKENS, [(c.heads, c.width, c.dtype) for c in comps],
-                segments, blocks, tokens, spans, LOAD_THREADS,
+                self.spec.num_layers,
+                BLOCK_TOKENS,
+                [(c.heads, c.width, c.dtype) for c in comps],
+                segments,
+                blocks,
+                tokens,
+                spans,
+                LOAD_THREADS,
             )
         per_layer = len(comps)
         return [
@@ -221,7 +227,7 @@ class AgentStore:
                     f"{path} changed on disk since this process read it (another agentkv "
                     "process is using this agent); not overwriting it"
                 )
-            base = (durable.blocks or [])[: job.first_block]
+            base = durable.blocks[: job.first_block]
             if len(base) != job.first_block:
                 raise StoreConflictError(f"{path}: blocks before {job.first_block} are not durable")
             generation = durable.generation + 1
@@ -231,22 +237,38 @@ class AgentStore:
             if job.packed_blocks:
                 name = segment_name(generation)
                 header, records = encode_segment_header(
-                    agent_id=job.agent_id, fingerprint=self.spec.fingerprint,
-                    generation=generation, layers=self.spec.num_layers,
+                    agent_id=job.agent_id,
+                    fingerprint=self.spec.fingerprint,
+                    generation=generation,
+                    layers=self.spec.num_layers,
                     components=self.spec.components(job.quant),
-                    first_block=job.first_block, packed=job.packed_blocks,
+                    first_block=job.first_block,
+                    packed=job.packed_blocks,
                 )
                 _write_durably(directory / name, header, job.packed)
                 fsync_dir(directory)
                 data_start = len(header)
-                segments[name] = SegmentRecord(data_start + job.packed.nbytes, _ext.crc32c(header[8:]))
-                blocks += [BlockRecord(name, data_start + off, ln, crc, t) for _, off, ln, crc, t in records]
+                segments[name] = SegmentRecord(
+                    data_start + job.packed.nbytes, _ext.crc32c(header[8:])
+                )
+                blocks += [
+                    BlockRecord(name, data_start + off, ln, crc, t)
+                    for _, off, ln, crc, t in records
+                ]
                 written += data_start + job.packed.nbytes
             manifest = Manifest(
-                agent_id=job.agent_id, model_fingerprint=self.spec.fingerprint,
-                model_name=self.model_name, geometry=self.spec.geometry(), quant=job.quant,
-                generation=generation, tokens=job.tokens, spans=job.spans, text=job.text,
-                blocks=blocks, segments=segments, messages=job.messages,
+                agent_id=job.agent_id,
+                model_fingerprint=self.spec.fingerprint,
+                model_name=self.model_name,
+                geometry=self.spec.geometry(),
+                quant=job.quant,
+                generation=generation,
+                tokens=job.tokens,
+                spans=job.spans,
+                text=job.text,
+                blocks=blocks,
+                segments=segments,
+                messages=job.messages,
                 updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
             data = encode_manifest(manifest)
@@ -254,16 +276,22 @@ class AgentStore:
             written += len(data)
             self._collect_garbage(directory, segments)
             new_state = DurableState(self._signature(path), generation, blocks, segments)
-        report = SaveReport(job.agent_id, generation, written, len(job.packed_blocks),
-                            time.perf_counter() - started)
+        report = SaveReport(
+            job.agent_id, generation, written, len(job.packed_blocks), time.perf_counter() - started
+        )
         return report, new_state
 
     @staticmethod
     def _collect_garbage(directory: Path, live: dict) -> None:
-        for entry in directory.iterdir():
-            name = entry.name
-            if (SEGMENT_RE.match(name) and name not in live) or name.endswith(".tmp"):
-                entry.unlink(missing_ok=True)
+        dead = [
+            entry
+            for entry in directory.iterdir()
+            if (SEGMENT_RE.match(entry.name) and entry.name not in live)
+            or entry.name.endswith(".tmp")
+        ]
+        _ext.forget_mappings([str(entry) for entry in dead])
+        for entry in dead:
+            entry.unlink(missing_ok=True)
 
     # -- management -------------------------------------------------------------
 
@@ -273,6 +301,7 @@ class AgentStore:
         if not directory.exists():
             return None
         secure_mkdir(self.quarantine_dir)
+        _ext.forget_mappings([str(p) for p in directory.iterdir()])
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         target = self.quarantine_dir / f"{agent_id}.{stamp}"
         os.rename(directory, target)
@@ -280,11 +309,31 @@ class AgentStore:
         log.warning("agentkv: quarantined agent %r to %s: %s", agent_id, target, reason)
         return target
 
+    def copy_agent(self, src: str, dst: str) -> None:
+        """Make ``dst`` a copy of ``src``'s durable state (segments are hard-linked: immutable)."""
+        target = self.agent_dir(dst)
+        if (target / MANIFEST_NAME).exists():
+            raise InvalidRequestError(f"agent {dst!r} already has a stored state")
+        manifest, _ = self.read_manifest(src)
+        if manifest is None:
+            raise InvalidRequestError(f"agent {src!r} has no stored state")
+        source = self.agent_dir(src)
+        with self._locked(src, exclusive=False), self._locked(dst, exclusive=True):
+            for name in manifest.segments:
+                try:
+                    os.link(source / name, target / name)
+                except OSError:
+                    shutil.copy2(source / name, target / name)
+            fsync_dir(target)
+            manifest.agent_id = dst
+            atomic_write_bytes(target / MANIFEST_NAME, encode_manifest(manifest))
+
     def delete(self, agent_id: str) -> bool:
         directory = self.agent_dir(agent_id)
         if not directory.exists():
             return False
         with self._locked(agent_id, exclusive=True):
+            _ext.forget_mappings([str(p) for p in directory.iterdir()])
             shutil.rmtree(directory)
         return True
 
@@ -305,7 +354,8 @@ class AgentStore:
         if not self.root.exists():
             return []
         return sorted(
-            d.name for d in self.root.iterdir()
+            d.name
+            for d in self.root.iterdir()
             if d != self.model_dir and (d / "agents" / agent_id / MANIFEST_NAME).exists()
         )
 
@@ -327,12 +377,26 @@ def build_save_job(
     comps = spec.components(quant)
     arrays = [x for c in caches for x in c.components]
     packed, records = _ext.pack_blocks(
-        arrays, spec.num_layers, BLOCK_TOKENS, [(c.heads, c.width, c.dtype) for c in comps],
-        first_block, len(tokens), [(c.start, c.capacity) for c in caches], threads,
+        arrays,
+        spec.num_layers,
+        BLOCK_TOKENS,
+        [(c.heads, c.width, c.dtype) for c in comps],
+        first_block,
+        len(tokens),
+        [(c.start, c.capacity) for c in caches],
+        threads,
     )
-    return SaveJob(agent_id, first_block, packed, records, quant,
-                   np.asarray(tokens, dtype=np.int32), np.asarray(spans, dtype=np.int32),
-                   bytes(text), messages)
+    return SaveJob(
+        agent_id,
+        first_block,
+        packed,
+        records,
+        quant,
+        np.asarray(tokens, dtype=np.int32),
+        np.asarray(spans, dtype=np.int32),
+        bytes(text),
+        messages,
+    )
 
 
 def _capacity(rows: int) -> int:
@@ -346,7 +410,7 @@ def _write_durably(path: Path, header: bytes, body: np.ndarray) -> None:
     try:
         for chunk in (memoryview(header), memoryview(body).cast("B")):
             while chunk:
-                chunk = chunk[os.write(fd, chunk):]
+                chunk = chunk[os.write(fd, chunk) :]
         os.fsync(fd)
     except BaseException:
         os.close(fd)

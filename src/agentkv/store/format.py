@@ -102,10 +102,6 @@ def _crc(data) -> int:
     return _ext.crc32c(memoryview(np.ascontiguousarray(data)).cast("B"))
 
 
-def _canonical(record: dict) -> bytes:
-    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
-
-
 def encode_manifest(m: Manifest) -> bytes:
     from safetensors.numpy import save
 
@@ -128,8 +124,12 @@ def encode_manifest(m: Manifest) -> bytes:
         "messages": m.messages,
         "updated_at": m.updated_at,
     }
-    record["record_crc32c"] = _ext.crc32c(_canonical(record))
-    metadata = {"format": MANIFEST_KIND, "agentkv": json.dumps(record, separators=(",", ":"))}
+    text_record = json.dumps(record, separators=(",", ":"))
+    metadata = {
+        "format": MANIFEST_KIND,
+        "agentkv": text_record,
+        "agentkv_crc32c": str(_ext.crc32c(text_record.encode())),
+    }
     return save({"tokens": tokens, "spans": spans, "text": text}, metadata=metadata)
 
 
@@ -158,18 +158,29 @@ def decode_manifest(data: bytes, path) -> Manifest:
     """Parse and check a manifest file's bytes; raises CacheFormatError naming what is wrong."""
     header, _ = read_header(data, path)
     meta = header.get("__metadata__")
-    _require(isinstance(meta, dict) and meta.get("format") == MANIFEST_KIND, path,
-             "not an agentkv manifest")
+    _require(
+        isinstance(meta, dict) and meta.get("format") == MANIFEST_KIND,
+        path,
+        "not an agentkv manifest",
+    )
+    text_record = meta.get("agentkv")
+    _require(isinstance(text_record, str), path, "manifest record is missing")
+    _require(
+        meta.get("agentkv_crc32c") == str(_ext.crc32c(text_record.encode())),
+        path,
+        "manifest record checksum mismatch",
+    )
     try:
-        record = json.loads(meta["agentkv"])
-    except (KeyError, ValueError):
-        raise CacheFormatError(path, "manifest record is missing or not JSON") from None
+        record = json.loads(text_record)
+    except ValueError:
+        raise CacheFormatError(path, "manifest record is not JSON") from None
     _require(isinstance(record, dict), path, "manifest record is not a JSON object")
     version = record.get("format_version")
-    _require(version == FORMAT_VERSION, path,
-             f"unknown format version {version!r} (this agentkv reads {FORMAT_VERSION})")
-    stored_crc = record.pop("record_crc32c", None)
-    _require(stored_crc == _ext.crc32c(_canonical(record)), path, "manifest record checksum mismatch")
+    _require(
+        version == FORMAT_VERSION,
+        path,
+        f"unknown format version {version!r} (this agentkv reads {FORMAT_VERSION})",
+    )
 
     from safetensors import SafetensorError
     from safetensors.numpy import load
@@ -179,8 +190,11 @@ def decode_manifest(data: bytes, path) -> Manifest:
     except (SafetensorError, ValueError) as exc:
         raise CacheFormatError(path, f"tensors are unreadable ({exc})") from None
     tokens, spans, text = arrays.get("tokens"), arrays.get("spans"), arrays.get("text")
-    _require(tokens is not None and spans is not None and text is not None, path,
-             "manifest lacks tokens, spans or text")
+    _require(
+        tokens is not None and spans is not None and text is not None,
+        path,
+        "manifest lacks tokens, spans or text",
+    )
     _require(tokens.dtype == np.int32 and tokens.ndim == 1, path, "tokens must be int32 [n]")
     n = tokens.shape[0]
     _require(spans.dtype == np.int32 and spans.shape == (n, 2), path, "spans must be int32 [n, 2]")
@@ -202,7 +216,8 @@ def decode_manifest(data: bytes, path) -> Manifest:
             for name, (size, crc) in record["segments"].items()
         }
         blocks = [
-            BlockRecord(str(s), int(o), int(ln), int(c), int(t)) for s, o, ln, c, t in record["blocks"]
+            BlockRecord(str(s), int(o), int(ln), int(c), int(t))
+            for s, o, ln, c, t in record["blocks"]
         ]
     except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
@@ -239,7 +254,9 @@ def _check_spans(spans: np.ndarray, text_len: int, path) -> None:
 
 
 def _check_blocks(m: Manifest, path) -> None:
-    _require(m.block_tokens == BLOCK_TOKENS, path, f"block size {m.block_tokens} is not {BLOCK_TOKENS}")
+    _require(
+        m.block_tokens == BLOCK_TOKENS, path, f"block size {m.block_tokens} is not {BLOCK_TOKENS}"
+    )
     g = m.geometry
     try:
         m.components()
@@ -247,18 +264,28 @@ def _check_blocks(m: Manifest, path) -> None:
     except (KeyError, TypeError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"geometry is malformed ({exc})") from None
     _require(layers > 0, path, "geometry has no layers")
+    per_token = m.block_bytes(1)
     expected = math.ceil(m.token_count / m.block_tokens)
-    _require(len(m.blocks) == expected, path,
-             f"{len(m.blocks)} blocks for {m.token_count} tokens (expected {expected})")
+    _require(
+        len(m.blocks) == expected,
+        path,
+        f"{len(m.blocks)} blocks for {m.token_count} tokens (expected {expected})",
+    )
     for i, b in enumerate(m.blocks):
         want = min(m.block_tokens, m.token_count - i * m.block_tokens)
         _require(b.tokens == want, path, f"block {i} holds {b.tokens} tokens, expected {want}")
-        _require(b.length == m.block_bytes(b.tokens), path, f"block {i} has the wrong length")
-        _require(b.segment in m.segments and SEGMENT_RE.match(b.segment) is not None, path,
-                 f"block {i} names an unknown segment {b.segment!r}")
+        _require(b.length == per_token * b.tokens, path, f"block {i} has the wrong length")
+        _require(
+            b.segment in m.segments and SEGMENT_RE.match(b.segment) is not None,
+            path,
+            f"block {i} names an unknown segment {b.segment!r}",
+        )
         seg = m.segments[b.segment]
-        _require(0 < b.offset and b.offset + b.length <= seg.size, path,
-                 f"block {i} lies outside segment {b.segment}")
+        _require(
+            0 < b.offset and b.offset + b.length <= seg.size,
+            path,
+            f"block {i} lies outside segment {b.segment}",
+        )
 
 
 def encode_segment_header(
@@ -301,7 +328,10 @@ def encode_segment_header(
         "blocks": blocks,
     }
     header = {
-        "__metadata__": {"format": SEGMENT_KIND, "agentkv": json.dumps(record, separators=(",", ":"))},
+        "__metadata__": {
+            "format": SEGMENT_KIND,
+            "agentkv": json.dumps(record, separators=(",", ":")),
+        },
         **tensors,
     }
     body = json.dumps(header, separators=(",", ":")).encode()

@@ -9,8 +9,9 @@ normal interpreter exit.
 
 The writer also remembers, per agent, what is durable (``DurableState``): the
 next job for that agent builds on it. A failed save (disk full, another
-process changed the agent) is logged, remembered, and makes the agent's next
-save a full rewrite; nothing half-written is ever referenced by a manifest.
+process changed the agent) is logged and leaves the disk as it was; the
+agent's next save starts from what is durable, so nothing half-written is
+ever referenced by a manifest.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ class BackgroundWriter:
             self._failures.pop(agent_id, None)
 
     def planned_blocks(self, agent_id: str) -> int | None:
-        """How many blocks of the agent will be durable once its queued jobs land (None: unknown)."""
+        """Blocks of the agent durable once its queued jobs land (None: unknown)."""
         with self._cond:
             for job in reversed((self._busy, *self._queue) if self._busy else self._queue):
                 if job.agent_id == agent_id:
                     return job.first_block + len(job.packed_blocks)
             state = self._durable.get(agent_id)
-            return None if state is None or state.blocks is None else len(state.blocks)
+            return None if state is None else len(state.blocks)
 
     def take_failure(self, agent_id: str) -> str | None:
         """The reason the agent's last save failed, once; its next save must rewrite all."""
@@ -115,13 +116,10 @@ class BackgroundWriter:
                 durable = self._durable.get(job.agent_id, DurableState())
             try:
                 report, new_state = self.store.write(job, durable)
-            except Exception as exc:  # keep serving: report, and rewrite next time
+            except Exception as exc:  # keep serving; the disk still holds `durable`
                 log.warning("agentkv: could not save agent %r: %s", job.agent_id, exc)
                 with self._cond:
                     self._failures[job.agent_id] = str(exc)
-                    self._durable[job.agent_id] = DurableState(
-                        durable.signature, durable.generation, None, durable.segments
-                    )
             else:
                 with self._cond:
                     self._durable[job.agent_id] = new_state

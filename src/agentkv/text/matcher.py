@@ -99,7 +99,11 @@ def match_prefix(
         resume = ends[keep]
     if whole_cache and common == len(prompt):
         return Match(
-            MatchKind.EXACT, keep, refeed, resume, common,
+            MatchKind.EXACT,
+            keep,
+            refeed,
+            resume,
+            common,
             "exact match: the last cached token is fed again for its logits",
         )
     if whole_cache:

@@ -1,0 +1,99 @@
+"""TTFT: time to first token of the same turn, cold / warm / hot, per context size.
+
+For each size N, one agent's context is N tokens of English text (prefilled
+from scratch: that turn's TTFT is ``cold_ms``). Its saved state is then forked
+(segments hard-linked) into copies. The measured turn appends the same short
+question to the context:
+
+* ``hot_ms``: on a copy already in memory (loaded by an earlier turn).
+* ``warm_ms``: on a copy only on disk: the turn reloads it (page cache).
+
+Both run the identical prefill of the question over the identical cached
+state, so ``warm_ms - hot_ms`` is the price of the reload. Medians of
+``repeats`` copies; the engine runs on the embedded model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from .common import emit, progress
+
+PARAGRAPH = (
+    "Section {i}. The archive keeps every record of the harbour town: ships that arrived, "
+    "cargo they carried, the names of their captains and the weather on the day they left. "
+    "Clerks copied each entry twice, once for the mayor and once for the guild, and in "
+    "winter they compared the two books line by line to find mistakes.\n"
+)
+QUESTION = "\n\nQuestion: in one sentence, what does the archive keep?\nAnswer:"
+
+
+def context_text(engine, tokens: int) -> str:
+    text, i = "", 0
+    while True:
+        encoded = engine.token_text.encode(text)
+        if len(encoded.ids) >= tokens:
+            end = int(encoded.spans[tokens - 1, 1])
+            data = text.encode()[:end]
+            while True:
+                try:
+                    return data.decode()
+                except UnicodeDecodeError:
+                    data = data[:-1]
+        text += "".join(PARAGRAPH.format(i=i + j) for j in range(20))
+        i += 20
+
+
+def run(
+    token_counts: list[int], repeats: int = 3, as_json: bool = False, model: str | None = None
+) -> list[dict]:
+    from statistics import median
+
+    from agentkv import Engine
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-ttft-") as tmp:
+        progress("ttft: loading the model...")
+        with Engine(model=model, cache_dir=Path(tmp) / "kv") as eng:
+            for n in token_counts:
+                context = context_text(eng, n)
+                base = f"ttft-{n}"
+                progress(f"ttft: {n} tokens: cold prefill...")
+                cold = eng.generate(base, context, max_tokens=1)
+                assert cold.stats.cache == "cold"
+                eng.flush()
+                hot, warm = [], []
+                for r in range(repeats):
+                    eng.fork_agent(base, f"{base}-hot{r}")
+                    eng.fork_agent(base, f"{base}-warm{r}")
+                    preload = eng.generate(f"{base}-hot{r}", context, max_tokens=1)
+                    assert preload.stats.cache == "warm"
+                    h = eng.generate(f"{base}-hot{r}", context + QUESTION, max_tokens=1)
+                    w = eng.generate(f"{base}-warm{r}", context + QUESTION, max_tokens=1)
+                    assert (h.stats.cache, w.stats.cache) == ("hot", "warm")
+                    assert h.stats.prefill_tokens == w.stats.prefill_tokens
+                    assert h.tokens == w.tokens
+                    hot.append(h.stats)
+                    warm.append(w.stats)
+                row = {
+                    "tokens": cold.stats.prompt_tokens,
+                    "cold_ms": round(cold.stats.ttft_ms, 1),
+                    "warm_ms": round(median(s.ttft_ms for s in warm), 1),
+                    "hot_ms": round(median(s.ttft_ms for s in hot), 1),
+                    "warm_load_ms": round(median(s.load_ms for s in warm), 2),
+                    "turn_prefill_tokens": warm[0].prefill_tokens,
+                }
+                row["warm_minus_hot_ms"] = round(row["warm_ms"] - row["hot_ms"], 1)
+                row["cold_over_warm"] = round(row["cold_ms"] / row["warm_ms"], 1)
+                rows.append(row)
+                progress(
+                    f"ttft: {n} tokens: cold {row['cold_ms']} ms, warm {row['warm_ms']} ms, "
+                    f"hot {row['hot_ms']} ms"
+                )
+                for agent in [base] + [
+                    f"{base}-{k}{r}" for k in ("hot", "warm") for r in range(repeats)
+                ]:
+                    eng.delete_agent(agent)
+    emit("ttft", rows, as_json, {"repeats": repeats})
+    return rows

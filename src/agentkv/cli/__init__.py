@@ -1,0 +1,1 @@
+"""The ``agentkv`` command line."""

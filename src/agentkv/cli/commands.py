@@ -1,0 +1,155 @@
+"""``agentkv doctor``, ``agentkv cache ...`` and ``agentkv model ...``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..paths import kv_dir, models_dir
+from ..store import inventory
+from .output import human_bytes, table
+
+
+def run_doctor(args) -> int:
+    from ..doctor import report
+
+    info = report()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 1 if info["warnings"] else 0
+    mlx, blas, ext = info["mlx"], info["blas"], info["extension"]
+    print(f"agentkv {info['agentkv']} on Python {info['python']}, {info['platform']}")
+    print(
+        f"MLX {mlx['version']}: default device {mlx['default_device']} "
+        f"(metal: {mlx['metal_available']}, cuda: {mlx['cuda_available']})"
+    )
+    print(f"BLAS: {blas['in_use']}; float32 matmul {blas['matmul_gflops']} GFLOP/s")
+    if blas["library"]:
+        print(f"      {blas['library']}")
+    print(
+        f"extension: built with {ext['compiler']} (C++ {ext['cxx_standard']}, {ext['build_type']}) "
+        f"against MLX {ext['mlx_version']}, nanobind {ext['nanobind_version']}; "
+        f"CRC-32C: {ext['crc32c']}"
+    )
+    writable = "writable" if info["home"]["writable"] else "NOT writable"
+    print(f"home: {info['home']['path']} ({writable})")
+    for warning in info["warnings"]:
+        print(f"WARNING: {warning}")
+    return 1 if info["warnings"] else 0
+
+
+def _root(args) -> Path:
+    return Path(args.cache_dir).expanduser() if args.cache_dir else kv_dir()
+
+
+def _entry_summary(e: inventory.AgentEntry) -> dict:
+    m = e.manifest
+    return {
+        "agent": e.agent_id,
+        "model": e.model_name,
+        "fingerprint": e.model_dir.name,
+        "tokens": m.token_count if m else None,
+        "kv_format": m.quant.label if m else None,
+        "disk_bytes": e.disk_bytes,
+        "updated_at": m.updated_at if m else None,
+        "problem": e.problem,
+    }
+
+
+def run_cache(args) -> int:
+    root = _root(args)
+    action = args.cache_command
+    if action in ("ls", "show"):
+        found = inventory.entries(root, args.agent if action == "show" else None)
+        if action == "show" and not found:
+            print(f"agentkv: no stored agent {args.agent!r} under {root}")
+            return 1
+        if args.json:
+            print(
+                json.dumps(
+                    [_details(e) if action == "show" else _entry_summary(e) for e in found],
+                    indent=2,
+                )
+            )
+            return 0
+        if action == "show":
+            for e in found:
+                for key, value in _details(e).items():
+                    print(f"{key:>14}: {value}")
+                print()
+            return 0
+        rows = [
+            [
+                s["agent"],
+                s["model"],
+                s["fingerprint"],
+                s["tokens"] if s["tokens"] is not None else "-",
+                s["kv_format"] or "-",
+                human_bytes(s["disk_bytes"]),
+                s["updated_at"] or "-",
+                s["problem"] or "ok",
+            ]
+            for s in map(_entry_summary, found)
+        ]
+        if not rows:
+            print(f"no stored agents under {root}")
+            return 0
+        table(["AGENT", "MODEL", "FINGERPRINT", "TOKENS", "KV", "DISK", "UPDATED", "STATUS"], rows)
+        return 0
+    if action == "rm":
+        found = [
+            e
+            for e in inventory.entries(root, args.agent)
+            if not args.model or e.model_dir.name.startswith(args.model)
+        ]
+        if not found:
+            print(f"agentkv: no stored agent {args.agent!r} under {root}")
+            return 1
+        for e in found:
+            inventory.remove(e)
+            print(
+                f"removed {e.agent_id} ({e.model_name}, {human_bytes(e.disk_bytes)}) from {e.path}"
+            )
+        return 0
+    bad = 0
+    found = inventory.entries(root, args.agent)
+    for e in found:
+        problem = inventory.verify(e)
+        bad += problem is not None
+        print(
+            f"{'BAD' if problem else 'ok '}  {e.model_dir.name}/{e.agent_id}"
+            + (f": {problem}" if problem else "")
+        )
+    print(f"{len(found)} agents checked, {bad} bad")
+    return 1 if bad else 0
+
+
+def _details(e: inventory.AgentEntry) -> dict:
+    details = _entry_summary(e)
+    m = e.manifest
+    details["path"] = str(e.path)
+    if m is not None:
+        details.update(
+            {
+                "generation": m.generation,
+                "blocks": len(m.blocks),
+                "segments": len(m.segments),
+                "text_bytes": len(m.text),
+                "messages": len(m.messages) if m.messages else 0,
+                "text_tail": m.text[-160:].decode("utf-8", "replace"),
+            }
+        )
+    return details
+
+
+def run_model(args) -> int:
+    from ..model.gguf import import_gguf
+
+    src = Path(args.path).expanduser()
+    dest = Path(args.dest).expanduser() if args.dest else models_dir() / src.stem.lower()
+    dtype = None if args.dtype == "auto" else args.dtype
+    result = import_gguf(src, dest, weight_dtype=dtype, force=args.force)
+    state = "already imported" if result.reused else "imported"
+    print(f"{state}: {result.path} ({result.weight_dtype} weights)")
+    print(f"use it with: agentkv chat --model {result.path} --agent ID")
+    return 0

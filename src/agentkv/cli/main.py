@@ -1,0 +1,168 @@
+"""``agentkv`` — persistent per-agent KV caches on MLX.
+
+Every subcommand's --help describes it; ``agentkv doctor`` checks the setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..errors import AgentKVError
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="mlx-lm model directory, .gguf file or Hugging Face id "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="where agents' KV caches live (default: $AGENTKV_HOME/kv)"
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=4,
+        choices=(2, 3, 4, 5, 6, 8, 16),
+        help="bits per stored key/value, 16 = float16 (default: 4)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkv",
+        description="Persistent, quantized per-agent KV caches for multi-agent LLM workflows.",
+    )
+    parser.add_argument("--version", action="version", version=f"agentkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="agents work through a task, then resume after a restart",
+        description="Several agents (planner, coder, reviewer...) work through "
+        "the phases of one task on the embedded model, each phase extending "
+        "its cached context; then a fresh process resumes every agent. Prints "
+        "per-agent context size and time to first token cold / warm (after "
+        "the restart) / hot.",
+    )
+    demo.add_argument(
+        "--agents", type=_positive_int, default=3, help="number of agents (1-6, default 3)"
+    )
+    demo.add_argument("--turns", type=_positive_int, default=3, help="phases per agent (default 3)")
+    demo.add_argument(
+        "--max-tokens", type=_positive_int, default=40, help="reply length (default 40)"
+    )
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    demo.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
+
+    chat = sub.add_parser(
+        "chat",
+        help="interactive, streaming chat with one agent",
+        description="Chat with an agent; its conversation and KV cache persist, "
+        "so a later `agentkv chat --agent ID` resumes where this one stopped.",
+    )
+    chat.add_argument("--agent", required=True, help="agent id ([A-Za-z0-9._-], 1-128 chars)")
+    chat.add_argument("--system", default=None, help="system prompt for a new conversation")
+    chat.add_argument("--max-tokens", type=_positive_int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    _engine_options(chat)
+
+    cache = sub.add_parser("cache", help="list, inspect, verify or remove stored agents")
+    cache.add_argument("--cache-dir", default=None, help="default: $AGENTKV_HOME/kv")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    cache_ls = cache_sub.add_parser("ls", help="list stored agents of every model")
+    cache_ls.add_argument("--json", action="store_true")
+    cache_show = cache_sub.add_parser("show", help="details of one agent")
+    cache_show.add_argument("agent")
+    cache_show.add_argument("--json", action="store_true")
+    cache_rm = cache_sub.add_parser("rm", help="delete an agent's stored state")
+    cache_rm.add_argument("agent")
+    cache_rm.add_argument(
+        "--model", default=None, help="only under this model (fingerprint prefix)"
+    )
+    cache_verify = cache_sub.add_parser(
+        "verify", help="check every stored file (exit 1 if any is bad)"
+    )
+    cache_verify.add_argument("agent", nargs="?", default=None)
+
+    doctor = sub.add_parser("doctor", help="check MLX, its BLAS, the extension and AGENTKV_HOME")
+    doctor.add_argument("--json", action="store_true")
+
+    model = sub.add_parser("model", help="manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    imp = model_sub.add_parser(
+        "import-gguf",
+        help="import a llama-architecture GGUF file",
+        description="Write an mlx-lm model directory for a llama GGUF "
+        "file (weights, config.json, tokenizer); use it with --model.",
+    )
+    imp.add_argument("path")
+    imp.add_argument("--dest", default=None, help="default: $AGENTKV_HOME/models/<name>")
+    imp.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "quantized"),
+        default="auto",
+        help="float32 (fast on CPU) or quantized as stored (Metal/CUDA); auto picks by device",
+    )
+    imp.add_argument("--force", action="store_true", help="re-import even if already imported")
+
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/RESULTS.md)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    reload_ = bench_sub.add_parser(
+        "reload", help="cache load time vs mlx-lm vs the page-cache limit"
+    )
+    reload_.add_argument("--tokens", default="1024,4096,16384", help="comma-separated token counts")
+    reload_.add_argument("--repeats", type=_positive_int, default=10)
+    reload_.add_argument("--json", action="store_true")
+    ttft = bench_sub.add_parser("ttft", help="time to first token: cold / warm / hot")
+    ttft.add_argument(
+        "--tokens", default="512,1024,2048,4096", help="comma-separated context sizes"
+    )
+    ttft.add_argument("--json", action="store_true")
+    ttft.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    save = bench_sub.add_parser("save", help="bytes and time of saving one turn")
+    save.add_argument("--tokens", type=_positive_int, default=4096, help="context before the turn")
+    save.add_argument("--turn", type=_positive_int, default=64, help="tokens the turn adds")
+    save.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+        if args.command == "chat":
+            from .chat import run_chat
+
+            return run_chat(args)
+        if args.command == "bench":
+            from ..benchmarks.cli import run_bench
+
+            return run_bench(args)
+        from . import commands
+
+        return getattr(commands, f"run_{args.command}")(args)
+    except AgentKVError as exc:
+        print(f"agentkv: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("agentkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

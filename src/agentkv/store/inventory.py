@@ -1,0 +1,119 @@
+"""The KV store without a loaded model: list, show, verify and remove agents.
+
+Used by ``agentkv cache ...``: every check ``AgentStore`` makes on load runs
+here too (manifest record and arrays, segment headers parsed by the
+safetensors library, every block's checksum), without loading any model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import _ext
+from ..agent_id import validate_agent_id
+from ..errors import CacheFormatError
+from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest
+
+
+@dataclass(frozen=True)
+class AgentEntry:
+    model_dir: Path
+    model_name: str
+    agent_id: str
+    manifest: Manifest | None
+    problem: str | None
+    disk_bytes: int
+
+    @property
+    def path(self) -> Path:
+        return self.model_dir / "agents" / self.agent_id
+
+
+def model_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return sorted(d for d in root.iterdir() if (d / "agents").is_dir())
+
+
+def model_name(model_dir: Path) -> str:
+    try:
+        return json.loads((model_dir / "model.json").read_text())["model_name"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def read_entry(model_dir: Path, agent_id: str) -> AgentEntry:
+    directory = model_dir / "agents" / agent_id
+    path = directory / MANIFEST_NAME
+    manifest, problem = None, None
+    try:
+        manifest = decode_manifest(path.read_bytes(), path)
+        if not manifest.model_fingerprint.startswith(model_dir.name):
+            problem = "manifest's model fingerprint does not match its directory"
+        elif manifest.agent_id != agent_id:
+            problem = f"manifest belongs to agent {manifest.agent_id!r}"
+    except OSError as exc:
+        problem = f"cannot read {path}: {exc.strerror}"
+    except CacheFormatError as exc:
+        problem = exc.reason
+    size = (
+        sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+        if directory.exists()
+        else 0
+    )
+    return AgentEntry(model_dir, model_name(model_dir), agent_id, manifest, problem, size)
+
+
+def entries(root: Path, agent_id: str | None = None) -> list[AgentEntry]:
+    if agent_id is not None:
+        validate_agent_id(agent_id)
+    out = []
+    for model_dir in model_dirs(root):
+        agents = model_dir / "agents"
+        ids = [agent_id] if agent_id else sorted(p.name for p in agents.iterdir() if p.is_dir())
+        out += [read_entry(model_dir, a) for a in ids if (agents / a).is_dir()]
+    return out
+
+
+def verify(entry: AgentEntry) -> str | None:
+    """Deep check of one agent's files; None if sound, else what is wrong."""
+    if entry.problem or entry.manifest is None:
+        return entry.problem or "no manifest"
+    from safetensors import SafetensorError, safe_open
+
+    m = entry.manifest
+    try:
+        for name in m.segments:
+            with safe_open(entry.path / name, framework="numpy") as f:
+                f.keys()
+    except (OSError, SafetensorError) as exc:
+        return f"segment unreadable: {exc}"
+    comps = m.components()
+    names = sorted(m.segments)
+    index = {n: i for i, n in enumerate(names)}
+    segments = [(str(entry.path / n), m.segments[n].size, m.segments[n].header_crc) for n in names]
+    blocks = [(index[b.segment], b.offset, b.length, b.checksum, b.tokens) for b in m.blocks]
+    layers = int(m.geometry["num_layers"])
+    capacity = len(m.blocks) * BLOCK_TOKENS
+    try:
+        _ext.gather_blocks(
+            layers,
+            BLOCK_TOKENS,
+            [(c.heads, c.width, c.dtype) for c in comps],
+            segments,
+            blocks,
+            m.token_count,
+            [(0, capacity)] * layers,
+        )
+    except CacheFormatError as exc:
+        return str(exc)
+    return None
+
+
+def remove(entry: AgentEntry) -> None:
+    validate_agent_id(entry.agent_id)
+    _ext.forget_mappings([str(p) for p in entry.path.iterdir()])
+    shutil.rmtree(entry.path)

@@ -1,0 +1,169 @@
+"""The agentkv command line, run as a real subprocess."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def agentkv(*args, env, stdin=None, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        input=stdin,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_every_command(python_env):
+    out = agentkv("--help", env=python_env)
+    assert out.returncode == 0
+    for command in ("demo", "chat", "cache", "doctor", "model", "bench"):
+        assert command in out.stdout
+
+
+def test_doctor_reports_the_fast_blas_and_the_extension(python_env):
+    out = agentkv("doctor", "--json", env=python_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    info = json.loads(out.stdout)
+    assert info["blas"]["preloaded_before_mlx"] is True
+    assert "OpenBLAS" in info["blas"]["in_use"] and info["blas"]["matmul_gflops"] > 20
+    assert info["extension"]["mlx_version"] == info["mlx"]["version"]
+    assert info["warnings"] == []
+
+
+def test_doctor_warns_when_the_preload_is_off(python_env):
+    env = dict(python_env, AGENTKV_NO_BLAS_PRELOAD="1")
+    out = agentkv("doctor", env=env)
+    assert out.returncode == 1
+    assert "WARNING" in out.stdout and "AGENTKV_NO_BLAS_PRELOAD" in out.stdout
+
+
+def test_importing_mlx_first_is_reported(python_env):
+    code = "import mlx.core, agentkv; print(agentkv.BLAS_STATUS.warning)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env
+    )
+    assert "imported before agentkv" in out.stdout
+
+
+@pytest.fixture
+def stored_agents(fresh_engine, tmp_path):
+    eng = fresh_engine()
+    eng.chat("alpha", [{"role": "user", "content": "Name a fruit."}], max_tokens=6)
+    eng.chat("beta", [{"role": "user", "content": "Name a tree."}], max_tokens=6)
+    eng.close()
+    return tmp_path / "kv"
+
+
+def test_cache_ls_show_verify_rm(stored_agents, python_env):
+    root = str(stored_agents)
+    ls = agentkv("cache", "--cache-dir", root, "ls", "--json", env=python_env)
+    listed = json.loads(ls.stdout)
+    assert sorted(a["agent"] for a in listed) == ["alpha", "beta"]
+    assert all(a["problem"] is None and a["kv_format"] == "q4" and a["tokens"] > 10 for a in listed)
+    show = agentkv("cache", "--cache-dir", root, "show", "alpha", env=python_env)
+    assert show.returncode == 0 and "generation" in show.stdout and "fruit" in show.stdout
+    assert agentkv("cache", "--cache-dir", root, "verify", env=python_env).returncode == 0
+
+    segment = next((stored_agents).glob("*/agents/beta/seg-*.safetensors"))
+    data = bytearray(segment.read_bytes())
+    data[-20] ^= 0x55
+    segment.write_bytes(bytes(data))
+    verify = agentkv("cache", "--cache-dir", root, "verify", env=python_env)
+    assert verify.returncode == 1
+    assert (
+        "BAD" in verify.stdout and "beta" in verify.stdout and "checksum mismatch" in verify.stdout
+    )
+
+    rm = agentkv("cache", "--cache-dir", root, "rm", "beta", env=python_env)
+    assert rm.returncode == 0 and "removed beta" in rm.stdout
+    assert agentkv("cache", "--cache-dir", root, "show", "beta", env=python_env).returncode == 1
+    bad = agentkv("cache", "--cache-dir", root, "rm", "../alpha", env=python_env)
+    assert bad.returncode == 2 and "invalid agent id" in bad.stderr
+
+
+def test_chat_streams_and_resumes(tmp_path, python_env):
+    common = [
+        "chat",
+        "--agent",
+        "cli-chat",
+        "--cache-dir",
+        str(tmp_path / "kv"),
+        "--max-tokens",
+        "24",
+    ]
+    first = agentkv(*common, env=python_env, stdin="What is the capital of France?\n")
+    assert first.returncode == 0, first.stderr
+    assert "Paris" in first.stdout and "cold" in first.stderr
+    second = agentkv(*common, env=python_env, stdin="And of Italy?\n")
+    assert second.returncode == 0, second.stderr
+    assert "resuming cli-chat: 2 messages" in second.stderr and "warm/extend" in second.stderr
+
+
+def test_model_import_gguf(tmp_path, python_env):
+    from agentkv.model.load import embedded_gguf_path
+
+    dest = tmp_path / "smol"
+    out = agentkv(
+        "model", "import-gguf", str(embedded_gguf_path()), "--dest", str(dest), env=python_env
+    )
+    assert out.returncode == 0 and "imported:" in out.stdout and (dest / "config.json").exists()
+    again = agentkv(
+        "model", "import-gguf", str(embedded_gguf_path()), "--dest", str(dest), env=python_env
+    )
+    assert "already imported" in again.stdout
+    missing = agentkv("model", "import-gguf", str(tmp_path / "nope.gguf"), env=python_env)
+    assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_demo_json_shows_warm_far_below_cold(python_env):
+    out = agentkv(
+        "demo", "--agents", "2", "--turns", "2", "--max-tokens", "12", "--json", env=python_env
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["restart"] == "process" and result["kv_bits"] == "q4"
+    assert [a["agent"] for a in result["agents"]] == ["planner", "coder"]
+    for row in result["agents"]:
+        assert set(row) >= {
+            "agent",
+            "context_tokens",
+            "cold_ttft_ms",
+            "warm_ttft_ms",
+            "hot_ttft_ms",
+        }
+        assert row["resumed_as"] == "warm" and row["context_tokens"] > 200
+        assert row["warm_ttft_ms"] * 3 < row["cold_ttft_ms"]
+
+
+def test_bench_commands_emit_their_json(python_env):
+    save = json.loads(
+        agentkv(
+            "bench", "save", "--tokens", "1000", "--turn", "64", "--json", env=python_env
+        ).stdout
+    )
+    turn = save["rows"][1]
+    assert turn["blocks_written"] == 2  # 1000 -> 1064 crosses the block boundary at 1024
+    assert turn["bytes_written"] < 3 * save["block_bytes"]
+    reload_ = json.loads(
+        agentkv(
+            "bench", "reload", "--tokens", "300", "--repeats", "2", "--json", env=python_env
+        ).stdout
+    )
+    row = reload_["rows"][0]
+    assert set(row) >= {
+        "tokens",
+        "kv_bits",
+        "cache_bytes",
+        "agentkv_load_ms",
+        "mlx_lm_load_ms",
+        "page_cache_read_ms",
+    }
+    ttft = json.loads(agentkv("bench", "ttft", "--tokens", "64", "--json", env=python_env).stdout)
+    assert set(ttft["rows"][0]) >= {"tokens", "cold_ms", "warm_ms", "hot_ms"}
+    bad = agentkv("bench", "reload", "--tokens", "abc", env=python_env)
+    assert bad.returncode != 0 and "comma-separated" in bad.stderr

@@ -1,0 +1,296 @@
+"""The Engine on the real embedded model: answers, tiers, reuse, isolation, restarts."""
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agentkv import InvalidAgentIdError, InvalidRequestError
+from agentkv.model.spec import LayerKind
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+SYSTEM = (
+    "You are the planner of a small software team. You break a request into steps, name "
+    "who does each step, and keep every answer short. The team has a coder who writes Python, "
+    "a reviewer who reads every change, and a tester who writes unit tests with pytest. "
+    "The project is a command line tool that converts CSV files to JSON. It must handle "
+    "quoted fields, embedded newlines, different delimiters, a header row that may be "
+    "missing, and files larger than memory. Errors must name the line that failed. "
+) * 3
+
+
+def convo(*user_turns, replies=()):
+    messages = [{"role": "system", "content": SYSTEM}]
+    for i, text in enumerate(user_turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    return messages
+
+
+def test_embedded_model_answers_paris(engine):
+    r = engine.chat(
+        "paris", [{"role": "user", "content": "What is the capital of France?"}], max_tokens=24
+    )
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop" and r.stats.cache == "cold"
+
+
+def test_spec_of_the_embedded_model(engine):
+    spec = engine.spec
+    assert (spec.num_layers, spec.kv_heads, spec.key_head_dim, spec.value_head_dim) == (
+        30,
+        3,
+        64,
+        64,
+    )
+    assert all(layer.kind is LayerKind.FULL for layer in spec.layers)
+    assert not spec.attention_sinks and spec.dtype == "float32"
+    from agentkv.kv.quant import KVQuant
+
+    assert spec.bytes_per_token(KVQuant(16, 16)) == 23_040
+    assert spec.bytes_per_token(KVQuant(4, 4, 64)) == 6_480
+    assert len(spec.fingerprint) == 64
+    import dataclasses
+
+    other = dataclasses.replace(spec, weights_id=spec.weights_id + "x")
+    assert other.fingerprint != spec.fingerprint
+    assert dataclasses.replace(spec).fingerprint == spec.fingerprint
+
+
+def test_turns_reuse_hot_then_warm(engine):
+    first = engine.chat("tiers", convo("Plan the first step."), max_tokens=16)
+    assert first.stats.cache == "cold" and first.stats.reused_tokens == 0
+    assert first.stats.prefill_tokens == first.stats.prompt_tokens > 256
+    second = engine.chat(
+        "tiers",
+        convo("Plan the first step.", "And the second?", replies=[first.text]),
+        max_tokens=16,
+    )
+    s = second.stats
+    assert (s.cache, s.match) == ("hot", "extend")
+    assert s.reused_tokens == s.stored_tokens > first.stats.prompt_tokens
+    assert s.prefill_tokens < 40 and s.reuse_note is None
+    assert engine.evict("tiers")
+    third = engine.chat(
+        "tiers",
+        convo(
+            "Plan the first step.", "And the second?", "Third?", replies=[first.text, second.text]
+        ),
+        max_tokens=16,
+    )
+    t = third.stats
+    assert (t.cache, t.match) == ("warm", "extend")
+    assert t.reused_tokens == t.stored_tokens > s.prompt_tokens
+    assert t.load_ms < 200
+
+
+def test_exact_partial_and_diverge_on_real_turns(engine):
+    messages = convo("List three risks of the CSV tool.")
+    engine.chat("outcomes", messages, max_tokens=8)
+    prompt = engine.render_chat(messages)
+    # exact: the same text again (raw) reuses all but the last token
+    exact = engine.generate(
+        "outcomes", engine.loaded.tokenizer.decode(engine._hot["outcomes"].tokens), max_tokens=4
+    )
+    assert exact.stats.match == "exact"
+    assert exact.stats.reused_tokens == exact.stats.stored_tokens - 1
+    assert exact.stats.prefill_tokens == 1 and "fed again" in exact.stats.reuse_note
+    # partial: the last user message edited; the long system prompt is kept
+    edited = convo("List three benefits of the CSV tool.")
+    partial = engine.chat("outcomes", edited, max_tokens=8)
+    p = partial.stats
+    assert (p.cache, p.match) == ("hot", "partial")
+    assert 256 <= p.reused_tokens < p.stored_tokens
+    assert "diverged at byte" in p.reuse_note
+    assert p.reused_tokens + p.prefill_tokens == p.prompt_tokens
+    # diverge: a different conversation from the start
+    other = engine.chat("outcomes", [{"role": "user", "content": "Say hi."}], max_tokens=4)
+    d = other.stats
+    assert (d.cache, d.match, d.reused_tokens) == ("cold", "diverge", 0)
+    assert d.stored_tokens > 0 and "diverged" in d.reuse_note
+    assert prompt  # rendered once, used for the exact case's context
+
+
+def test_agents_are_isolated(engine):
+    a = [convo("Who writes the tests?"), convo("Who writes the tests?", "Why?", replies=["x"])]
+    b = [
+        [{"role": "user", "content": "Name a prime number."}],
+        [
+            {"role": "user", "content": "Name a prime number."},
+            {"role": "assistant", "content": "7"},
+            {"role": "user", "content": "Another one?"},
+        ],
+    ]
+    alone_a = [engine.chat("iso-a-alone", m, max_tokens=12).tokens for m in a]
+    alone_b = [engine.chat("iso-b-alone", m, max_tokens=12).tokens for m in b]
+    mixed_a, mixed_b = [], []
+    for ma, mb in zip(a, b):
+        mixed_a.append(engine.chat("iso-a", ma, max_tokens=12).tokens)
+        mixed_b.append(engine.chat("iso-b", mb, max_tokens=12).tokens)
+    assert mixed_a == alone_a and mixed_b == alone_b
+
+
+def test_resume_in_a_fresh_process_equals_continuing(fresh_engine, tmp_path, python_env):
+    eng = fresh_engine()
+    turn1 = convo("Plan the CSV tool in three steps.")
+    r1 = eng.chat("resume", turn1, max_tokens=24)
+    eng.flush()
+    restarted = tmp_path / "restarted"
+    shutil.copytree(eng.store.root, restarted)  # the disk state right after turn 1
+    turn2 = convo(
+        "Plan the CSV tool in three steps.", "Now name the riskiest step.", replies=[r1.text]
+    )
+    hot = eng.chat("resume", turn2, max_tokens=48)
+    assert hot.stats.cache == "hot"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "run_turn.py"),
+            str(restarted),
+            "resume",
+            json.dumps(turn2),
+            "--max-tokens",
+            "48",
+        ],
+        capture_output=True,
+        text=True,
+        env=python_env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    warm = json.loads(out.stdout.strip().splitlines()[-1])
+    assert warm["stats"]["cache"] == "warm"
+    assert (
+        warm["stats"]["reused_tokens"] == warm["stats"]["stored_tokens"] == hot.stats.stored_tokens
+    )
+    assert warm["tokens"] == hot.tokens and warm["text"] == hot.text
+
+
+def test_stream_pieces_join_to_the_text_and_stop_strings_cut(engine):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = engine.stream_chat("stream", messages, max_tokens=24)
+    pieces = list(stream)
+    assert len(pieces) > 1 and "".join(pieces) == stream.result.text
+    cut = engine.chat("stream-stop", messages, max_tokens=24, stop=["Paris"])
+    assert "Paris" not in cut.text and cut.finish_reason == "stop"
+    assert stream.result.text.startswith(cut.text)
+    limited = engine.chat("stream-len", messages, max_tokens=3)
+    assert limited.finish_reason == "length" and limited.stats.generated_tokens == 3
+
+
+def test_an_abandoned_stream_leaves_a_consistent_agent(engine):
+    messages = convo("Describe the reviewer's job.")
+    stream = engine.stream_chat("abandon", messages, max_tokens=40)
+    iterator = iter(stream)
+    next(iterator)
+    iterator.close()
+    state = engine._hot["abandon"]
+    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
+    prompt = engine.render_chat(messages).encode()
+    n_prompt = int(np.searchsorted(state.spans[:, 1], len(prompt))) + 1
+    assert n_prompt < len(state.tokens)  # the generated tokens fed before closing are kept
+    generated = b"".join(engine.token_text.generated_bytes(state.tokens[n_prompt:]))
+    assert state.text == prompt + generated and int(state.spans[-1, 1]) == len(state.text)
+    again = engine.chat("abandon", messages, max_tokens=4)
+    assert again.stats.cache == "hot" and again.stats.match in ("exact", "partial")
+
+
+def test_one_agent_serializes_and_agents_run_in_parallel(engine):
+    messages = convo("Count from one to five.")
+    results = {}
+
+    def run(name, agent):
+        results[name] = engine.chat(agent, messages, max_tokens=10)
+
+    threads = [threading.Thread(target=run, args=(n, "serial")) for n in ("t1", "t2")]
+    threads += [threading.Thread(target=run, args=("t3", "parallel-other"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first, second = sorted((results["t1"], results["t2"]), key=lambda r: r.stats.stored_tokens)
+    # The later turn found the earlier one's whole state (prompt + reply) and kept the
+    # prompt part: it ran after the first turn had finished and been recorded.
+    assert first.stats.cache == "cold"
+    assert (second.stats.cache, second.stats.match) == ("hot", "partial")
+    assert second.stats.stored_tokens > first.stats.prompt_tokens
+    assert second.stats.reused_tokens == first.stats.prompt_tokens - 1
+    assert first.tokens == second.tokens == results["t3"].tokens
+
+
+def test_bad_input_is_rejected_clearly(engine):
+    with pytest.raises(InvalidAgentIdError):
+        engine.chat("../escape", [{"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequestError, match="messages"):
+        engine.chat("ok", [])
+    with pytest.raises(InvalidRequestError, match="role"):
+        engine.chat("ok", [{"content": "hi"}])
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        engine.chat("ok", [{"role": "user", "content": "hi"}], max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        engine.chat("ok", [{"role": "user", "content": "hi"}], temperature=-1)
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        engine.generate("ok", "")
+    assert (
+        "Paris"
+        in engine.chat(
+            "ok-after",
+            [{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+        ).text
+    )
+
+
+def test_corrupt_state_is_quarantined_and_the_agent_starts_cold(fresh_engine):
+    eng = fresh_engine()
+    messages = convo("Who reviews the code?")
+    eng.chat("victim", messages, max_tokens=8)
+    eng.evict("victim")
+    manifest = eng.store.agent_dir("victim") / "manifest.safetensors"
+    data = bytearray(manifest.read_bytes())
+    data[-3] ^= 0xFF
+    manifest.write_bytes(bytes(data))
+    r = eng.chat("victim", messages, max_tokens=8)
+    assert r.stats.cache == "cold" and "rejected" in r.stats.reuse_note
+    kept = list(eng.store.quarantine_dir.iterdir())
+    assert len(kept) == 1 and (kept[0] / "manifest.safetensors").read_bytes() == bytes(data)
+    eng.flush()
+    eng.evict("victim")
+    assert eng.chat("victim", messages, max_tokens=8).stats.cache == "warm"
+
+
+def test_state_of_another_model_is_named_not_used(fresh_engine):
+    eng = fresh_engine()
+    eng.chat("mover", [{"role": "user", "content": "Hi"}], max_tokens=4)
+    eng.flush()
+    other = eng.store.root / ("f" * 16) / "agents"
+    other.mkdir(parents=True)
+    shutil.move(str(eng.store.agent_dir("mover")), other / "mover")
+    eng.evict("mover")
+    r = eng.chat("mover", [{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.stats.cache == "cold" and "another model" in r.stats.reuse_note
+
+
+def test_agent_keeps_its_stored_format_and_history(fresh_engine, tmp_path):
+    eng = fresh_engine()
+    messages = [{"role": "user", "content": "Name a color."}]
+    r = eng.chat("fmt", messages, max_tokens=6)
+    assert eng.history("fmt") == messages + [{"role": "assistant", "content": r.text}]
+    eng.close()
+    eng8 = fresh_engine(kv_bits=8)
+    r2 = eng8.chat(
+        "fmt",
+        messages
+        + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Another?"}],
+        max_tokens=6,
+    )
+    assert r2.stats.cache == "warm" and r2.stats.kv_format == "q4"
+    fresh = eng8.chat("fmt8", messages, max_tokens=6)
+    assert fresh.stats.kv_format == "q8"

@@ -1,0 +1,144 @@
+"""GGUF import: the embedded model's files, its tokenizer against llama.cpp's, a synthetic model."""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from agentkv.errors import ModelImportError
+from agentkv.model.gguf import import_gguf
+from agentkv.model.load import embedded_gguf_path, ensure_embedded_model
+
+SAMPLES = [
+    "What is the capital of France?",
+    "Prices: 12345 items at 3.50 each, 2024-11-22.",
+    "naïve café – “quotes” 🙂 and 中文 text",
+    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces\n\n\ttabs and\r\nwindows newlines   ",
+    "def f(x):\n    return x ** 2  # comment",
+]
+
+
+def test_embedded_import_writes_an_mlx_lm_llama_directory():
+    path = ensure_embedded_model()
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["rope_traditional"] is True and config["tie_word_embeddings"] is True
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (
+        30,
+        3,
+        64,
+    )
+    weights = mx.load(str(path / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    assert "lm_head.weight" not in weights
+    assert ensure_embedded_model() == path  # the second call reuses the import
+
+
+def test_rebuilt_tokenizer_matches_llama_cpp():
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
+    theirs = llama_cpp.Llama(model_path=str(embedded_gguf_path()), vocab_only=True, verbose=False)
+    for text in SAMPLES:
+        expected = theirs.tokenize(text.encode(), add_bos=False, special=True)
+        assert ours.encode(text, add_special_tokens=False) == expected, text
+        assert ours.decode(expected) == text
+
+
+def _tiny_llama_gguf(path, architecture="llama"):
+    """A 2-layer llama with random float32 weights and a byte-level BPE vocabulary."""
+    from agentkv.text.tokens import _unicode_to_byte
+
+    byte_chars = sorted(_unicode_to_byte(), key=_unicode_to_byte().get)
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_chars + ["Ġt", "he", "Ġthe"]
+    vocab, hidden, heads, kv_heads, ffn = len(tokens), 128, 2, 1, 128
+    mx.random.seed(0)
+
+    def rnd(*shape):
+        return mx.random.normal(shape) * 0.05
+
+    weights = {"token_embd.weight": rnd(vocab, hidden), "output_norm.weight": mx.ones((hidden,))}
+    for i in range(2):
+        weights |= {
+            f"blk.{i}.attn_q.weight": rnd(hidden, hidden),
+            f"blk.{i}.attn_k.weight": rnd(kv_heads * 64, hidden),
+            f"blk.{i}.attn_v.weight": rnd(kv_heads * 64, hidden),
+            f"blk.{i}.attn_output.weight": rnd(hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": rnd(ffn, hidden),
+            f"blk.{i}.ffn_up.weight": rnd(ffn, hidden),
+            f"blk.{i}.ffn_down.weight": rnd(hidden, ffn),
+            f"blk.{i}.attn_norm.weight": mx.ones((hidden,)),
+            f"blk.{i}.ffn_norm.weight": mx.ones((hidden,)),
+        }
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    metadata = {
+        "general.architecture": architecture,
+        "llama.embedding_length": u32(hidden),
+        "llama.block_count": u32(2),
+        "llama.feed_forward_length": u32(ffn),
+        "llama.attention.head_count": u32(heads),
+        "llama.attention.head_count_kv": u32(kv_heads),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5, dtype=mx.float32),
+        "llama.context_length": u32(512),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([3, 3, 3] + [1] * (vocab - 3), dtype=mx.int32),
+        "tokenizer.ggml.bos_token_id": u32(1),
+        "tokenizer.ggml.eos_token_id": u32(2),
+        "tokenizer.chat_template": (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    }
+    mx.save_gguf(str(path), weights, metadata)
+    return path
+
+
+def test_a_synthetic_llama_gguf_imports_and_serves(tmp_path):
+    from agentkv import Engine
+
+    gguf = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    result = import_gguf(gguf, tmp_path / "tiny-model", weight_dtype="float32")
+    assert not result.reused
+    assert import_gguf(gguf, tmp_path / "tiny-model", weight_dtype="float32").reused
+    with Engine(model=str(result.path), cache_dir=tmp_path / "kv", warmup=False) as eng:
+        assert (eng.spec.num_layers, eng.spec.kv_heads, eng.spec.key_head_dim) == (2, 1, 64)
+        assert eng.token_text.encode(" the").ids == [
+            eng.loaded.tokenizer.convert_tokens_to_ids("Ġthe")
+        ]
+        r = eng.chat("tiny", [{"role": "user", "content": "the the"}], max_tokens=5)
+        assert r.stats.generated_tokens >= 1
+        again = eng.chat(
+            "tiny",
+            [
+                {"role": "user", "content": "the the"},
+                {"role": "assistant", "content": r.text},
+                {"role": "user", "content": "more"},
+            ],
+            max_tokens=3,
+        )
+        assert again.stats.cache == "hot"
+
+
+def test_import_errors_are_clear(tmp_path):
+    with pytest.raises(ModelImportError, match="not found"):
+        import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    gpt2 = _tiny_llama_gguf(tmp_path / "gpt2.gguf", architecture="gpt2")
+    with pytest.raises(ModelImportError, match="architecture 'gpt2'"):
+        import_gguf(gpt2, tmp_path / "out")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ModelImportError, match="not an agentkv import"):
+        import_gguf(_tiny_llama_gguf(tmp_path / "ok.gguf"), tmp_path / "busy")
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+    (tmp_path / "garbage.gguf").write_bytes(b"this is not a GGUF file at all" * 10)
+    with pytest.raises(ModelImportError, match="cannot read"):
+        import_gguf(tmp_path / "garbage.gguf", tmp_path / "out2")
+    (tmp_path / "empty.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelImportError, match="architecture None"):
+        import_gguf(tmp_path / "empty.gguf", tmp_path / "out3")
