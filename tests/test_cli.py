@@ -43,11 +43,16 @@ def test_doctor_warns_when_the_preload_is_off(python_env):
 
 
 def test_importing_mlx_first_is_reported(python_env):
-    code = "import mlx.core, agentkv; print(agentkv.BLAS_STATUS.warning)"
+    code = (
+        "import mlx.core, agentkv, agentkv.doctor, json; print(json.dumps(agentkv.doctor.report()))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=python_env
     )
-    assert "imported before agentkv" in out.stdout
+    report = json.loads(out.stdout)
+    assert report["blas"]["preloaded_before_mlx"] is False
+    assert report["blas"]["in_use"] == "reference BLAS bundled with mlx"
+    assert any("imported before agentkv" in w for w in report["warnings"])
 
 
 @pytest.fixture

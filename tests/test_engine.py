@@ -248,22 +248,86 @@ def test_bad_input_is_rejected_clearly(engine):
     )
 
 
-def test_corrupt_state_is_quarantined_and_the_agent_starts_cold(fresh_engine):
+def _corrupt_manifest(path, how):
+    from agentkv.store.format import decode_manifest, encode_manifest
+
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 3]
+    elif how == "flipped byte":
+        data[-3] ^= 0xFF
+    elif how == "garbage header":
+        data[8:64] = b"#" * 56
+    elif how == "huge header length":
+        data[:8] = (2**60).to_bytes(8, "little")
+    elif how == "wrong fingerprint":
+        manifest = decode_manifest(bytes(data), path)
+        manifest.model_fingerprint = "e" * 64
+        data = bytearray(encode_manifest(manifest))
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["truncated", "flipped byte", "garbage header", "huge header length", "wrong fingerprint"],
+)
+def test_bad_state_is_quarantined_and_the_agent_starts_cold(engine, how):
+    agent = "victim-" + how.replace(" ", "-")
+    messages = [{"role": "user", "content": "Name a planet."}]
+    engine.chat(agent, messages, max_tokens=4)
+    engine.evict(agent)
+    bad = _corrupt_manifest(engine.store.agent_dir(agent) / "manifest.safetensors", how)
+    r = engine.chat(agent, messages, max_tokens=4)
+    assert r.stats.cache == "cold" and "rejected" in r.stats.reuse_note and r.text
+    kept = [d for d in engine.store.quarantine_dir.iterdir() if d.name.startswith(agent + ".")]
+    assert len(kept) == 1 and (kept[0] / "manifest.safetensors").read_bytes() == bad
+    engine.flush()
+    engine.evict(agent)
+    follow_up = messages + [
+        {"role": "assistant", "content": r.text},
+        {"role": "user", "content": "Another one?"},
+    ]
+    assert engine.chat(agent, follow_up, max_tokens=4).stats.cache == "warm"
+
+
+def test_a_missing_segment_is_quarantined_too(fresh_engine):
     eng = fresh_engine()
     messages = convo("Who reviews the code?")
     eng.chat("victim", messages, max_tokens=8)
     eng.evict("victim")
-    manifest = eng.store.agent_dir("victim") / "manifest.safetensors"
-    data = bytearray(manifest.read_bytes())
-    data[-3] ^= 0xFF
-    manifest.write_bytes(bytes(data))
+    next(eng.store.agent_dir("victim").glob("seg-*.safetensors")).unlink()
     r = eng.chat("victim", messages, max_tokens=8)
-    assert r.stats.cache == "cold" and "rejected" in r.stats.reuse_note
-    kept = list(eng.store.quarantine_dir.iterdir())
-    assert len(kept) == 1 and (kept[0] / "manifest.safetensors").read_bytes() == bytes(data)
-    eng.flush()
-    eng.evict("victim")
-    assert eng.chat("victim", messages, max_tokens=8).stats.cache == "warm"
+    assert r.stats.cache == "cold" and "No such file" in r.stats.reuse_note
+
+
+def test_normal_exit_flushes_without_close(tmp_path, python_env):
+    code = (
+        "import sys, agentkv\n"
+        "eng = agentkv.Engine(cache_dir=sys.argv[1])\n"
+        "eng.chat('exit', [{'role': 'user', 'content': 'Hello there'}], max_tokens=6)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "kv")],
+        env=python_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    from agentkv import Engine
+
+    with Engine(cache_dir=tmp_path / "kv", warmup=False) as eng:
+        history = eng.history("exit")
+        assert [m["role"] for m in history] == ["user", "assistant"]
+        r = eng.chat("exit", history + [{"role": "user", "content": "Bye"}], max_tokens=6)
+    assert r.stats.cache == "warm" and r.stats.reused_tokens == r.stats.stored_tokens > 0
+
+
+def test_sampling_with_temperature_and_top_p(engine):
+    messages = [{"role": "user", "content": "Write one word."}]
+    r = engine.chat("sampler", messages, max_tokens=8, temperature=0.9, top_p=0.9)
+    assert r.stats.generated_tokens >= 1 and r.finish_reason in ("stop", "length")
 
 
 def test_state_of_another_model_is_named_not_used(fresh_engine):
