@@ -7,6 +7,8 @@
 #include <mlx/version.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -19,8 +21,11 @@
 
 #include "core/block_io.h"
 #include "core/checksum.h"
+#include "core/gemm.h"
 #include "core/mapping_cache.h"
 #include "core/store_error.h"
+#include "kernels_cpu.h"
+#include "ops.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -216,6 +221,7 @@ nb::dict build_info() {
                              std::to_string(NB_VERSION_MINOR) + "." +
                              std::to_string(NB_VERSION_PATCH);
   info["crc32c"] = agentkv::crc32c_implementation();
+  info["gemm"] = agentkv::gemm_implementation();
 #ifdef NDEBUG
   info["build_type"] = "release";
 #else
@@ -255,6 +261,14 @@ NB_MODULE(_ext, m) {
   m.def(
       "mapped_bytes", [] { return agentkv::mapping_cache().mapped_bytes(); },
       "Bytes of segment files currently mapped by the loader's cache.");
+  m.def("kernel_gather", &agentkv::kernels::gather, "blocks"_a, "table"_a, "metas"_a,
+        "threads"_a = 2, "kernels/gather.metal on CPU, for many outputs at once.");
+  m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
+        "kernels/merge.metal on CPU, for many outputs at once.");
+  m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,
+        "kernels/extract.metal on CPU, for many outputs at once.");
+  m.def("invariant_linear", &agentkv::ops::invariant_linear, "x"_a, "w"_a, "bias"_a = nb::none(),
+        "x @ w.T (+ bias), float32 on CPU, with results independent of the batch.");
   m.def("build_info", &build_info,
         "Compiler, MLX and nanobind versions this extension was built with.");
   m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0,

@@ -8,11 +8,18 @@ with an ``agentkv_attention`` method (``AgentKVCache``) runs its own attention;
 every other cache takes mlx-lm's path unchanged. Model modules bind the
 function by name at import, so each loaded ``mlx_lm.models.*`` module is
 rebound too; call it again after importing a new model architecture.
+
+``make_batch_invariant`` swaps a model's float32 linear layers (and a tied
+embedding's output projection) for agentkv's batch-invariant GEMM on CPU, so
+a row's result does not depend on which other rows share the matmul.
 """
 
 from __future__ import annotations
 
 import sys
+
+import mlx.core as mx
+import mlx.nn as nn
 
 _ORIGINAL = "__agentkv_original__"
 
@@ -39,3 +46,34 @@ def install_attention_dispatch() -> None:
         if name.startswith("mlx_lm.models.") and module is not None:
             if getattr(module, "scaled_dot_product_attention", None) is original:
                 module.scaled_dot_product_attention = current
+
+
+class InvariantLinear(nn.Linear):
+    """A float32 linear layer on agentkv's batch-invariant GEMM (same weights, in place)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from . import _ext
+
+        return _ext.invariant_linear(x, self.weight, self.get("bias"))
+
+
+class InvariantTiedEmbedding(nn.Embedding):
+    """An embedding whose output projection (tied lm_head) is batch-invariant."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        from . import _ext
+
+        return _ext.invariant_linear(x, self.weight)
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Route float32 ``nn.Linear`` layers (and tied output embeddings) through agentkv's
+    batch-invariant GEMM; the modules keep their weights. Returns how many were switched."""
+    switched = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.Linear and module.weight.dtype == mx.float32:
+            module.__class__ = InvariantLinear
+            switched += 1
+        elif type(module) is nn.Embedding and module.weight.dtype == mx.float32:
+            module.__class__ = InvariantTiedEmbedding
+    return switched

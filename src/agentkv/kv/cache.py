@@ -65,9 +65,8 @@ class AgentKVCache:
     ) -> AgentKVCache:
         """Wrap loaded component arrays (keys' components first, then values')."""
         cache = cls(quant, window=window)
-        n_keys = 1 if quant.key_bits == 16 else 3
-        cache.keys = tuple(components[:n_keys])
-        cache.values = tuple(components[n_keys:])
+        cache.keys = tuple(components[: quant.key_parts])
+        cache.values = tuple(components[quant.key_parts :])
         cache.offset = offset
         cache.start = start
         return cache
@@ -183,34 +182,39 @@ class AgentKVCache:
         """The component arrays at full capacity, keys' first (storage order)."""
         return [] if self.keys is None else [*self.keys, *self.values]
 
+    @classmethod
+    def merge(cls, caches):
+        """One left-padded batch of these caches (mlx-lm calls this to batch a layer)."""
+        from .batch import BatchQuantizedKVCache
+
+        return BatchQuantizedKVCache.merge(caches)
+
     @property
     def state(self):
-        keys, values = self.keys_and_values()
-        return (*keys, *values)
+        """mlx-lm 0.32.2's convention: arrays and scalars in one tuple (see mlx_adapter)."""
+        keys, values = self.keys_and_values() if self.keys is not None else (None, None)
+        q = self.quant
+        return (
+            keys,
+            values,
+            self.offset,
+            self.start,
+            self.window or 0,
+            q.key_bits,
+            q.value_bits,
+            q.group_size,
+        )
 
     @state.setter
-    def state(self, arrays):
-        n_keys = 1 if self.quant.key_bits == 16 else 3
-        self.keys = tuple(arrays[:n_keys])
-        self.values = tuple(arrays[n_keys:])
-        self.offset = self.start + self.keys[0].shape[2]
-
-    @property
-    def meta_state(self):
-        q = self.quant
-        window = -1 if self.window is None else self.window
-        return tuple(
-            str(v)
-            for v in (self.offset, self.start, window, q.key_bits, q.value_bits, q.group_size)
-        )
+    def state(self, v):
+        keys, values, self.offset, self.start, window, *bits = v
+        self.quant = KVQuant(*bits)
+        self.window = window or None
+        self.keys = tuple(keys) if keys is not None else None
+        self.values = tuple(values) if values is not None else None
 
     @classmethod
-    def from_state(cls, state, meta_state) -> AgentKVCache:
-        offset, start, window, key_bits, value_bits, group_size = (int(v) for v in meta_state)
-        cache = cls(
-            KVQuant(key_bits, value_bits, group_size), window=None if window < 0 else window
-        )
-        cache.start = start
-        cache.state = state
-        cache.offset = offset
-        return cache
+    def from_state(cls, state) -> AgentKVCache:
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj

@@ -68,6 +68,11 @@ class KVQuant:
         )
 
     @property
+    def key_parts(self) -> int:
+        """Components of the keys: 1 (float16) or 3 (words, scales, biases)."""
+        return 1 if self.key_bits == FLOAT_BITS else 3
+
+    @property
     def label(self) -> str:
         """Short name: ``q4``, ``q8``, ``fp16``, ``k8v4``..."""
         if self.key_bits == self.value_bits:

@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelImportError
-from ..mlx_adapter import install_attention_dispatch
+from ..mlx_adapter import install_attention_dispatch, make_batch_invariant
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from .gguf import import_gguf, read_import_info
 from .spec import ModelCacheSpec
@@ -141,7 +141,7 @@ def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
         raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
     if mx.default_device() == mx.cpu:
         _prepare_for_cpu(mlx_model)
-        mx.eval(mlx_model.parameters())
+        make_batch_invariant(mlx_model)
     install_attention_dispatch()
     path = Path(target)
     weights_id = weights_identity(path) if path.exists() else f"hub:{target}"

@@ -1,0 +1,134 @@
+"""Q4 cache kernels: gather (blocks -> contiguous), merge (caches -> left-padded
+batch), extract (batch row -> one agent), on every backend from one source.
+
+Each kernel body is written once in ``kernels/*.metal`` (installed as
+``agentkv/_kernel_sources``) in the C++ subset that Metal, CUDA and host C++
+share. It runs through ``mx.fast.metal_kernel`` on Metal, ``mx.fast.cuda_kernel``
+on CUDA, and on CPU through the C++ extension, which compiles the same files
+through ``kernels/shim.h``. ``reference`` is the same operation in plain MLX ops.
+
+The backend is picked at run time (the default device's: metal, cuda, else
+cpu) and can be forced with ``use_backend(name)``, ``set_backend(name)`` or
+``AGENTKV_KERNELS=<name>``. Kernels only move bits: float16 components travel
+as uint16 units, uint32 as uint32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from ..errors import InvalidRequestError
+from . import cpu, gpu, reference
+from .types import BlockTable, Geometry, RowSource
+
+__all__ = [
+    "BACKENDS",
+    "BlockTable",
+    "Geometry",
+    "RowSource",
+    "available_backends",
+    "backend",
+    "extract",
+    "gather",
+    "merge",
+    "set_backend",
+    "use_backend",
+]
+
+BACKENDS = ("metal", "cuda", "cpu", "reference")
+ENV = "AGENTKV_KERNELS"
+_forced: str | None = None
+
+
+def available_backends() -> list[str]:
+    names = []
+    if gpu.metal_available():
+        names.append("metal")
+    if gpu.cuda_available():
+        names.append("cuda")
+    return names + ["cpu", "reference"]
+
+
+def _check(name: str) -> str:
+    if name not in BACKENDS:
+        raise InvalidRequestError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
+    if name not in available_backends():
+        raise InvalidRequestError(f"kernel backend {name!r} is not available on this machine")
+    return name
+
+
+def backend() -> str:
+    """The backend the next kernel call runs on."""
+    forced = _forced or os.environ.get(ENV)
+    if forced:
+        return _check(forced)
+    if mx.default_device() == mx.gpu:
+        if gpu.metal_available():
+            return "metal"
+        if gpu.cuda_available():
+            return "cuda"
+    return "cpu"
+
+
+def set_backend(name: str | None) -> None:
+    """Force a backend for every later call (None: pick by device again)."""
+    global _forced
+    _forced = None if name is None else _check(name)
+
+
+@contextmanager
+def use_backend(name: str):
+    global _forced
+    previous = _forced
+    _forced = _check(name)
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _impl():
+    name = backend()
+    if name == "reference":
+        return reference
+    if name == "cpu":
+        return cpu
+    return gpu.for_backend(name)
+
+
+def gather(
+    regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
+) -> list[tuple[mx.array, ...]]:
+    """Stored block regions (bytes, back to back) -> per layer, contiguous components.
+
+    ``table`` locates each block's region; the first ``length`` tokens are
+    laid out as ``[1, heads, capacity, width]`` arrays, rows past ``length`` zero.
+    """
+    if length > capacity or length > len(table.tokens) * 256:
+        raise InvalidRequestError("gather: length exceeds the capacity or the blocks")
+    return _impl().gather(regions, table, geometry, length=length, capacity=capacity)
+
+
+def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:
+    """Rows of several caches -> one left-padded batch ``[rows, heads, capacity, width]``.
+
+    Each source row's ``length`` tokens end at row ``used``; all else is zero.
+    """
+    if not sources:
+        raise InvalidRequestError("merge needs at least one source")
+    if any(s.length > used for s in sources) or used > capacity:
+        raise InvalidRequestError("merge: a row is longer than `used`, or `used` > capacity")
+    return _impl().merge(sources, used=used, capacity=capacity)
+
+
+def extract(
+    batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
+) -> tuple[mx.array, ...]:
+    """One batch row's ``length`` tokens from ``first`` -> ``[1, heads, capacity, width]``."""
+    if length > capacity:
+        raise InvalidRequestError("extract: length exceeds capacity")
+    return _impl().extract(batch, row=row, first=first, length=length, capacity=capacity)

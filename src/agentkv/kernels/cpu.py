@@ -1,0 +1,73 @@
+"""The kernels on CPU: kernels/*.metal compiled into the extension through kernels/shim.h."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .. import _ext
+from .types import BlockTable, Geometry, RowSource, as_units, from_units
+
+THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def gather(
+    regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
+) -> list[tuple[mx.array, ...]]:
+    units = mx.view(regions, mx.uint16)
+    rows = mx.array(
+        [v for pair in zip((o // 2 for o in table.offsets), table.tokens) for v in pair],
+        dtype=mx.int32,
+    )
+    n_blocks = min(len(table.tokens), (length + 255) // 256)
+    metas = [
+        (geometry.plane_offset(layer, i), c.heads, c.row_bytes // 2, length, capacity, 0, n_blocks)
+        for layer in range(geometry.layers)
+        for i, c in enumerate(geometry.components)
+    ]
+    flat = _ext.kernel_gather(units, rows, metas, THREADS)
+    n = len(geometry.components)
+    dtypes = [
+        mx.uint32 if c.dtype == "uint32" else getattr(mx, c.dtype) for c in geometry.components
+    ]
+    return [
+        tuple(from_units(flat[layer * n + i], dtypes[i]) for i in range(n))
+        for layer in range(geometry.layers)
+    ]
+
+
+def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:
+    arrays = [s.arrays for s in sources]
+    unique: list[tuple] = []
+    index_of: dict[int, int] = {}
+    for a in arrays:
+        key = id(a[0])
+        if key not in index_of:
+            index_of[key] = len(unique)
+            unique.append(a)
+    rows = mx.array(
+        [
+            [index_of[id(s.arrays[0])], s.row, s.first, s.length, s.arrays[0].shape[2]]
+            for s in sources
+        ],
+        dtype=mx.int32,
+    )
+    per_output = []
+    dims = []
+    for k in range(len(sources[0].arrays)):
+        per_output.append([as_units(a[k]) for a in unique])
+        units = per_output[-1][0]
+        dims.append((units.shape[1], units.shape[3], used, capacity, 0))
+    out = _ext.kernel_merge(per_output, rows, dims, THREADS)
+    return tuple(from_units(o, a.dtype) for o, a in zip(out, sources[0].arrays))
+
+
+def extract(
+    batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
+) -> tuple[mx.array, ...]:
+    units = [as_units(a) for a in batch]
+    metas = [(row, first, length, u.shape[1], u.shape[3], u.shape[2], capacity) for u in units]
+    out = _ext.kernel_extract(units, metas, THREADS)
+    return tuple(from_units(o, a.dtype) for o, a in zip(out, batch))

@@ -1,0 +1,204 @@
+"""The Q4 kernels (kernels/*.metal) on CPU, bit for bit against the pure-MLX reference."""
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from agentkv import _ext, kernels
+from agentkv.errors import InvalidRequestError
+from agentkv.kernels import BlockTable, Geometry, RowSource
+from agentkv.kernels.types import as_units
+from agentkv.kv.quant import KVQuant
+
+formats = st.sampled_from(
+    [(4, 4, 32), (4, 4, 64), (4, 4, 128), (8, 8, 64), (8, 4, 64), (4, 16, 64)]
+)
+head_dims = st.sampled_from([64, 128, 256])
+
+
+def random_components(comps, rows, capacity, seed):
+    """Random bits for one layer: [rows, heads, capacity, width] per component."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in comps:
+        bits = rng.integers(
+            0,
+            2**32 if c.dtype == "uint32" else 2**16,
+            size=(rows, c.heads, capacity, c.width),
+            dtype=np.uint64,
+        )
+        dtype = np.uint32 if c.dtype == "uint32" else np.uint16
+        a = mx.array(bits.astype(dtype))
+        out.append(a if c.dtype == "uint32" else mx.view(a, mx.float16))
+    return tuple(out)
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(as_units(a), as_units(b))
+
+
+def both(fn):
+    with kernels.use_backend("cpu"):
+        ours = fn()
+    with kernels.use_backend("reference"):
+        theirs = fn()
+    return ours, theirs
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    fmt=formats, dim=head_dims, heads=st.integers(1, 4), agents=st.integers(1, 8), data=st.data()
+)
+def test_merge_matches_reference(fmt, dim, heads, agents, data):
+    assume(dim % fmt[2] == 0)
+    comps = KVQuant(*fmt).components(heads, dim, dim)
+    lengths = data.draw(st.lists(st.integers(0, 700), min_size=agents, max_size=agents))
+    caches = [random_components(comps, 1, n + 37, seed=i) for i, n in enumerate(lengths)]
+    used = max(lengths)
+    capacity = used + data.draw(st.integers(0, 300))
+    sources = [RowSource(c, 0, 0, n) for c, n in zip(caches, lengths)]
+    ours, theirs = both(lambda: kernels.merge(sources, used=used, capacity=capacity))
+    for a, b in zip(ours, theirs):
+        assert bits_equal(a, b)
+    # and the rows landed where they belong, right-aligned to `used`
+    for i, (c, n) in enumerate(zip(caches, lengths)):
+        assert bits_equal(ours[0][i : i + 1, :, used - n : used], c[0][:, :, :n])
+
+
+@settings(max_examples=25, deadline=None)
+@given(fmt=formats, dim=head_dims, heads=st.integers(1, 3), rows=st.integers(1, 8), data=st.data())
+def test_extract_and_rebatch_match_reference(fmt, dim, heads, rows, data):
+    assume(dim % fmt[2] == 0)
+    comps = KVQuant(*fmt).components(heads, dim, dim)
+    capacity = data.draw(st.integers(1, 900))
+    batch = random_components(comps, rows, capacity, seed=rows)
+    row = data.draw(st.integers(0, rows - 1))
+    first = data.draw(st.integers(0, capacity - 1))
+    length = data.draw(st.integers(0, capacity - first))
+    out_capacity = length + data.draw(st.integers(0, 300))
+    ours, theirs = both(
+        lambda: kernels.extract(batch, row=row, first=first, length=length, capacity=out_capacity)
+    )
+    for a, b in zip(ours, theirs):
+        assert bits_equal(a, b)
+    # merge also takes rows of a batch (extend / filter)
+    keep = sorted(set(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=rows))))
+    sources = [RowSource(batch, r, first, length) for r in keep]
+    ours, theirs = both(lambda: kernels.merge(sources, used=length, capacity=out_capacity))
+    for a, b in zip(ours, theirs):
+        assert bits_equal(a, b)
+
+
+def packed_regions(comps, layers, tokens, seed):
+    """Block regions as the store writes them, and the caches they came from."""
+    caches = [
+        random_components(comps, 1, ((tokens + 255) // 256) * 256 + 256, seed + i)
+        for i in range(layers)
+    ]
+    arrays = [x for layer in caches for x in layer]
+    packed, records = _ext.pack_blocks(
+        arrays,
+        layers,
+        256,
+        [(c.heads, c.width, c.dtype) for c in comps],
+        0,
+        tokens,
+        [(0, arrays[0].shape[2])] * layers,
+    )
+    table = BlockTable(tuple(r[1] for r in records), tuple(r[4] for r in records))
+    return mx.array(packed), table, caches
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    fmt=formats,
+    dim=head_dims,
+    heads=st.integers(1, 3),
+    layers=st.integers(1, 3),
+    tokens=st.integers(1, 800),
+    data=st.data(),
+)
+def test_gather_matches_reference_and_the_source(fmt, dim, heads, layers, tokens, data):
+    assume(dim % fmt[2] == 0)
+    comps = KVQuant(*fmt).components(heads, dim, dim)
+    regions, table, caches = packed_regions(comps, layers, tokens, seed=tokens)
+    geometry = Geometry(layers, tuple(comps))
+    length = data.draw(st.integers(0, tokens))
+    capacity = length + data.draw(st.integers(0, 300))
+    ours, theirs = both(
+        lambda: kernels.gather(regions, table, geometry, length=length, capacity=capacity)
+    )
+    for layer in range(layers):
+        for a, b, src in zip(ours[layer], theirs[layer], caches[layer]):
+            assert bits_equal(a, b)
+            assert bits_equal(a[:, :, :length], src[:, :, :length])
+
+
+def test_backend_selection():
+    assert kernels.backend() == "cpu"
+    assert {"cpu", "reference"} <= set(kernels.available_backends())
+    with kernels.use_backend("reference"):
+        assert kernels.backend() == "reference"
+    assert kernels.backend() == "cpu"
+    with pytest.raises(InvalidRequestError, match="unknown kernel backend"):
+        kernels.set_backend("opencl")
+    if "metal" not in kernels.available_backends():
+        with pytest.raises(InvalidRequestError, match="not available"):
+            kernels.set_backend("metal")
+
+
+def test_bad_merge_rows_are_refused_not_read_out_of_bounds():
+    comps = KVQuant().components(1, 64, 64)
+    cache = random_components(comps, 1, 10, seed=0)
+    with pytest.raises(InvalidRequestError):
+        kernels.merge([RowSource(cache, 0, 0, 20)], used=10, capacity=20)
+    with pytest.raises(ValueError, match="does not fit its source"):
+        kernels.merge([RowSource(cache, 0, 5, 8)], used=8, capacity=20)
+
+
+CUDA_TEMPLATE = """
+#include <cstdint>
+template <typename T>
+__global__ void gather(const T* blocks, const int* table, const int* meta, T* out) {{
+{preamble}{gather}
+}}
+template <typename T>
+__global__ void merge(const T* src0, const T* src1, const int* rows, const int* dims, T* out) {{
+{preamble}const T* srcs[2] = {{src0, src1}};
+{merge}
+}}
+template <typename T>
+__global__ void extract(const T* batch, const int* meta, const int* dims, T* out) {{
+{preamble}{extract}
+}}
+template __global__ void gather<uint16_t>(const uint16_t*, const int*, const int*, uint16_t*);
+template __global__ void merge<uint32_t>(const uint32_t*, const uint32_t*, const int*, const int*,
+                                         uint32_t*);
+template __global__ void extract<uint16_t>(const uint16_t*, const int*, const int*, uint16_t*);
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles; runs no GPU)")
+def test_the_same_bodies_compile_as_cuda(tmp_path):
+    from agentkv.kernels import gpu
+
+    source = CUDA_TEMPLATE.format(
+        preamble=gpu.CUDA_THREAD_ID,
+        gather=gpu.body("gather"),
+        merge=gpu.body("merge"),
+        extract=gpu.body("extract"),
+    )
+    path = tmp_path / "kernels.cu"
+    path.write_text(source)
+    out = subprocess.run(
+        ["nvcc", "-c", "-o", str(tmp_path / "kernels.o"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
