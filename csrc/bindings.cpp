@@ -14,15 +14,18 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/block_io.h"
 #include "core/checksum.h"
 #include "core/gemm.h"
 #include "core/mapping_cache.h"
+#include "core/parallel.h"
 #include "core/store_error.h"
 #include "kernels_cpu.h"
 #include "ops.h"
@@ -40,17 +43,16 @@ using BlockArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t>;
 using SpanArg = std::tuple<uint64_t, uint64_t>;
 
 mx::Dtype dtype_from_name(const std::string& name) {
-  if (name == "uint32")
-    return mx::uint32;
-  if (name == "uint8")
-    return mx::uint8;
-  if (name == "float16")
-    return mx::float16;
-  if (name == "bfloat16")
-    return mx::bfloat16;
-  if (name == "float32")
-    return mx::float32;
-  throw nb::value_error(("unsupported component dtype " + name).c_str());
+  static const std::unordered_map<std::string, mx::Dtype> dtypes = {
+      {"bool", mx::bool_},      {"uint8", mx::uint8},       {"uint16", mx::uint16},
+      {"uint32", mx::uint32},   {"uint64", mx::uint64},     {"int8", mx::int8},
+      {"int16", mx::int16},     {"int32", mx::int32},       {"int64", mx::int64},
+      {"float16", mx::float16}, {"bfloat16", mx::bfloat16}, {"float32", mx::float32}};
+  auto it = dtypes.find(name);
+  if (it == dtypes.end()) {
+    throw nb::value_error(("unsupported dtype " + name).c_str());
+  }
+  return it->second;
 }
 
 struct Layout {
@@ -206,6 +208,66 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> 
   return {nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, 1, shape, owner), records};
 }
 
+// Tensors of any safetensors file into new MLX arrays, one copy each from the
+// (cached) mmap of the file. A tensor of 2+ dims may get `capacity` rows on its
+// second-to-last axis (>= its own; the extra rows are zero) so a cache loaded
+// from it can grow without copying itself at the next step.
+using TensorArg = std::tuple<uint64_t, uint64_t, std::vector<int>, std::string, int>;
+
+std::vector<mx::array> load_tensors(const std::string& path, uint64_t data_start,
+                                    const std::vector<TensorArg>& tensors, int threads) {
+  auto file = agentkv::mapping_cache().open(path);
+  std::vector<mx::array> arrays;
+  std::vector<std::function<void()>> copies;
+  for (const auto& [offset, nbytes, shape, dtype_name, capacity] : tensors) {
+    const mx::Dtype dtype = dtype_from_name(dtype_name);
+    uint64_t count = 1;
+    for (int d : shape) {
+      if (d < 0) {
+        throw agentkv::StoreError(path, "negative tensor dimension");
+      }
+      count *= static_cast<uint64_t>(d);
+    }
+    if (count * dtype.size() != nbytes || data_start + offset < data_start ||
+        data_start + offset + nbytes > file->size()) {
+      throw agentkv::StoreError(path, "a tensor lies outside the file or has the wrong size");
+    }
+    mx::Shape out_shape(shape.begin(), shape.end());
+    int rows = 0;
+    if (shape.size() >= 2 && capacity > shape[shape.size() - 2]) {
+      rows = shape[shape.size() - 2];
+      out_shape[out_shape.size() - 2] = capacity;
+    }
+    uint64_t out_count = 1;
+    for (int d : out_shape) {
+      out_count *= static_cast<uint64_t>(d);
+    }
+    auto data = mx::allocator::malloc(std::max<uint64_t>(out_count * dtype.size(), 1));
+    auto* dst = static_cast<uint8_t*>(data.buffer().raw_ptr());
+    const uint8_t* src = file->data() + data_start + offset;
+    arrays.emplace_back(std::move(data), out_shape, dtype);
+    if (rows == 0) {
+      copies.emplace_back([=] { std::memcpy(dst, src, nbytes); });
+      continue;
+    }
+    const uint64_t row_bytes = static_cast<uint64_t>(shape.back()) * dtype.size();
+    const uint64_t planes = count / (static_cast<uint64_t>(rows) * shape.back());
+    const uint64_t plane_in = rows * row_bytes;
+    const uint64_t plane_out = static_cast<uint64_t>(capacity) * row_bytes;
+    copies.emplace_back([=] {
+      for (uint64_t p = 0; p < planes; ++p) {
+        std::memcpy(dst + p * plane_out, src + p * plane_in, plane_in);
+        std::memset(dst + p * plane_out + plane_in, 0, plane_out - plane_in);
+      }
+    });
+  }
+  {
+    nb::gil_scoped_release release;
+    agentkv::parallel_for(copies.size(), threads, [&](size_t i) { copies[i](); });
+  }
+  return arrays;
+}
+
 nb::dict build_info() {
   nb::dict info;
 #if defined(__clang__)
@@ -269,6 +331,9 @@ NB_MODULE(_ext, m) {
         "kernels/extract.metal on CPU, for many outputs at once.");
   m.def("invariant_linear", &agentkv::ops::invariant_linear, "x"_a, "w"_a, "bias"_a = nb::none(),
         "x @ w.T (+ bias), float32 on CPU, with results independent of the batch.");
+  m.def(
+      "load_tensors", &load_tensors, "path"_a, "data_start"_a, "tensors"_a, "threads"_a = 2,
+      "Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.");
   m.def("build_info", &build_info,
         "Compiler, MLX and nanobind versions this extension was built with.");
   m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0,

@@ -18,6 +18,7 @@ from .errors import (
 )
 from .kv.cache import AgentKVCache
 from .kv.quant import KVQuant
+from .prompt_cache import load_prompt_cache, save_prompt_cache
 
 __version__ = "0.1.0"
 __all__ = [
@@ -35,4 +36,6 @@ __all__ = [
     "ModelImportError",
     "TurnStats",
     "__version__",
+    "load_prompt_cache",
+    "save_prompt_cache",
 ]

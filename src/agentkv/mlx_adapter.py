@@ -77,3 +77,88 @@ def make_batch_invariant(model: nn.Module) -> int:
         elif type(module) is nn.Embedding and module.weight.dtype == mx.float32:
             module.__class__ = InvariantTiedEmbedding
     return switched
+
+
+# -- mlx-lm 0.32.2 prompt-cache files ---------------------------------------------------
+# Tensors are tree_flatten([c.state for c in cache]) ("0.0.0", "0.2", ...); metadata is
+# tree_flatten([user metadata, class names, scalars]) where scalars = ["", (path, kind)...]
+# marks state entries stored as arrays but meant as Python scalars/strings/None.
+
+
+def to_mlx_lm_cache(cache):
+    """An mlx-lm cache object holding what ``cache`` holds (agentkv caches converted)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from .errors import InvalidRequestError
+    from .kv.cache import AgentKVCache
+
+    if not isinstance(cache, AgentKVCache):
+        if type(cache).__module__.startswith("agentkv"):
+            raise InvalidRequestError(f"{type(cache).__name__} has no mlx-lm equivalent")
+        return cache
+    if cache.start:
+        raise InvalidRequestError(
+            "this cache dropped the blocks its sliding window no longer sees; "
+            "mlx-lm's prompt-cache files cannot describe that"
+        )
+    q = cache.quant
+    keys, values = cache.keys_and_values() if cache.keys is not None else (None, None)
+    if q.key_bits == q.value_bits == 16:
+        out = KVCache()
+        out.keys, out.values = (keys[0], values[0]) if keys else (None, None)
+    elif q.key_bits == q.value_bits:
+        out = QuantizedKVCache(group_size=q.group_size, bits=q.key_bits)
+        out.keys, out.values = keys, values
+    else:
+        raise InvalidRequestError(
+            f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
+            f"{q.key_bits} and values at {q.value_bits} bits"
+        )
+    out.offset = cache.offset
+    return out
+
+
+def prompt_cache_class(name: str):
+    """The class a prompt-cache file names: mlx-lm's, or agentkv's own."""
+    import mlx_lm.models.cache as mlx_cache
+
+    from .kv.batch import BatchQuantizedKVCache
+    from .kv.cache import AgentKVCache
+
+    ours = {"AgentKVCache": AgentKVCache, "BatchQuantizedKVCache": BatchQuantizedKVCache}
+    cls = ours.get(name) or getattr(mlx_cache, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_state"):
+        raise ValueError(f"unknown cache class {name!r}")
+    return cls
+
+
+def split_prompt_cache_metadata(metadata: dict) -> tuple[dict, list[str], dict[str, str]]:
+    """(user metadata, class names, {tensor name: scalar kind}) of a prompt-cache file."""
+    from mlx.utils import tree_unflatten
+
+    user, classes, scalars = tree_unflatten(list(metadata.items()))
+    kinds = {pos: kind for pos, kind in scalars[1:]}
+    return user, list(classes), kinds
+
+
+def build_prompt_cache(arrays: dict, classes: list[str], kinds: dict[str, str]) -> list:
+    """Cache objects from a prompt-cache file's arrays, as mlx-lm's loader builds them."""
+    from mlx.utils import tree_unflatten
+
+    values = dict(arrays)
+    for pos, kind in kinds.items():
+        array = values[pos]
+        if kind == "scalar":
+            values[pos] = array.item()
+        elif kind == "string":
+            values[pos] = "".join(chr(i) for i in array.tolist())
+        elif kind == "none":
+            values[pos] = None
+        else:
+            raise ValueError(f"unknown scalar kind {kind!r}")
+    states = tree_unflatten(list(values.items()))
+    return [prompt_cache_class(c).from_state(state) for c, state in zip(classes, states)]
+
+
+# mlx-lm caches whose state starts (keys, values, offset, ...) over [B, H, T, D] buffers.
+GROWABLE_CACHES = ("KVCache", "QuantizedKVCache")

@@ -1,0 +1,144 @@
+"""mlx-lm's prompt-cache files, read faster and written safely.
+
+``save_prompt_cache`` / ``load_prompt_cache`` have mlx-lm's signatures and
+read and write mlx-lm's own format, so files users already have load as they
+are and files written here load in mlx-lm. Loading goes through agentkv's mmap
+loader (one copy per tensor, in parallel) instead of ``mx.load``, and gives a
+full ``KVCache``/``QuantizedKVCache`` one spare 256-row step so its first
+update after the load does not copy the whole cache. Saving writes a
+temporary file, fsyncs it and renames it into place. agentkv caches are
+written as the mlx-lm class holding the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from . import _ext, mlx_adapter
+from .errors import CacheFormatError
+from .paths import fsync_dir
+from .store.format import read_header
+
+STEP = 256
+LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
+_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+}
+_NUMPY = {
+    "bool": np.bool_,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "uint32": np.uint32,
+    "int32": np.int32,
+    "uint64": np.uint64,
+    "int64": np.int64,
+    "float16": np.float16,
+    "float32": np.float32,
+}
+
+
+def _target(file_name) -> Path:
+    name = str(file_name)
+    return Path(name if name.endswith(".safetensors") else name + ".safetensors")
+
+
+def save_prompt_cache(file_name, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """Save a prompt cache in mlx-lm's format (crash-safe: temp file, fsync, rename)."""
+    from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
+
+    caches = [mlx_adapter.to_mlx_lm_cache(c) for c in cache]
+    target = _target(file_name)
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp.safetensors")
+    try:
+        mlx_lm_save(str(tmp), caches, metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(target.parent)
+
+
+def load_prompt_cache(file_name, return_metadata: bool = False):
+    """Load a prompt cache written by mlx-lm (or by ``save_prompt_cache``)."""
+    path = Path(file_name)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CacheFormatError(path, "file is shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        header, data_start = read_header(head + f.read(min(length, 64 << 20)), path)
+    try:
+        user, classes, kinds = mlx_adapter.split_prompt_cache_metadata(
+            header.pop("__metadata__", {})
+        )
+        tensors = {name: _spec(name, info) for name, info in header.items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(path, f"not an mlx-lm prompt cache ({exc})") from None
+
+    # Small tensors (scalars: offsets, bits...) first, straight from the file.
+    scalars = {n: t for n, t in tensors.items() if not t[2]}
+    with open(path, "rb") as f:
+        small = {}
+        for name, (offset, nbytes, shape, dtype) in scalars.items():
+            f.seek(data_start + offset)
+            small[name] = np.frombuffer(f.read(nbytes), dtype=_NUMPY[dtype]).reshape(shape)
+    big = {n: t for n, t in tensors.items() if t[2]}
+    names = list(big)
+    specs = [(*big[n], _capacity(n, big[n][2], classes, small)) for n in names]
+    try:
+        loaded = _ext.load_tensors(str(path), data_start, specs, LOAD_THREADS)
+    except ValueError as exc:
+        raise CacheFormatError(path, str(exc)) from None
+    import mlx.core as mx
+
+    arrays = {n: mx.array(a) for n, a in small.items()} | dict(zip(names, loaded))
+    try:
+        caches = mlx_adapter.build_prompt_cache(arrays, classes, kinds)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(path, f"cannot rebuild the caches ({exc})") from None
+    return (caches, user) if return_metadata else caches
+
+
+def _spec(name: str, info: dict) -> tuple[int, int, list[int], str]:
+    start, end = (int(v) for v in info["data_offsets"])
+    dtype = _DTYPES[info["dtype"]]
+    shape = [int(d) for d in info["shape"]]
+    if end < start:
+        raise ValueError(f"tensor {name} has negative size")
+    return start, end - start, shape, dtype
+
+
+def _capacity(name: str, shape: list[int], classes: list[str], small: dict) -> int:
+    """Rows to allocate on axis -2: one spare step for a full KVCache/QuantizedKVCache buffer."""
+    parts = name.split(".")
+    if len(shape) != 4 or len(parts) < 2 or parts[1] not in ("0", "1"):
+        return -1
+    index = int(parts[0])
+    if index >= len(classes) or classes[index] not in mlx_adapter.GROWABLE_CACHES:
+        return -1
+    offset = small.get(f"{index}.2")
+    rows = shape[2]
+    if offset is None or int(offset) < rows:
+        return -1
+    return rows + STEP

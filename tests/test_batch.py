@@ -1,0 +1,113 @@
+"""BatchQuantizedKVCache: mlx-lm's BatchGenerator batching agentkv Q4 caches."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import held_arrays, positional_caches, synthetic_spec
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from agentkv.kv.batch import BatchQuantizedKVCache
+from agentkv.kv.cache import AgentKVCache
+from agentkv.kv.quant import KVQuant
+
+CONTEXTS = [
+    "The history of the harbour town begins with a fire. " * 12,
+    "Once upon a time in a small village there lived a baker who",
+    "Python is a programming language that " * 30,
+    "Notes: ",
+]
+FOLLOW = [" Then", " and the bread", " It is used", " the meeting"]
+
+
+@pytest.fixture(scope="module")
+def model_and_caches(engine):
+    model, tok = engine.loaded.model, engine.loaded.tokenizer
+    caches = []
+    for text in CONTEXTS:
+        layer_caches = [AgentKVCache(KVQuant()) for _ in model.layers]
+        model(mx.array([tok.encode(text)]), cache=layer_caches)
+        mx.eval([c.components for c in layer_caches])
+        caches.append(layer_caches)
+    return model, tok, caches
+
+
+def copies(layer_caches):
+    return [AgentKVCache.from_state(c.state) for c in layer_caches]
+
+
+def solo_tokens(model, tok, caches, follow, steps=32):
+    ids = tok.encode(follow, add_special_tokens=False)
+    stream = generate_step(mx.array(ids), model, prompt_cache=copies(caches), max_tokens=steps)
+    return [int(t) for (t, _), _ in zip(stream, range(steps))]
+
+
+@pytest.mark.parametrize("agents", [2, 3, 4])
+def test_batch_generator_equals_each_agent_alone(model_and_caches, agents):
+    model, tok, caches = model_and_caches
+    assert len({c[0].offset for c in caches[:agents]}) == agents  # unequal lengths
+    alone = [solo_tokens(model, tok, caches[i], FOLLOW[i]) for i in range(agents)]
+    gen = BatchGenerator(model, max_tokens=32)
+    uids = gen.insert(
+        [tok.encode(f, add_special_tokens=False) for f in FOLLOW[:agents]],
+        max_tokens=[32] * agents,
+        caches=[copies(c) for c in caches[:agents]],
+    )
+    got = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    assert [got[u] for u in uids] == alone
+
+
+def test_the_batch_stays_quantized_and_rows_come_back_exactly():
+    spec = synthetic_spec(layers=1, heads=2)
+    rows = [positional_caches(spec, n)[0] for n in (300, 17, 0, 512)]
+    batch = AgentKVCache.merge(rows)
+    assert isinstance(batch, BatchQuantizedKVCache)
+    assert [x.dtype for x in batch.keys] == [mx.uint32, mx.float16, mx.float16]
+    assert batch.left_padding.tolist() == [212, 495, 512, 0]
+    assert batch.offset.tolist() == [300, 17, 0, 512]
+    for i, original in enumerate(rows):
+        back = batch.extract(i)
+        assert (back.offset, back.start, back.held) == (original.offset, 0, original.held)
+        if original.held:
+            for x, y in zip(held_arrays(original), held_arrays(back)):
+                assert np.array_equal(x, y)
+
+
+def test_update_filter_extend_and_mask():
+    spec = synthetic_spec(layers=1, heads=2)
+    a, b = (positional_caches(spec, n)[0] for n in (40, 10))
+    batch = BatchQuantizedKVCache.merge([a, b])
+    mask = batch.make_mask(3)
+    assert mask.shape == (2, 1, 3, 43)
+    assert not mask[1, 0, 0, :30].any().item() and mask[1, 0, 0, 30:41].all().item()
+    new = mx.random.normal((2, 2, 3, 64))
+    keys, _ = batch.update_and_fetch(new, new)
+    assert keys[0].shape[2] == 43 and batch.offset.tolist() == [43, 13]
+    solo = AgentKVCache.from_state(b.state)
+    solo.update_and_fetch(new[1:], new[1:])
+    for x, y in zip(held_arrays(solo), held_arrays(batch.extract(1))):
+        assert np.array_equal(x, y)
+    batch.filter([1])  # the padding row 0 needed is dropped with it
+    assert batch.left_padding.tolist() == [0] and batch.size() == 13
+    other = BatchQuantizedKVCache.merge([positional_caches(spec, 20)[0]])
+    batch.extend(other)
+    assert batch.left_padding.tolist() == [7, 0] and batch.offset.tolist() == [13, 20]
+    for x, y in zip(held_arrays(solo), held_arrays(batch.extract(0))):
+        assert np.array_equal(x, y)
+
+
+def test_state_round_trip_then_one_more_step_is_identical():
+    spec = synthetic_spec(layers=1, heads=2)
+    batch = AgentKVCache.merge([positional_caches(spec, n)[0] for n in (33, 70)])
+    clone = BatchQuantizedKVCache.from_state(batch.state)
+    step = mx.random.normal((2, 2, 1, 64))
+    k1, v1 = batch.update_and_fetch(step, step)
+    k2, v2 = clone.update_and_fetch(step, step)
+    for x, y in zip((*k1, *v1), (*k2, *v2)):
+        assert mx.array_equal(x, y)
+    single = positional_caches(spec, 33)[0]
+    again = AgentKVCache.from_state(single.state)
+    for x, y in zip(held_arrays(single), held_arrays(again)):
+        assert np.array_equal(x, y)
