@@ -358,3 +358,41 @@ def test_agent_keeps_its_stored_format_and_history(fresh_engine, tmp_path):
     assert r2.stats.cache == "warm" and r2.stats.kv_format == "q4"
     fresh = eng8.chat("fmt8", messages, max_tokens=6)
     assert fresh.stats.kv_format == "q8"
+
+
+def test_chat_many_equals_each_turn_alone_and_resumes_like_it(fresh_engine, tmp_path):
+    eng = fresh_engine()
+    turns = [
+        ("many-a", convo("Who writes the tests?")),
+        ("many-b", [{"role": "user", "content": "Name three rivers."}]),
+        ("many-c", [{"role": "user", "content": "Count to five."}]),
+    ]
+    batched = eng.chat_many(turns, max_tokens=16)
+    alone = [eng.chat(f"{agent}-alone", messages, max_tokens=16) for agent, messages in turns]
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    assert all(r.stats.cache == "cold" for r in batched)
+    eng.flush()
+    shutil.copytree(eng.store.root, tmp_path / "copy")
+    follow = [
+        (
+            agent,
+            messages
+            + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "And then?"}],
+        )
+        for (agent, messages), r in zip(turns, batched)
+    ]
+    hot = eng.chat_many(follow, max_tokens=12)
+    assert all(r.stats.cache == "hot" and r.stats.match == "extend" for r in hot)
+    eng.close()
+    warm_engine = fresh_engine(cache_dir=tmp_path / "copy")
+    warm = warm_engine.chat_many(follow, max_tokens=12)
+    assert all(r.stats.cache == "warm" for r in warm)
+    assert [r.tokens for r in warm] == [r.tokens for r in hot]
+
+
+def test_chat_many_runs_turns_of_one_agent_in_order(engine):
+    first = [{"role": "user", "content": "Say a colour."}]
+    results = engine.chat_many([("same", first), ("same", first)], max_tokens=6)
+    assert results[0].stats.cache == "cold"
+    assert results[1].stats.stored_tokens > results[0].stats.prompt_tokens
+    assert results[0].tokens == results[1].tokens

@@ -39,10 +39,11 @@ from ..store.format import BLOCK_TOKENS
 from ..store.writer import BackgroundWriter
 from ..text.matcher import DEFAULT_MIN_REUSE, MatchKind, match_prefix
 from ..text.tokens import TokenText
-from .generation import SamplingParams, prefill
+from .generation import SamplingParams, prefill_chunk
+from .job import DONE, Job, Resumed
 from .results import ChatResult
+from .scheduler import Scheduler
 from .state import AgentState
-from .turn import Resumed, Turn
 
 log = logging.getLogger("agentkv.engine")
 
@@ -114,7 +115,6 @@ class Engine:
         self.store = AgentStore(Path(cache_dir) if cache_dir else kv_dir(), spec, self.loaded.name)
         self.store.ensure_layout()
         self.writer = BackgroundWriter(self.store)
-        self.compute_lock = threading.RLock()
         self._registry = threading.Lock()
         self._agent_locks: dict[str, threading.Lock] = {}
         self._hot: OrderedDict[str, AgentState] = OrderedDict()
@@ -123,6 +123,7 @@ class Engine:
         self._closed = False
         if warmup:
             self._warmup()
+        self.scheduler = Scheduler(self)
 
     # -- public API -------------------------------------------------------------
 
@@ -151,7 +152,25 @@ class Engine:
         messages = validate_messages(messages)
         prompt = self.render_chat(messages)
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
-        return ChatStream(self._turn(validate_agent_id(agent_id), prompt, params, messages))
+        return self._stream(validate_agent_id(agent_id), prompt, params, messages)
+
+    def chat_many(self, turns, **options) -> list[ChatResult]:
+        """Run several agents' turns as one batch: ``turns`` is ``[(agent_id, messages), ...]``.
+
+        Each agent's cache is resumed and prefilled on its own, then all decode
+        together in one batch; results come back in order. Same tokens as
+        running each turn alone; turns of the same agent run one after another.
+        """
+        params = SamplingParams.create(**options)
+        jobs = []
+        for agent_id, messages in turns:
+            messages = validate_messages(messages)
+            prompt = self.render_chat(messages).encode("utf-8")
+            jobs.append(Job(validate_agent_id(agent_id), prompt, params, messages, stream=False))
+        self._check_open()
+        for job in jobs:
+            self.scheduler.submit(job)
+        return [job.wait() for job in jobs]
 
     def generate(self, agent_id: str, prompt: str, **options) -> ChatResult:
         """Continue raw text (no chat template): ``prompt`` is the agent's whole context."""
@@ -173,7 +192,7 @@ class Engine:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
-        return ChatStream(self._turn(validate_agent_id(agent_id), prompt, params, None))
+        return self._stream(validate_agent_id(agent_id), prompt, params, None)
 
     def render_chat(self, messages: list[dict]) -> str:
         tokenizer = self.loaded.tokenizer
@@ -248,9 +267,10 @@ class Engine:
         self.writer.flush()
 
     def close(self) -> None:
-        """Flush every agent's state to disk and stop the background writer."""
+        """Finish the turns in flight, flush every agent's state to disk, stop the threads."""
         if not self._closed:
             self._closed = True
+            self.scheduler.stop()
             self.writer.close()
 
     def __enter__(self) -> Engine:
@@ -265,25 +285,26 @@ class Engine:
         with self._registry:
             return self._agent_locks.setdefault(agent_id, threading.Lock())
 
-    def _turn(self, agent_id: str, prompt: str, params: SamplingParams, messages) -> Iterator[str]:
+    def _check_open(self) -> None:
         if self._closed:
             raise AgentKVError("the engine is closed")
-        started = time.perf_counter()
-        data = prompt.encode("utf-8")
-        with self._agent_lock(agent_id):
-            resumed = self._resume(agent_id, data)
-            turn = Turn(self, resumed, data, params, messages, started)
-            failed = True
+
+    def _stream(self, agent_id: str, prompt: str, params: SamplingParams, messages) -> ChatStream:
+        self._check_open()
+        job = Job(agent_id, prompt.encode("utf-8"), params, messages, stream=True)
+
+        def pieces() -> Iterator[str]:
+            self.scheduler.submit(job)
             try:
-                yield from turn.run()
-                failed = False
-            except GeneratorExit:
-                failed = False
-                raise
+                while (piece := job.pieces.get()) is not DONE:
+                    yield piece
             finally:
-                result = turn.finish(failed)
-                self._commit(turn.state, failed)
-        return result
+                if not job.done.is_set():  # the consumer walked away: stop the turn
+                    self.scheduler.cancel(job)
+                    job.done.wait()
+            return job.wait()
+
+        return ChatStream(pieces())
 
     def _resume(self, agent_id: str, prompt: bytes) -> Resumed:
         """Find the agent's state (memory, then disk), keep what matches, plan the prefill."""
@@ -424,18 +445,17 @@ class Engine:
                 held_from,
             )
             return
-        with self.compute_lock:
-            job = build_save_job(
-                self.spec,
-                agent_id,
-                state.caches,
-                tokens=state.tokens,
-                spans=state.spans,
-                text=state.text,
-                messages=state.messages,
-                first_block=first_block,
-                threads=PACK_THREADS,
-            )
+        job = build_save_job(
+            self.spec,
+            agent_id,
+            state.caches,
+            tokens=state.tokens,
+            spans=state.spans,
+            text=state.text,
+            messages=state.messages,
+            first_block=first_block,
+            threads=PACK_THREADS,
+        )
         self.writer.submit(job)
         self._saves[agent_id] = 1 if first_block == held_from else saves + 1
         state.durable = state.size
@@ -458,14 +478,7 @@ class Engine:
         """Run the model once on a scratch cache so the first real turn pays no one-time costs."""
         scratch = AgentState.empty("warmup", self.quant, self.spec.layers)
         ids = self.token_text.encode("Warm up the kernels.").ids or [0]
-        logits = prefill(
-            self.loaded.model,
-            scratch.caches,
-            ids,
-            max_chunk=self.prefill_chunk,
-            query_heads=self.query_heads,
-            lock=self.compute_lock,
-        )
+        logits = prefill_chunk(self.loaded.model, scratch.caches, ids, last=True)
         for _ in range(2):
             token = mx.argmax(logits, axis=-1)
             logits = self.loaded.model(token[:, None], cache=scratch.caches)[:, -1, :]

@@ -1,4 +1,4 @@
-"""Prefill in bounded chunks, sample, and decode with stop handling.
+"""Sampling parameters, prefill chunks and stop strings.
 
 Prefill runs in chunks with ``mx.eval`` of the cache between them, so the
 attention scores of one chunk over the whole context are the largest thing
@@ -108,63 +108,12 @@ class StopScanner:
         return out
 
 
-def prefill(model, caches, ids: list[int], *, max_chunk: int, query_heads: int, lock) -> mx.array:
-    """Feed ``ids`` into ``caches``; return the logits after the last one."""
-    offset = caches[0].offset
-    pos = 0
-    logits = None
-    sizes = plan_chunks(len(ids), offset, max_chunk=max_chunk, query_heads=query_heads)
-    for i, size in enumerate(sizes):
-        chunk = mx.array([ids[pos : pos + size]])
-        with lock:
-            out = model(chunk, cache=caches)
-            if i == len(sizes) - 1:
-                logits = out[:, -1, :]
-                mx.eval(logits, cache_arrays(caches))
-            else:
-                mx.eval(cache_arrays(caches))
-        pos += size
-    return logits
-
-
-class Decoder:
-    """Sampled decoding that runs one step ahead.
-
-    The step feeding token t is launched before t is read (MLX overlaps it
-    with the Python that follows), so a token is usually already in the cache
-    when it turns out to be the last: ``fed`` counts the generated tokens the
-    cache holds. Only ``max_tokens`` stops a token from being fed.
-    """
-
-    def __init__(self, model, caches, logits: mx.array, *, params: SamplingParams, lock):
-        self._model = model
-        self._caches = caches
-        self._lock = lock
-        self._sample = params.sampler()
-        self.remaining = params.max_tokens
-        self.fed = 0
-        with lock:
-            self._y = self._sample(logits)
-            mx.async_eval(self._y)
-
-    def next(self) -> int:
-        if self._y is None:
-            raise StopIteration
-        y = self._y
-        self.remaining -= 1
-        with self._lock:
-            if self.remaining > 0:
-                logits = self._model(y[:, None], cache=self._caches)[:, -1, :]
-                self._y = self._sample(logits)
-                mx.async_eval(self._y)
-                self.fed += 1
-            else:
-                self._y = None
-            return y.item()
-
-    def finish(self) -> None:
-        """Wait for the step in flight, so the cache is complete."""
-        with self._lock:
-            if self._y is not None:
-                mx.eval(self._y, cache_arrays(self._caches))
-            self._y = None
+def prefill_chunk(model, caches, ids: list[int], *, last: bool) -> mx.array | None:
+    """Feed one chunk into ``caches``; the logits after it if it is the prompt's last."""
+    out = model(mx.array([ids]), cache=caches)
+    if last:
+        logits = out[:, -1, :]
+        mx.eval(logits, cache_arrays(caches))
+        return logits
+    mx.eval(cache_arrays(caches))
+    return None

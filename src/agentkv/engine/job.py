@@ -1,0 +1,194 @@
+"""Job: one chat turn on its way through the scheduler.
+
+A job owns its agent for the whole turn (the agent's lock), resumes the
+agent's state, prefills the new text chunk by chunk, then takes a row in a
+decode batch until it stops. Every generated token but the last is fed to the
+model, so when the job ends the agent's caches hold the prompt and all the
+reply except its final token, and the agent's text is exactly what they hold.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import mlx.core as mx
+import numpy as np
+
+from .generation import SamplingParams, StopScanner, plan_chunks
+from .results import ChatResult, TurnStats
+
+DONE = object()  # the end of a job's piece stream
+
+
+@dataclass
+class Resumed:
+    """Where a turn starts from: the agent's state after matching, and how it got there."""
+
+    state: object  # AgentState
+    tier: str  # hot | warm | cold
+    match: str
+    stored_tokens: int
+    prefill_ids: list[int]
+    prefill_spans: np.ndarray
+    note: str | None
+    load_ms: float
+
+
+class Phase(Enum):
+    PENDING = "pending"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class Job:
+    def __init__(self, agent_id: str, prompt: bytes, params: SamplingParams,
+                 messages: list | None, *, stream: bool):
+        self.agent_id = agent_id
+        self.prompt = prompt
+        self.params = params
+        self.messages = messages
+        self.submitted = time.perf_counter()
+        self.phase = Phase.PENDING
+        self.pieces: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self.done = threading.Event()
+        self.cancelled = False
+        self.result: ChatResult | None = None
+        self.error: BaseException | None = None
+        # set by the scheduler as the job runs
+        self.lock: threading.Lock | None = None
+        self.resumed = None
+        self.state = None
+        self.chunks: list[int] = []
+        self.fed_prompt = 0
+        self.generated: list[int] = []
+        self.last_token: int | None = None
+        self.finish_reason = "length"
+        self.text = ""
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.prefill_ms = 0.0
+        self._prefill_started = 0.0
+        self._scanner = StopScanner(params.stop)
+        self._detok = None
+        self._sample = None
+        self._eos: frozenset = frozenset()
+
+    # -- setup ------------------------------------------------------------------
+
+    def start(self, resumed, *, tokenizer, eos_ids, max_chunk: int, query_heads: int) -> None:
+        self.resumed = resumed
+        self.state = resumed.state
+        self._detok = tokenizer.detokenizer
+        self._detok.reset()
+        self._eos = eos_ids
+        self._sample = self.params.sampler()
+        self.chunks = plan_chunks(len(resumed.prefill_ids), self.state.size,
+                                  max_chunk=max_chunk, query_heads=query_heads)
+        self.phase = Phase.PREFILL
+        self._prefill_started = time.perf_counter()
+
+    def next_chunk(self) -> tuple[list[int], bool]:
+        """The next prefill chunk, and whether it is the last."""
+        size = self.chunks[0]
+        ids = self.resumed.prefill_ids[self.fed_prompt : self.fed_prompt + size]
+        return ids, len(self.chunks) == 1
+
+    def chunk_done(self) -> None:
+        self.fed_prompt += self.chunks.pop(0)
+
+    def prefill_finished(self) -> None:
+        r = self.resumed
+        self.state.append(r.prefill_ids, r.prefill_spans, self.prompt[len(self.state.text) :])
+        self.prefill_ms = (time.perf_counter() - self._prefill_started) * 1000
+
+    # -- tokens -----------------------------------------------------------------
+
+    def sample(self, logits: mx.array) -> mx.array:
+        return self._sample(logits)
+
+    def take(self, token: int) -> bool:
+        """Record a generated token and stream its text; True when the turn is over."""
+        now = time.perf_counter()
+        if not self.generated:
+            self.first_at = now
+        self.last_at = now
+        self.generated.append(token)
+        if token in self._eos:
+            self.finish_reason = "stop"
+            return True
+        self._detok.add_token(token)
+        self._emit(self._scanner.feed(self._detok.last_segment))
+        if self._scanner.stopped:
+            self.finish_reason = "stop"
+            return True
+        if self.cancelled:
+            return True
+        if len(self.generated) >= self.params.max_tokens:
+            self.finish_reason = "length"
+            return True
+        self.last_token = token
+        return False
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.text += piece
+            if self.pieces is not None:
+                self.pieces.put(piece)
+
+    # -- the end ----------------------------------------------------------------
+
+    def record_fed(self, token_text) -> None:
+        """Append the fed generated tokens (all but the last) to the agent's text."""
+        if not self._scanner.stopped and self.generated and self.generated[-1] not in self._eos:
+            self._detok.finalize()
+            self._emit(self._scanner.feed(self._detok.last_segment) + self._scanner.flush())
+        fed = self.generated[:-1]
+        if fed:
+            pieces = token_text.generated_bytes(fed)
+            lengths = np.asarray([len(p) for p in pieces], dtype=np.int64)
+            ends = np.cumsum(lengths) + len(self.state.text)
+            self.state.append(fed, np.stack([ends - lengths, ends], axis=1), b"".join(pieces))
+        if self.messages is not None:
+            self.state.messages = [*self.messages, {"role": "assistant", "content": self.text}]
+
+    def finish(self, eos_ids) -> ChatResult:
+        r = self.resumed
+        count = len(self.generated)
+        decode_s = self.last_at - self.first_at
+        stats = TurnStats(
+            cache=r.tier,
+            match=r.match,
+            stored_tokens=r.stored_tokens,
+            reused_tokens=self.state.size - len(r.prefill_ids) - max(0, count - 1),
+            prefill_tokens=len(r.prefill_ids),
+            prompt_tokens=self.state.size - max(0, count - 1),
+            generated_tokens=count,
+            ttft_ms=(self.first_at - self.submitted) * 1000 if count else 0.0,
+            decode_tps=(count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0,
+            load_ms=r.load_ms,
+            prefill_ms=self.prefill_ms,
+            total_ms=(time.perf_counter() - self.submitted) * 1000,
+            kv_format=self.state.quant.label,
+            reuse_note=r.note,
+        )
+        visible = [t for t in self.generated if t not in eos_ids]
+        self.result = ChatResult(self.text, visible, self.finish_reason, stats)
+        return self.result
+
+    def close(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.phase = Phase.DONE
+        if self.pieces is not None:
+            self.pieces.put(DONE)
+        self.done.set()
+
+    def wait(self) -> ChatResult:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
