@@ -4,12 +4,13 @@ For each size, the same Q4 cache content (the embedded model's geometry: 30
 layers, 3 KV heads, head dim 64; synthetic values: load time does not depend on
 them) is stored twice: as an agentkv agent and as an mlx-lm prompt-cache file
 of QuantizedKVCache layers; ``agentkv_load_prompt_cache_ms`` is that mlx-lm
-file read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader). Both are loaded alternately ``repeats`` times from
-the page cache, each until every array is materialized (mlx-lm's loads are
-lazy until evaluated). ``page_cache_read_ms`` is the time to read() the agentkv
-files into a reused buffer, measured in the same rotation: their bytes over
-this machine's sequential page-cache read bandwidth. Medians; ``*_first_*`` is
-the first load of each size (fresh buffers, files not yet mapped).
+file read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader).
+Both are loaded alternately ``repeats`` times from the page cache, each until
+every array is materialized (mlx-lm's loads are lazy until evaluated).
+``page_cache_read_ms`` is the time to read() the agentkv files into a reused
+buffer, measured in the same rotation: their bytes over this machine's
+sequential page-cache read bandwidth. Medians; ``*_first_*`` is the first load
+of each size (fresh buffers, files not yet mapped).
 """
 
 from __future__ import annotations

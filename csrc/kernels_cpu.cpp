@@ -3,10 +3,11 @@
 #include <mlx/mlx.h>
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
-#include "core/parallel.h"
+#include "core/thread_pool.h"
 #include "kernels/shim.h"
 
 namespace agentkv::kernels {
@@ -47,6 +48,18 @@ mx::array new_array(mx::Shape shape, mx::Dtype dtype) {
     n *= static_cast<size_t>(d);
   }
   return mx::array(mx::allocator::malloc(n * dtype.size()), std::move(shape), dtype);
+}
+
+// Run the grid columns on the shared pool (persistent threads: these kernels run
+// once per layer of every batch change, too often to spawn threads each time).
+void run_columns(size_t n, int threads, const std::function<void(size_t)>& f) {
+  if (threads <= 1) {
+    for (size_t i = 0; i < n; ++i) {
+      f(i);
+    }
+    return;
+  }
+  ThreadPool::shared().run(n, f);
 }
 
 // A unit of work: one (output, y, z) grid column.
@@ -94,7 +107,7 @@ std::vector<mx::array> gather(const mx::array& blocks_in, const mx::array& table
       }
     }
   }
-  parallel_for(columns.size(), threads, [&](size_t i) {
+  run_columns(columns.size(), threads, [&](size_t i) {
     const Column& c = columns[i];
     const uint3 point{0, c.y, c.z};
     if (blocks.dtype() == mx::uint16) {
@@ -170,7 +183,7 @@ std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources_
       }
     }
   }
-  parallel_for(columns.size(), threads, [&](size_t i) {
+  run_columns(columns.size(), threads, [&](size_t i) {
     const Column& c = columns[i];
     const uint3 point{0, c.y, c.z};
     const auto& ptrs = pointers[c.output];
@@ -211,7 +224,7 @@ std::vector<mx::array> extract(const std::vector<mx::array>& batches_in,
       columns.push_back({static_cast<int>(k), 0, static_cast<unsigned>(h)});
     }
   }
-  parallel_for(columns.size(), threads, [&](size_t i) {
+  run_columns(columns.size(), threads, [&](size_t i) {
     const Column& c = columns[i];
     const uint3 point{0, 0, c.z};
     if (outputs[c.output].dtype() == mx::uint16) {

@@ -167,6 +167,21 @@ class Engine:
             messages = validate_messages(messages)
             prompt = self.render_chat(messages).encode("utf-8")
             jobs.append(Job(validate_agent_id(agent_id), prompt, params, messages, stream=False))
+        return self._run_all(jobs)
+
+    def generate_many(self, turns, **options) -> list[ChatResult]:
+        """``generate`` for several agents as one batch: ``turns`` is ``[(agent_id, prompt)]``."""
+        params = SamplingParams.create(**options)
+        jobs = []
+        for agent_id, prompt in turns:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("every prompt must be a non-empty string")
+            jobs.append(
+                Job(validate_agent_id(agent_id), prompt.encode("utf-8"), params, None, stream=False)
+            )
+        return self._run_all(jobs)
+
+    def _run_all(self, jobs: list[Job]) -> list[ChatResult]:
         self._check_open()
         for job in jobs:
             self.scheduler.submit(job)

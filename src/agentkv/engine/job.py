@@ -46,8 +46,15 @@ class Phase(Enum):
 
 
 class Job:
-    def __init__(self, agent_id: str, prompt: bytes, params: SamplingParams,
-                 messages: list | None, *, stream: bool):
+    def __init__(
+        self,
+        agent_id: str,
+        prompt: bytes,
+        params: SamplingParams,
+        messages: list | None,
+        *,
+        stream: bool,
+    ):
         self.agent_id = agent_id
         self.prompt = prompt
         self.params = params
@@ -87,8 +94,9 @@ class Job:
         self._detok.reset()
         self._eos = eos_ids
         self._sample = self.params.sampler()
-        self.chunks = plan_chunks(len(resumed.prefill_ids), self.state.size,
-                                  max_chunk=max_chunk, query_heads=query_heads)
+        self.chunks = plan_chunks(
+            len(resumed.prefill_ids), self.state.size, max_chunk=max_chunk, query_heads=query_heads
+        )
         self.phase = Phase.PREFILL
         self._prefill_started = time.perf_counter()
 

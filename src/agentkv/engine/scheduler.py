@@ -143,9 +143,13 @@ class Scheduler:
             job.lock = lock
             try:
                 resumed = self.engine._resume(job.agent_id, job.prompt)
-                job.start(resumed, tokenizer=self.engine.loaded.tokenizer,
-                          eos_ids=self.engine.eos_ids, max_chunk=self.engine.prefill_chunk,
-                          query_heads=self.engine.query_heads)
+                job.start(
+                    resumed,
+                    tokenizer=self.engine.loaded.tokenizer,
+                    eos_ids=self.engine.eos_ids,
+                    max_chunk=self.engine.prefill_chunk,
+                    query_heads=self.engine.query_heads,
+                )
             except Exception as exc:
                 self._fail(job, exc)
                 continue

@@ -23,16 +23,18 @@ import mlx.core as mx
 
 from ..errors import InvalidRequestError
 from . import cpu, gpu, reference
-from .types import BlockTable, Geometry, RowSource
+from .types import BlockTable, ExtractRow, Geometry, RowSource
 
 __all__ = [
     "BACKENDS",
     "BlockTable",
+    "ExtractRow",
     "Geometry",
     "RowSource",
     "available_backends",
     "backend",
     "extract",
+    "extract_rows",
     "gather",
     "merge",
     "set_backend",
@@ -129,6 +131,11 @@ def extract(
     batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
 ) -> tuple[mx.array, ...]:
     """One batch row's ``length`` tokens from ``first`` -> ``[1, heads, capacity, width]``."""
-    if length > capacity:
+    return extract_rows(batch, [ExtractRow(row, first, length, capacity)])[0]
+
+
+def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[tuple]:
+    """``extract`` for several rows of one batch in one pass."""
+    if any(r.length > r.capacity for r in rows):
         raise InvalidRequestError("extract: length exceeds capacity")
-    return _impl().extract(batch, row=row, first=first, length=length, capacity=capacity)
+    return _impl().extract_rows(batch, rows)

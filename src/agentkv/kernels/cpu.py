@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from .. import _ext
-from .types import BlockTable, Geometry, RowSource, as_units, from_units
+from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -64,10 +64,16 @@ def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx
     return tuple(from_units(o, a.dtype) for o, a in zip(out, sources[0].arrays))
 
 
-def extract(
-    batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
-) -> tuple[mx.array, ...]:
+def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[tuple]:
     units = [as_units(a) for a in batch]
-    metas = [(row, first, length, u.shape[1], u.shape[3], u.shape[2], capacity) for u in units]
-    out = _ext.kernel_extract(units, metas, THREADS)
-    return tuple(from_units(o, a.dtype) for o, a in zip(out, batch))
+    inputs, metas = [], []
+    for r in rows:
+        for u in units:
+            inputs.append(u)
+            metas.append((r.row, r.first, r.length, u.shape[1], u.shape[3], u.shape[2], r.capacity))
+    out = _ext.kernel_extract(inputs, metas, THREADS)
+    n = len(batch)
+    return [
+        tuple(from_units(o, a.dtype) for o, a in zip(out[i * n : (i + 1) * n], batch))
+        for i in range(len(rows))
+    ]

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from .types import BlockTable, Geometry, RowSource, as_units, from_units
+from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
 
 THREADGROUP = (256, 1, 1)
 CUDA_THREAD_ID = (
@@ -155,25 +155,27 @@ def for_backend(backend: str) -> SimpleNamespace:
             outputs.append(from_units(out, template.dtype))
         return tuple(outputs)
 
-    def extract(
-        batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
-    ) -> tuple[mx.array, ...]:
-        outputs = []
-        for a in batch:
-            u = as_units(a)
-            meta = mx.array(
-                [row, first, length, u.shape[1], u.shape[3], u.shape[2], capacity], dtype=mx.int32
-            )
-            grid = (capacity * u.shape[3], 1, u.shape[1])
-            out = _run(
-                backend,
-                "extract",
-                [u, meta, mx.array([1], dtype=mx.int32)],
-                grid,
-                (1, u.shape[1], capacity, u.shape[3]),
-                u.dtype,
-            )
-            outputs.append(from_units(out, a.dtype))
-        return tuple(outputs)
+    def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[tuple]:
+        results = []
+        for r in rows:
+            outputs = []
+            for a in batch:
+                u = as_units(a)
+                meta = mx.array(
+                    [r.row, r.first, r.length, u.shape[1], u.shape[3], u.shape[2], r.capacity],
+                    dtype=mx.int32,
+                )
+                grid = (r.capacity * u.shape[3], 1, u.shape[1])
+                out = _run(
+                    backend,
+                    "extract",
+                    [u, meta, mx.array([1], dtype=mx.int32)],
+                    grid,
+                    (1, u.shape[1], r.capacity, u.shape[3]),
+                    u.dtype,
+                )
+                outputs.append(from_units(out, a.dtype))
+            results.append(tuple(outputs))
+        return results
 
-    return SimpleNamespace(gather=gather, merge=merge, extract=extract)
+    return SimpleNamespace(gather=gather, merge=merge, extract_rows=extract_rows)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .types import BlockTable, Geometry, RowSource, as_units, from_units
+from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
 
 
 def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
@@ -58,9 +58,13 @@ def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx
     return tuple(outputs)
 
 
-def extract(
-    batch: Sequence[mx.array], *, row: int, first: int, length: int, capacity: int
-) -> tuple[mx.array, ...]:
-    return tuple(
-        _pad_rows(a[row : row + 1, :, first : first + length], 0, capacity - length) for a in batch
-    )
+def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[tuple]:
+    return [
+        tuple(
+            _pad_rows(
+                a[r.row : r.row + 1, :, r.first : r.first + r.length], 0, r.capacity - r.length
+            )
+            for a in batch
+        )
+        for r in rows
+    ]

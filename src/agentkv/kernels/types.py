@@ -46,6 +46,15 @@ class RowSource(NamedTuple):
     length: int
 
 
+class ExtractRow(NamedTuple):
+    """Row ``row`` of a batch: ``length`` tokens from row ``first``, into ``capacity`` rows."""
+
+    row: int
+    first: int
+    length: int
+    capacity: int
+
+
 UNIT_DTYPES = {
     mx.uint32: mx.uint32,
     mx.float16: mx.uint16,

@@ -1,0 +1,222 @@
+"""Kernels: gather / merge / extract of Q4 caches vs the pure-MLX reference vs mlx-lm fp16.
+
+All 30 layers of the embedded model's geometry (3 KV heads, head dim 64), 4-bit
+group 64, random bits. For B agents with lengths spread over 512-4096 tokens:
+
+* merge: the agents' caches -> one left-padded batch (agentkv kernels on CPU vs
+  the same operation in MLX ops vs mlx-lm's ``BatchKVCache.merge`` on float16
+  caches of the same lengths, the format mlx-lm can batch);
+* extract: every row of that batch back to its agent (vs ``BatchKVCache.extract``);
+* gather: each agent's stored block regions -> its contiguous cache.
+
+``bytes`` counts bytes read plus bytes written; ``memcpy_gbps`` is this machine's
+copy bandwidth measured in the same run. Medians of ``repeats``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .common import emit, median_ms, memcpy_gbps, progress, timed
+
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+def _agent(comps, tokens: int, seed: int):
+    from agentkv.kv.cache import STEP
+
+    rng = np.random.default_rng(seed)
+    capacity = (tokens + STEP - 1) // STEP * STEP + STEP
+    import mlx.core as mx
+
+    layers = []
+    for _ in range(LAYERS):
+        arrays = []
+        for c in comps:
+            width = c.width
+            if c.dtype == "uint32":
+                a = mx.array(rng.integers(0, 2**32, (1, c.heads, capacity, width), dtype=np.uint32))
+            else:
+                bits = rng.integers(0, 2**16, (1, c.heads, capacity, width), dtype=np.uint16)
+                a = mx.view(mx.array(bits), mx.float16)
+            arrays.append(a)
+        layers.append(tuple(arrays))
+    return layers
+
+
+def _fp16(tokens: int, seed: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    out = []
+    for _ in range(LAYERS):
+        c = KVCache()
+        x = mx.random.normal((1, HEADS, tokens, DIM)).astype(mx.float16)
+        c.update_and_fetch(x, x)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def run(batches=(2, 4, 8), repeats: int = 5, as_json: bool = False) -> list[dict]:
+    from agentkv.kv.quant import KVQuant
+
+    comps = KVQuant(4, 4, 64).components(HEADS, DIM, DIM)
+    copy_bw = memcpy_gbps()
+    rows = []
+    cases = [(b, [int(x) for x in np.linspace(512, 4096, b)]) for b in batches]
+    cases.append((4, [4096] * 4))
+    for batch, lengths in cases:
+        progress(f"kernels: {batch} agents, {lengths[0]}-{lengths[-1]} tokens")
+        rows += _case(comps, batch, lengths, repeats, copy_bw)
+    emit("kernels", rows, as_json)
+    return rows
+
+
+def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -> list[dict]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from agentkv import _ext, kernels
+    from agentkv.kernels import BlockTable, ExtractRow, Geometry, RowSource
+    from agentkv.kv.cache import STEP
+
+    per_token = sum(c.heads * c.row_bytes for c in comps) * LAYERS
+    agents = [_agent(comps, n, seed=i) for i, n in enumerate(lengths)]
+    fp16 = [_fp16(n, seed=i) for i, n in enumerate(lengths)]
+    mx.eval(agents)
+    used = max(lengths)
+    capacity = (used + STEP - 1) // STEP * STEP + STEP
+    tokens_total = sum(lengths)
+
+    def measure(fn, backend=None):
+        if backend is None:
+            fn()
+            return [timed(fn)[0] for _ in range(repeats)]
+        with kernels.use_backend(backend):
+            return measure(fn)
+
+    def merge_all():
+        out = [
+            kernels.merge(
+                [RowSource(a[layer], 0, 0, n) for a, n in zip(agents, lengths)],
+                used=used,
+                capacity=capacity,
+            )
+            for layer in range(LAYERS)
+        ]
+        mx.eval(out)
+        return out
+
+    def mlx_lm_merge():
+        out = [BatchKVCache.merge([f[layer] for f in fp16]) for layer in range(LAYERS)]
+        mx.eval([c.state for c in out])
+        return out
+
+    rows = [
+        _row(
+            "merge",
+            batch,
+            tokens_total,
+            tokens_total * per_token + batch * capacity * per_token,
+            measure(merge_all, "cpu"),
+            measure(merge_all, "reference"),
+            measure(mlx_lm_merge),
+            copy_bw,
+        )
+    ]
+
+    with kernels.use_backend("cpu"):
+        merged = merge_all()
+    batched_fp16 = mlx_lm_merge()
+    specs = [
+        ExtractRow(i, used - n, n, (n + STEP - 1) // STEP * STEP + STEP)
+        for i, n in enumerate(lengths)
+    ]
+
+    def extract_all():
+        out = [kernels.extract_rows(merged[layer], specs) for layer in range(LAYERS)]
+        mx.eval(out)
+        return out
+
+    def mlx_lm_extract():
+        out = [c.extract(i) for c in batched_fp16 for i in range(batch)]
+        mx.eval([c.state for c in out])
+        return out
+
+    rows.append(
+        _row(
+            "extract",
+            batch,
+            tokens_total,
+            2 * tokens_total * per_token,
+            measure(extract_all, "cpu"),
+            measure(extract_all, "reference"),
+            measure(mlx_lm_extract),
+            copy_bw,
+        )
+    )
+
+    geometry = Geometry(LAYERS, tuple(comps))
+    stored = []
+    for a, n in zip(agents, lengths):
+        arrays = [x for layer in a for x in layer]
+        packed, records = _ext.pack_blocks(
+            arrays,
+            LAYERS,
+            STEP,
+            [(c.heads, c.width, c.dtype) for c in comps],
+            0,
+            n,
+            [(0, arrays[0].shape[2])] * LAYERS,
+        )
+        table = BlockTable(tuple(r[1] for r in records), tuple(r[4] for r in records))
+        stored.append((mx.array(packed), table, n))
+
+    def gather_all():
+        out = [
+            kernels.gather(
+                regions, table, geometry, length=n, capacity=(n + STEP - 1) // STEP * STEP + STEP
+            )
+            for regions, table, n in stored
+        ]
+        mx.eval(out)
+        return out
+
+    rows.append(
+        _row(
+            "gather",
+            batch,
+            tokens_total,
+            2 * tokens_total * per_token,
+            measure(gather_all, "cpu"),
+            measure(gather_all, "reference"),
+            None,
+            copy_bw,
+        )
+    )
+    return rows
+
+
+def _row(op, batch, tokens_total, nbytes, ours, ref, theirs, copy_bw) -> dict:
+    row = {
+        "op": op,
+        "batch": batch,
+        "tokens_total": tokens_total,
+        "bytes": nbytes,
+        "agentkv_ms": median_ms(ours),
+        "reference_ms": median_ms(ref),
+        "mlx_lm_fp16_ms": median_ms(theirs) if theirs else None,
+        "memcpy_gbps": round(copy_bw, 2),
+    }
+    row["agentkv_gbps"] = round(nbytes / row["agentkv_ms"] / 1e6, 2)
+    row["vs_reference"] = round(row["reference_ms"] / row["agentkv_ms"], 2)
+    if theirs:
+        row["vs_mlx_lm_fp16"] = round(row["mlx_lm_fp16_ms"] / row["agentkv_ms"], 2)
+    row["memcpy_fraction"] = round(row["agentkv_gbps"] / copy_bw, 2)
+    progress(
+        f"kernels: {op} x{batch}: agentkv {row['agentkv_ms']} ms ({row['agentkv_gbps']} GB/s), "
+        f"reference {row['reference_ms']} ms, mlx-lm fp16 {row['mlx_lm_fp16_ms']} ms"
+    )
+    return row
