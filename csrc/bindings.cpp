@@ -21,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/attention.h"
 #include "core/block_io.h"
 #include "core/checksum.h"
 #include "core/gemm.h"
@@ -284,6 +285,7 @@ nb::dict build_info() {
                              std::to_string(NB_VERSION_PATCH);
   info["crc32c"] = agentkv::crc32c_implementation();
   info["gemm"] = agentkv::gemm_implementation();
+  info["attention"] = agentkv::attention_implementation();
 #ifdef NDEBUG
   info["build_type"] = "release";
 #else
@@ -334,6 +336,10 @@ NB_MODULE(_ext, m) {
   m.def(
       "load_tensors", &load_tensors, "path"_a, "data_start"_a, "tensors"_a, "threads"_a = 2,
       "Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.");
+  m.def("quantized_attention", &agentkv::ops::quantized_attention, "queries"_a, "keys"_a,
+        "values"_a, "scale"_a, "key_bits"_a, "value_bits"_a, "group"_a, "window"_a = 0,
+        "left_padding"_a = nb::none(), "sinks"_a = nb::none(),
+        "Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.");
   m.def("build_info", &build_info,
         "Compiler, MLX and nanobind versions this extension was built with.");
   m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0,

@@ -15,4 +15,14 @@ namespace mx = mlx::core;
 mx::array invariant_linear(const mx::array& x, const mx::array& w,
                            const std::optional<mx::array>& bias);
 
+// Attention of queries [B, Hq, L, D] float32 over stored keys and values (each a
+// tuple: words, scales, biases for 2/4/8 bits, or one float16 array for 16 bits,
+// [B, Hkv, T, ...]) with causal masking from each row's left padding, an optional
+// sliding window and optional attention sinks (see csrc/core/attention.h). CPU only.
+mx::array quantized_attention(const mx::array& queries, const std::vector<mx::array>& keys,
+                              const std::vector<mx::array>& values, float scale, int key_bits,
+                              int value_bits, int group, int window,
+                              const std::optional<mx::array>& left_padding,
+                              const std::optional<mx::array>& sinks);
+
 }  // namespace agentkv::ops

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .. import kernels
 from ..kernels import RowSource
-from .attention import quantized_attention
+from .attention import cache_attention, remember_mask
 from .quant import KVQuant
 
 STEP = 256
@@ -120,19 +120,25 @@ class BatchQuantizedKVCache:
         )
 
     def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        return quantized_attention(
-            queries, keys, values, scale=scale, mask=mask, quant=self.quant, sinks=sinks
+        return cache_attention(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            quant=self.quant,
+            sinks=sinks,
+            left_padding=self.left_padding,
         )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
         from mlx_lm.models.base import create_causal_mask
 
-        return create_causal_mask(
-            N,
-            offset=self._idx,
-            left_padding=self.left_padding,
-            window_size=window_size or self.window,
+        window = window_size or self.window
+        mask = create_causal_mask(
+            N, offset=self._idx, left_padding=self.left_padding, window_size=window
         )
+        return remember_mask(mask, window)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         if left_padding is not None:

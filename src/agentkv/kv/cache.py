@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import quantized_attention
+from .attention import cache_attention, remember_mask
 from .quant import KVQuant
 
 STEP = 256
@@ -120,8 +120,14 @@ class AgentKVCache:
         )
 
     def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        return quantized_attention(
-            queries, keys, values, scale=scale, mask=mask, quant=self.quant, sinks=sinks
+        return cache_attention(
+            queries,
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            quant=self.quant,
+            sinks=sinks,
         )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -134,7 +140,7 @@ class AgentKVCache:
         mask = k_pos <= q_pos
         if window is not None:
             mask = mask & (q_pos - k_pos < window)
-        return mask
+        return remember_mask(mask, window)
 
     def drop_before(self, token: int) -> None:
         """Free the rows of tokens before ``token`` (a block boundary; sliding windows only)."""

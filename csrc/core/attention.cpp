@@ -1,0 +1,279 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "thread_pool.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define AGENTKV_ATTENTION_X86 1
+#endif
+
+namespace agentkv {
+namespace {
+
+constexpr int kTile = 64;     // tokens per tile
+constexpr int kMaxDim = 256;  // largest head dimension
+constexpr int kQueryBlock = 32;
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F;
+  uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exponent = 127 - 15 + 1;
+      while ((mantissa & 0x400u) == 0) {
+        mantissa <<= 1;
+        --exponent;
+      }
+      bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+  } else if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (arguments here are score - max): Cephes' polynomial, in one
+// fixed sequence of fused multiply-adds so every implementation rounds alike.
+struct ExpConstants {
+  static constexpr float kLow = -87.0f;
+  static constexpr float kLog2e = 1.44269504088896341f;
+  static constexpr float kLn2Hi = 0.693359375f;
+  static constexpr float kLn2Lo = -2.12194440e-4f;
+  static constexpr float kP0 = 1.9875691500e-4f;
+  static constexpr float kP1 = 1.3981999507e-3f;
+  static constexpr float kP2 = 8.3334519073e-3f;
+  static constexpr float kP3 = 4.1665795894e-2f;
+  static constexpr float kP4 = 1.6666665459e-1f;
+  static constexpr float kP5 = 5.0000001201e-1f;
+};
+
+// The portable 8-lane operations.
+struct Portable : ExpConstants {
+  struct V {
+    float x[8];
+  };
+  static V load(const float* p) {
+    V v;
+    std::memcpy(v.x, p, sizeof(v.x));
+    return v;
+  }
+  static void store(float* p, V v) {
+    std::memcpy(p, v.x, sizeof(v.x));
+  }
+  static V set1(float f) {
+    V v;
+    std::fill(v.x, v.x + 8, f);
+    return v;
+  }
+  static V zero() {
+    return set1(0.0f);
+  }
+  static V fma(V a, V b, V c) {
+    for (int i = 0; i < 8; ++i) {
+      c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
+    }
+    return c;
+  }
+  static V mul(V a, V b) {
+    for (int i = 0; i < 8; ++i) {
+      a.x[i] *= b.x[i];
+    }
+    return a;
+  }
+  static V add(V a, V b) {
+    for (int i = 0; i < 8; ++i) {
+      a.x[i] += b.x[i];
+    }
+    return a;
+  }
+  static V sub(V a, V b) {
+    for (int i = 0; i < 8; ++i) {
+      a.x[i] -= b.x[i];
+    }
+    return a;
+  }
+  static float hsum(V v) {  // the order of agentkv's GEMM lanes
+    return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6])) + ((v.x[1] + v.x[5]) + (v.x[3] + v.x[7]));
+  }
+  static float exp1(float x) {
+    x = std::max(x, kLow);
+    const float n = std::nearbyint(x * kLog2e);
+    float r = std::fma(n, -kLn2Hi, x);
+    r = std::fma(n, -kLn2Lo, r);
+    float p = kP0;
+    p = std::fma(p, r, kP1);
+    p = std::fma(p, r, kP2);
+    p = std::fma(p, r, kP3);
+    p = std::fma(p, r, kP4);
+    p = std::fma(p, r, kP5);
+    p = std::fma(p, r * r, r);
+    p = p + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+  }
+  static V exp(V v) {
+    for (int i = 0; i < 8; ++i) {
+      v.x[i] = exp1(v.x[i]);
+    }
+    return v;
+  }
+  static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
+    V v;
+    for (int r = 0; r < 8; ++r) {
+      v.x[r] = static_cast<float>((packed[r] >> shift) & mask);
+    }
+    return v;
+  }
+  static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
+    V v;
+    const uint32_t mask = (1u << bits) - 1;
+    for (int e = 0; e < 8; ++e) {
+      const int idx = d + e;
+      v.x[e] = static_cast<float>((words[idx / per_word] >> ((idx % per_word) * bits)) & mask);
+    }
+    return v;
+  }
+};
+
+namespace portable {
+using Ops = Portable;
+#include "attention_impl.inc"
+}  // namespace portable
+
+#if defined(AGENTKV_ATTENTION_X86)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+struct Avx2 : ExpConstants {
+  using V = __m256;
+  static V load(const float* p) {
+    return _mm256_loadu_ps(p);
+  }
+  static void store(float* p, V v) {
+    _mm256_storeu_ps(p, v);
+  }
+  static V set1(float f) {
+    return _mm256_set1_ps(f);
+  }
+  static V zero() {
+    return _mm256_setzero_ps();
+  }
+  static V fma(V a, V b, V c) {
+    return _mm256_fmadd_ps(a, b, c);
+  }
+  static V mul(V a, V b) {
+    return _mm256_mul_ps(a, b);
+  }
+  static V add(V a, V b) {
+    return _mm256_add_ps(a, b);
+  }
+  static V sub(V a, V b) {
+    return _mm256_sub_ps(a, b);
+  }
+  static float hsum(V v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
+  }
+  static V exp(V x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(kLow));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+    V p = _mm256_set1_ps(kP0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static float exp1(float x) {
+    return _mm256_cvtss_f32(exp(_mm256_set1_ps(x)));
+  }
+  static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+    const __m256i v =
+        _mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(static_cast<int>(mask)));
+    return _mm256_cvtepi32_ps(v);
+  }
+  static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
+    if (bits == 4) {  // eight nibbles of one word
+      const __m256i w = _mm256_set1_epi32(static_cast<int>(words[d / 8]));
+      const __m256i v =
+          _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                           _mm256_set1_epi32(0xF));
+      return _mm256_cvtepi32_ps(v);
+    }
+    const Portable::V v = Portable::unpack_row(words, d, per_word, bits);
+    return _mm256_loadu_ps(v.x);
+  }
+};
+
+namespace avx2 {
+using Ops = Avx2;
+#include "attention_impl.inc"
+}  // namespace avx2
+
+#pragma GCC pop_options
+
+bool have_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+#else
+bool have_avx2() {
+  return false;
+}
+#endif
+
+}  // namespace
+
+void quantized_attention(const AttentionArgs& a) {
+  const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
+  const size_t tasks = static_cast<size_t>(a.batch) * a.kv_heads * blocks;
+  const std::function<void(size_t)> run = [&](size_t t) {
+    const int block = static_cast<int>(t % blocks);
+    const int kvh = static_cast<int>((t / blocks) % a.kv_heads);
+    const int b = static_cast<int>(t / blocks / a.kv_heads);
+    const int i0 = block * kQueryBlock;
+    const int i1 = std::min(a.queries, i0 + kQueryBlock);
+#if defined(AGENTKV_ATTENTION_X86)
+    if (have_avx2()) {
+      avx2::task(a, b, kvh, i0, i1);
+      return;
+    }
+#endif
+    portable::task(a, b, kvh, i0, i1);
+  };
+  ThreadPool::shared().run(tasks, run);
+}
+
+const char* attention_implementation() {
+  return have_avx2() ? "avx2-fma-f16c" : "portable";
+}
+
+}  // namespace agentkv

@@ -1,0 +1,52 @@
+// Fused attention over a quantized KV cache, for CPU.
+//
+// out[b, h, i] = softmax(scale * q[b, h, i] . K[b, h', j]) V[b, h', j] over the keys
+// j a query may see, where K and V are stored as MLX affine quantization (packed
+// words + float16 scale/bias per group) or float16, and h' = h / (Hq / Hkv).
+// Keys and values are dequantized tile by tile (64 tokens) into L1 and never
+// exist whole in float, so one pass reads the cache once.
+//
+// A query at buffer row p = T - L + i (its row's last L rows are the queries)
+// sees keys j in [lo, p]: lo = the row's left padding, raised to p - window + 1
+// for a sliding window. Every query's result depends only on its own q, its own
+// key range and the cache, computed in one fixed order (tiles of 64 from lo,
+// scores summed over d in order, an online softmax per tile, values accumulated
+// over j in order): the same whether it runs alone, in a prefill chunk or in a
+// left-padded batch row. That is what lets agents batch without changing tokens.
+#pragma once
+
+#include <cstdint>
+
+namespace agentkv {
+
+struct KVView {
+  int bits = 4;                      // 2..8: quantized; 16: float16
+  int group = 64;                    // values per scale/bias
+  const uint32_t* words = nullptr;   // quantized: [B, H, T, D * bits / 32]
+  const uint16_t* scales = nullptr;  // float16 bits: [B, H, T, D / group]
+  const uint16_t* biases = nullptr;
+  const uint16_t* halves = nullptr;  // bits == 16: [B, H, T, D]
+  // strides in elements of the arrays above: batch, head, token
+  int64_t w_strides[3] = {0, 0, 0};
+  int64_t s_strides[3] = {0, 0, 0};
+  int dim = 0;
+};
+
+struct AttentionArgs {
+  const float* q = nullptr;  // [B, Hq, L, D], strides below (in floats)
+  int64_t q_strides[3] = {0, 0, 0};
+  float* out = nullptr;  // [B, Hq, L, Dv], contiguous
+  int batch = 0, q_heads = 0, kv_heads = 0, queries = 0, keys = 0;
+  float scale = 1.0f;
+  int window = 0;                         // 0: none
+  const int32_t* left_padding = nullptr;  // [B] or null (no padding)
+  const float* sinks = nullptr;           // [Hq] or null
+  KVView k, v;
+};
+
+void quantized_attention(const AttentionArgs& args);
+
+// "avx2-fma" or "generic".
+const char* attention_implementation();
+
+}  // namespace agentkv
