@@ -176,8 +176,8 @@ int head_dim(const std::vector<mx::array>& parts, int bits, int group) {
   }
   const int dim = parts[0].shape(3) * 32 / bits;
   if (parts[0].dtype().size() != 4 || parts[1].dtype().size() != 2 ||
-      parts[2].dtype().size() != 2 || (group != 32 && group != 64 && group != 128) ||
-      dim % group || parts[1].shape(3) != dim / group || parts[2].shape(3) != dim / group) {
+      parts[2].dtype().size() != 2 || (group != 32 && group != 64 && group != 128) || dim % group ||
+      parts[1].shape(3) != dim / group || parts[2].shape(3) != dim / group) {
     throw std::invalid_argument(
         "fused attention: quantized caches are uint32 words + float16 scales and biases "
         "[.., D / group], group 32, 64 or 128");
