@@ -1,31 +1,52 @@
-"""``agentkv bench reload|ttft|save``."""
+"""``agentkv bench reload|ttft|save|kernels|batch|quality``."""
 
 from __future__ import annotations
 
 
-def _counts(text: str) -> list[int]:
+def _counts(text: str, option: str = "--tokens") -> list[int]:
     try:
         counts = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise SystemExit(
-            f"agentkv: error: --tokens must be comma-separated integers, not {text!r}"
+            f"agentkv: error: {option} must be comma-separated integers, not {text!r}"
         ) from None
     if not counts or any(c < 1 for c in counts):
-        raise SystemExit("agentkv: error: --tokens needs positive integers")
+        raise SystemExit(f"agentkv: error: {option} needs positive integers")
     return counts
 
 
 def run_bench(args) -> int:
-    if args.bench_command == "reload":
+    name = args.bench_command
+    if name == "reload":
         from .reload import run
 
         run(_counts(args.tokens), repeats=args.repeats, as_json=args.json)
-    elif args.bench_command == "ttft":
+    elif name == "ttft":
         from .ttft import run
 
         run(_counts(args.tokens), as_json=args.json, model=args.model)
-    else:
+    elif name == "save":
         from .save import run
 
         run(args.tokens, args.turn, as_json=args.json)
+    elif name == "kernels":
+        from .kernels import run
+
+        run(_counts(args.batches, "--batches"), repeats=args.repeats, as_json=args.json)
+    elif name == "batch":
+        from .batch import run
+
+        run(_counts(args.agents, "--agents"), as_json=args.json, model=args.model)
+    else:
+        from .quality import FORMATS, run
+
+        formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+        unknown = sorted(set(formats) - set(FORMATS))
+        if unknown or not formats:
+            raise SystemExit(
+                f"agentkv: error: --formats takes {','.join(FORMATS)}, not {args.formats!r}"
+            )
+        if not 0 < args.stride <= args.window:
+            raise SystemExit("agentkv: error: need 0 < --stride <= --window")
+        run(args.tokens, args.window, args.stride, formats, as_json=args.json, model=args.model)
     return 0

@@ -15,6 +15,7 @@ Set ``AGENTKV_NO_BLAS_PRELOAD=1`` to leave MLX's BLAS alone.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -41,6 +42,15 @@ def _openblas_path() -> Path:
     return lib_dir / f"lib{scipy_openblas32.get_library()}.so"
 
 
+def _shim_path() -> Path:
+    """The shim next to this file, or wherever an editable install put the built one."""
+    local = Path(__file__).with_name(SHIM_NAME)
+    if local.exists():
+        return local
+    spec = importlib.util.find_spec(f"{__package__}._blas_shim")  # a .so is found, not loaded
+    return Path(spec.origin) if spec and spec.origin else local
+
+
 def preload() -> BlasStatus:
     if not sys.platform.startswith("linux"):
         return BlasStatus(False, "MLX's own BLAS (Accelerate on macOS)", None, None)
@@ -62,7 +72,7 @@ def preload() -> BlasStatus:
     try:
         library = _openblas_path()
         ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-        ctypes.CDLL(str(Path(__file__).with_name(SHIM_NAME)), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(_shim_path()), mode=ctypes.RTLD_GLOBAL)
     except (ImportError, OSError) as exc:
         return BlasStatus(
             False,

@@ -135,6 +135,37 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--tokens", type=_positive_int, default=4096, help="context before the turn")
     save.add_argument("--turn", type=_positive_int, default=64, help="tokens the turn adds")
     save.add_argument("--json", action="store_true")
+    kernels = bench_sub.add_parser(
+        "kernels",
+        help="Q4 gather / merge / extract vs the MLX reference vs mlx-lm fp16 vs memcpy",
+    )
+    kernels.add_argument("--batches", default="2,4,8", help="comma-separated agent counts")
+    kernels.add_argument("--repeats", type=_positive_int, default=5)
+    kernels.add_argument("--json", action="store_true")
+    batch = bench_sub.add_parser(
+        "batch", help="decode tokens/s: N agents batched vs the same turns one after another"
+    )
+    batch.add_argument("--agents", default="1,2,4,8", help="comma-separated agent counts")
+    batch.add_argument("--json", action="store_true")
+    batch.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    quality = bench_sub.add_parser(
+        "quality",
+        help="perplexity and greedy agreement with the KV cache in fp16 / 8 / 4 / k8v4 bits",
+        description="Perplexity of the model over Python's own help() topics "
+        "(pydoc_data, installed with Python) with the KV cache in each format, and "
+        "greedy agreement with fp16 over 200-token continuations of 20 prompts. "
+        "Takes about an hour on 2 CPU cores with the defaults.",
+    )
+    quality.add_argument(
+        "--tokens", type=_positive_int, default=20480, help="tokens scored (default 20480)"
+    )
+    quality.add_argument("--window", type=_positive_int, default=2048)
+    quality.add_argument("--stride", type=_positive_int, default=1024)
+    quality.add_argument(
+        "--formats", default="fp16,q8,q4,k8v4", help="comma-separated: fp16,q8,q4,k8v4"
+    )
+    quality.add_argument("--json", action="store_true")
+    quality.add_argument("--model", default=None, help=argparse.SUPPRESS)
     return parser
 
 
