@@ -7,7 +7,6 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from agentkv import InvalidAgentIdError, InvalidRequestError
@@ -185,21 +184,68 @@ def test_stream_pieces_join_to_the_text_and_stop_strings_cut(engine):
     assert limited.finish_reason == "length" and limited.stats.generated_tokens == 3
 
 
-def test_an_abandoned_stream_leaves_a_consistent_agent(engine):
+def test_an_abandoned_stream_keeps_the_prompt_and_saves_no_reply(engine):
     messages = convo("Describe the reviewer's job.")
     stream = engine.stream_chat("abandon", messages, max_tokens=40)
     iterator = iter(stream)
     next(iterator)
+    next(iterator)  # a few tokens were generated and fed
     iterator.close()
     state = engine._hot["abandon"]
-    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
     prompt = engine.render_chat(messages).encode()
-    n_prompt = int(np.searchsorted(state.spans[:, 1], len(prompt))) + 1
-    assert n_prompt < len(state.tokens)  # the generated tokens fed before closing are kept
-    generated = b"".join(engine.token_text.generated_bytes(state.tokens[n_prompt:]))
-    assert state.text == prompt + generated and int(state.spans[-1, 1]) == len(state.text)
+    # The caches hold exactly the prompt: the reply's tokens were dropped with the turn.
+    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
+    assert state.text == prompt and int(state.spans[-1, 1]) == len(prompt)
+    assert state.messages is None  # the turn's messages were not recorded either
+    kept = len(state.tokens)
     again = engine.chat("abandon", messages, max_tokens=4)
-    assert again.stats.cache == "hot" and again.stats.match in ("exact", "partial")
+    assert (again.stats.cache, again.stats.match) == ("hot", "exact")
+    assert again.stats.reused_tokens == kept - 1
+    alone = engine.chat("abandon-ref", messages, max_tokens=4)
+    assert again.tokens == alone.tokens
+
+
+def test_a_turn_cancelled_during_prefill_keeps_the_chunks_done(fresh_engine):
+    eng = fresh_engine(prefill_chunk=64)
+    messages = convo("List every step of the release, one per line.")
+    started = threading.Event()
+    job = eng.submit_chat(
+        "early", messages, max_tokens=8, listener=lambda e, v: e == "start" and started.set()
+    )
+    assert started.wait(60)
+    job.cancel()  # within the first of several 64-token chunks
+    assert job.wait().finish_reason == "cancelled"
+    state = eng._hot["early"]
+    prompt = eng.render_chat(messages).encode()
+    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
+    assert prompt.startswith(state.text) and len(state.text) < len(prompt)
+    r = eng.chat("early", messages, max_tokens=8)
+    assert r.tokens == eng.chat("early-ref", messages, max_tokens=8).tokens
+
+
+def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
+    from agentkv.errors import EngineBusyError
+
+    eng = fresh_engine(max_queue=1, schedule="fcfs")
+    order = []
+    listener = lambda name: lambda e, v: e in ("start", "end") and order.append((name, e))  # noqa: E731
+    first = eng.submit_chat("q1", convo("One."), max_tokens=24, listener=listener("q1"))
+    while first.phase.value == "pending":
+        threading.Event().wait(0.01)
+    second = eng.submit_chat("q2", convo("Two."), max_tokens=4, listener=listener("q2"))
+    with pytest.raises(EngineBusyError) as busy:
+        eng.submit_chat("q3", convo("Three."), max_tokens=4)
+    assert busy.value.retry_after >= 1
+    first.wait(), second.wait()
+    assert order == [("q1", "start"), ("q1", "end"), ("q2", "start"), ("q2", "end")]
+
+
+def test_a_prompt_over_the_context_is_rejected(engine):
+    too_long = "word " * (engine.context_limit + 10)
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.chat("toolong", [{"role": "user", "content": too_long}], max_tokens=4)
+    r = engine.chat("toolong", [{"role": "user", "content": "Hi."}], max_tokens=4)
+    assert r.stats.cache == "cold" and r.tokens
 
 
 def test_one_agent_serializes_and_agents_run_in_parallel(engine):

@@ -30,3 +30,11 @@ class CacheFormatError(AgentKVError):
 
 class NativeExtensionError(AgentKVError, ImportError):
     """The compiled extension agentkv._ext is missing or was built for another MLX."""
+
+
+class EngineBusyError(AgentKVError):
+    """The engine's queue of waiting turns is full; try again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -78,6 +78,66 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     _engine_options(chat)
 
+    serve = sub.add_parser(
+        "serve",
+        help="HTTP server: OpenAI, Anthropic and direct agent APIs",
+        description="Serve the model over HTTP: OpenAI POST /v1/chat/completions, Anthropic "
+        "POST /v1/messages, agentkv's POST /v1/agents/{id}/chat, with SSE streaming. Every "
+        "agent keeps its KV cache across turns and restarts; agents run together. The agent "
+        "of a request is the x-agent-id header, else the OpenAI `user` / Anthropic "
+        "`metadata.user_id` field, else derived from the system prompt and first user "
+        "message. SIGTERM (or Ctrl-C) finishes the requests in flight, saves every agent and "
+        "exits.",
+    )
+    _engine_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="default 8080")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on every endpoint but /health (Authorization: Bearer KEY or "
+        "x-api-key); also read from $AGENTKV_API_KEY",
+    )
+    serve.add_argument(
+        "--max-batch", type=_positive_int, default=8, help="turns running at once (default 8)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=_positive_int,
+        default=64,
+        help="turns waiting beyond those; more get 429 + Retry-After (default 64)",
+    )
+    serve.add_argument(
+        "--kv-budget-mb",
+        type=_positive_int,
+        default=1024,
+        help="KV memory budget: running turns' reserved KV and agents kept in memory "
+        "(default 1024)",
+    )
+    serve.add_argument(
+        "--schedule",
+        choices=("interleave", "fcfs"),
+        default="interleave",
+        help="interleave prefill chunks with batched decode (default), or run turns "
+        "first-come-first-served one at a time",
+    )
+    serve.add_argument(
+        "--default-max-tokens",
+        type=_positive_int,
+        default=512,
+        help="reply limit when an OpenAI request sets none (default 512)",
+    )
+    serve.add_argument(
+        "--max-body-mb", type=_positive_int, default=16, help="largest request body (default 16)"
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=_positive_int,
+        default=120,
+        help="seconds SIGTERM waits for requests in flight before cancelling them (default 120)",
+    )
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
     cache = sub.add_parser("cache", help="list, inspect, verify or remove stored agents")
     cache.add_argument("--cache-dir", default=None, help="default: $AGENTKV_HOME/kv")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
@@ -180,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             from .chat import run_chat
 
             return run_chat(args)
+        if args.command == "serve":
+            from .serve import run_serve
+
+            return run_serve(args)
         if args.command == "bench":
             from ..benchmarks.cli import run_bench
 

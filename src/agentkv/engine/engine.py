@@ -42,7 +42,7 @@ from ..text.tokens import TokenText
 from .generation import SamplingParams, prefill_chunk
 from .job import DONE, Job, Resumed
 from .results import ChatResult
-from .scheduler import Scheduler
+from .scheduler import POLICIES, Scheduler
 from .state import AgentState
 
 log = logging.getLogger("agentkv.engine")
@@ -92,6 +92,9 @@ class Engine:
         min_reuse_tokens: int = DEFAULT_MIN_REUSE,
         hot_budget_bytes: int = DEFAULT_HOT_BUDGET,
         prefill_chunk: int = 512,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        schedule: str = "interleave",
         warmup: bool = True,
     ):
         self.quant = KVQuant.from_bits(
@@ -99,6 +102,10 @@ class Engine:
         )
         if min_reuse_tokens < 0 or prefill_chunk < 64:
             raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
+        if max_batch < 1 or max_queue < 1:
+            raise InvalidRequestError("max_batch and max_queue must be >= 1")
+        if schedule not in POLICIES:
+            raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
         self.loaded: LoadedModel = load_model(model)
         spec = self.loaded.spec
         self.quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
@@ -106,6 +113,8 @@ class Engine:
         self.hot_budget = hot_budget_bytes
         self.prefill_chunk = prefill_chunk
         self.query_heads = _query_heads(self.loaded.model, spec.kv_heads)
+        self.context_limit = _context_limit(self.loaded.model)
+        self.bytes_per_token = spec.bytes_per_token(self.quant)
         hf_tokenizer = self.loaded.tokenizer._tokenizer
         self.token_text = TokenText.for_tokenizer(hf_tokenizer)
         self.eos_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
@@ -123,7 +132,13 @@ class Engine:
         self._closed = False
         if warmup:
             self._warmup()
-        self.scheduler = Scheduler(self)
+        self.scheduler = Scheduler(
+            self,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            kv_budget=hot_budget_bytes,
+            policy=schedule,
+        )
 
     # -- public API -------------------------------------------------------------
 
@@ -165,8 +180,8 @@ class Engine:
         jobs = []
         for agent_id, messages in turns:
             messages = validate_messages(messages)
-            prompt = self.render_chat(messages).encode("utf-8")
-            jobs.append(Job(validate_agent_id(agent_id), prompt, params, messages, stream=False))
+            prompt = self.render_chat(messages)
+            jobs.append(self._job(validate_agent_id(agent_id), prompt, params, messages))
         return self._run_all(jobs)
 
     def generate_many(self, turns, **options) -> list[ChatResult]:
@@ -176,9 +191,7 @@ class Engine:
         for agent_id, prompt in turns:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("every prompt must be a non-empty string")
-            jobs.append(
-                Job(validate_agent_id(agent_id), prompt.encode("utf-8"), params, None, stream=False)
-            )
+            jobs.append(self._job(validate_agent_id(agent_id), prompt, params, None))
         return self._run_all(jobs)
 
     def _run_all(self, jobs: list[Job]) -> list[ChatResult]:
@@ -186,6 +199,49 @@ class Engine:
         for job in jobs:
             self.scheduler.submit(job)
         return [job.wait() for job in jobs]
+
+    def submit_chat(
+        self,
+        agent_id: str,
+        messages: list[dict],
+        *,
+        listener=None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop=None,
+    ) -> Job:
+        """Queue a chat turn and return at once (for servers and event loops).
+
+        ``listener(event, value)`` is called on the engine's thread with
+        ``("start", resumed)`` when the agent's state is found (``resumed.tier``
+        is hot/warm/cold), ``("piece", text)`` as text is generated and
+        ``("end", None)`` at the end. The returned job has ``wait()`` (the
+        ``ChatResult``, or raises the turn's error), ``result``/``error`` once
+        ended, and ``cancel()``: a cancelled turn saves no reply. Raises
+        ``EngineBusyError`` when ``max_queue`` turns are already waiting.
+        """
+        messages = validate_messages(messages)
+        prompt = self.render_chat(messages)
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        job = self._job(validate_agent_id(agent_id), prompt, params, messages, listener=listener)
+        job.cancel = lambda: self.scheduler.cancel(job)
+        self._check_open()
+        self.scheduler.submit(job)
+        return job
+
+    def _job(self, agent_id, prompt: str, params, messages, *, stream=False, listener=None) -> Job:
+        job = Job(
+            agent_id, prompt.encode("utf-8"), params, messages, stream=stream, listener=listener
+        )
+        # KV bytes reserved for admission: ~3 bytes of text per token, plus the reply.
+        new = (
+            params.max_tokens
+            if self.context_limit is None
+            else min(params.max_tokens, self.context_limit)
+        )
+        job.footprint = self.bytes_per_token * (len(job.prompt) // 3 + new)
+        return job
 
     def generate(self, agent_id: str, prompt: str, **options) -> ChatResult:
         """Continue raw text (no chat template): ``prompt`` is the agent's whole context."""
@@ -249,6 +305,14 @@ class Engine:
             self._last_used.get(agent_id),
         )
 
+    def resident_bytes(self) -> int:
+        """KV bytes of the agents held in memory."""
+        return sum(state.nbytes for state in list(self._hot.values()))
+
+    def disk_bytes(self) -> int:
+        """KV bytes stored on disk for this model (every agent's files)."""
+        return sum(self.store.disk_bytes(agent_id) for agent_id in self.store.agent_ids())
+
     def evict(self, agent_id: str) -> bool:
         """Drop an agent from memory (its state stays on disk); True if it was hot."""
         validate_agent_id(agent_id)
@@ -281,6 +345,10 @@ class Engine:
         """Wait until every finished turn is on disk."""
         self.writer.flush()
 
+    def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
+        """Wait until the agent's finished turns are on disk (False on timeout)."""
+        return self.writer.flush(agent_id, timeout)
+
     def close(self) -> None:
         """Finish the turns in flight, flush every agent's state to disk, stop the threads."""
         if not self._closed:
@@ -306,7 +374,7 @@ class Engine:
 
     def _stream(self, agent_id: str, prompt: str, params: SamplingParams, messages) -> ChatStream:
         self._check_open()
-        job = Job(agent_id, prompt.encode("utf-8"), params, messages, stream=True)
+        job = self._job(agent_id, prompt, params, messages, stream=True)
 
         def pieces() -> Iterator[str]:
             self.scheduler.submit(job)
@@ -420,6 +488,12 @@ class Engine:
             spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), spans])
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        total = state.size + len(ids)
+        if self.context_limit is not None and total >= self.context_limit:
+            raise InvalidRequestError(
+                f"the conversation is {total} tokens; this model's context is "
+                f"{self.context_limit} tokens (including the reply)"
+            )
         if (
             note is None
             and m is not None
@@ -532,6 +606,13 @@ def _query_heads(model, kv_heads: int) -> int:
     layers = getattr(model, "layers", None) or []
     attn = getattr(layers[0], "self_attn", None) if layers else None
     return int(getattr(attn, "n_heads", kv_heads))
+
+
+def _context_limit(model) -> int | None:
+    """The model's context length (max_position_embeddings), if its config says."""
+    args = getattr(model, "args", None)
+    limit = getattr(args, "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
 def _stored_tokens(store: AgentStore, agent_id: str) -> int:

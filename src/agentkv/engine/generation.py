@@ -84,6 +84,7 @@ class StopScanner:
     text: str = ""
     emitted: int = 0
     stopped: bool = field(default=False)
+    matched: str | None = None  # the stop string found, once stopped
 
     def feed(self, piece: str) -> str:
         """Add generated text; return what is now safe to show."""
@@ -91,9 +92,10 @@ class StopScanner:
             return ""
         search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
         self.text += piece
-        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.matched = min(hits)
+            self.text = self.text[:at]
             self.stopped = True
             return self._take(len(self.text))
         hold = max((len(s) - 1 for s in self.stops), default=0)

@@ -5,6 +5,15 @@ agent's state, prefills the new text chunk by chunk, then takes a row in a
 decode batch until it stops. Every generated token but the last is fed to the
 model, so when the job ends the agent's caches hold the prompt and all the
 reply except its final token, and the agent's text is exactly what they hold.
+
+A cancelled job (its caller went away) saves no reply: the agent keeps the
+part of the prompt already prefilled (a valid prefix of the conversation, so
+a retry does not redo it) and drops every generated token.
+
+A job reports to an optional ``listener(event, value)``, called on the
+scheduler's thread: ``("start", Resumed)`` once the agent's state is found,
+``("piece", str)`` for each piece of text, ``("end", None)`` when it is over
+(then ``result`` or ``error`` is set).
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class Job:
         messages: list | None,
         *,
         stream: bool,
+        listener=None,
     ):
         self.agent_id = agent_id
         self.prompt = prompt
@@ -62,6 +72,8 @@ class Job:
         self.submitted = time.perf_counter()
         self.phase = Phase.PENDING
         self.pieces: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
+        self.listener = listener
+        self.footprint = 0  # KV bytes the scheduler reserved for this turn
         self.done = threading.Event()
         self.cancelled = False
         self.result: ChatResult | None = None
@@ -75,6 +87,7 @@ class Job:
         self.generated: list[int] = []
         self.last_token: int | None = None
         self.finish_reason = "length"
+        self.max_new = params.max_tokens
         self.text = ""
         self.first_at = 0.0
         self.last_at = 0.0
@@ -87,7 +100,16 @@ class Job:
 
     # -- setup ------------------------------------------------------------------
 
-    def start(self, resumed, *, tokenizer, eos_ids, max_chunk: int, query_heads: int) -> None:
+    def start(
+        self,
+        resumed,
+        *,
+        tokenizer,
+        eos_ids,
+        max_chunk: int,
+        query_heads: int,
+        context_limit: int | None = None,
+    ) -> None:
         self.resumed = resumed
         self.state = resumed.state
         self._detok = tokenizer.detokenizer
@@ -97,8 +119,12 @@ class Job:
         self.chunks = plan_chunks(
             len(resumed.prefill_ids), self.state.size, max_chunk=max_chunk, query_heads=query_heads
         )
+        if context_limit is not None:
+            room = context_limit - self.state.size - len(resumed.prefill_ids)
+            self.max_new = max(1, min(self.max_new, room))
         self.phase = Phase.PREFILL
         self._prefill_started = time.perf_counter()
+        self._notify("start", resumed)
 
     def next_chunk(self) -> tuple[list[int], bool]:
         """The next prefill chunk, and whether it is the last."""
@@ -110,9 +136,18 @@ class Job:
         self.fed_prompt += self.chunks.pop(0)
 
     def prefill_finished(self) -> None:
-        r = self.resumed
-        self.state.append(r.prefill_ids, r.prefill_spans, self.prompt[len(self.state.text) :])
+        self.record_prompt()
         self.prefill_ms = (time.perf_counter() - self._prefill_started) * 1000
+
+    def record_prompt(self) -> None:
+        """Append the prompt tokens fed so far (all, or the chunks done before a cancel)."""
+        r = self.resumed
+        n = self.fed_prompt
+        if n:
+            end = int(r.prefill_spans[n - 1, 1])
+            self.state.append(
+                r.prefill_ids[:n], r.prefill_spans[:n], self.prompt[len(self.state.text) : end]
+            )
 
     # -- tokens -----------------------------------------------------------------
 
@@ -136,7 +171,7 @@ class Job:
             return True
         if self.cancelled:
             return True
-        if len(self.generated) >= self.params.max_tokens:
+        if len(self.generated) >= self.max_new:
             self.finish_reason = "length"
             return True
         self.last_token = token
@@ -147,11 +182,29 @@ class Job:
             self.text += piece
             if self.pieces is not None:
                 self.pieces.put(piece)
+            self._notify("piece", piece)
+
+    def _notify(self, event: str, value) -> None:
+        if self.listener is not None:
+            try:
+                self.listener(event, value)
+            except Exception:  # a listener's bug must not break the turn
+                pass
 
     # -- the end ----------------------------------------------------------------
 
     def record_fed(self, token_text) -> None:
-        """Append the fed generated tokens (all but the last) to the agent's text."""
+        """Append the fed generated tokens (all but the last) to the agent's text.
+
+        A cancelled turn drops them instead (its reply is not saved)."""
+        if self.cancelled:
+            if self.phase is Phase.PREFILL:
+                self.record_prompt()  # only the chunks done; the caches hold exactly those
+            else:  # the caches hold the prompt and every generated token but the last
+                for cache in self.state.caches:
+                    cache.trim(max(0, len(self.generated) - 1))
+            self.finish_reason = "cancelled"
+            return
         if not self._scanner.stopped and self.generated and self.generated[-1] not in self._eos:
             self._detok.finalize()
             self._emit(self._scanner.feed(self._detok.last_segment) + self._scanner.flush())
@@ -185,7 +238,9 @@ class Job:
             reuse_note=r.note,
         )
         visible = [t for t in self.generated if t not in eos_ids]
-        self.result = ChatResult(self.text, visible, self.finish_reason, stats)
+        self.result = ChatResult(
+            self.text, visible, self.finish_reason, stats, stop_sequence=self._scanner.matched
+        )
         return self.result
 
     def close(self, error: BaseException | None = None) -> None:
@@ -194,6 +249,7 @@ class Job:
         if self.pieces is not None:
             self.pieces.put(DONE)
         self.done.set()
+        self._notify("end", None)
 
     def wait(self) -> ChatResult:
         self.done.wait()

@@ -39,13 +39,15 @@ class TurnStats:
 class ChatResult:
     text: str
     tokens: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
     stats: TurnStats
+    stop_sequence: str | None = None  # the stop string that ended the turn, if one did
 
     def to_dict(self) -> dict:
         return {
             "text": self.text,
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
+            "stop_sequence": self.stop_sequence,
             "stats": self.stats.to_dict(),
         }

@@ -15,6 +15,14 @@ and every token is streamed the moment it is sampled.
 Prefill runs on the agent's own caches, decode in ``BatchQuantizedKVCache``
 rows; the linear layers are batch-invariant on CPU, so a turn gives the same
 tokens alone or batched. All MLX work happens on this thread.
+
+Admission: at most ``max_batch`` turns run at once (prefilling or decoding),
+and their reserved KV bytes (context + ``max_tokens``, estimated when the turn
+is submitted) stay within ``kv_budget`` (a turn that alone exceeds it still
+runs, by itself). Waiting turns start in arrival order; at most ``max_queue``
+wait, beyond that ``submit`` raises ``EngineBusyError``. ``policy="fcfs"``
+runs one turn at a time to completion (the baseline the interleaved
+scheduler is measured against).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from collections import deque
 
 import mlx.core as mx
 
+from ..errors import EngineBusyError
 from ..kv.batch import BatchQuantizedKVCache
 from .generation import prefill_chunk
 from .job import Job, Phase
@@ -65,14 +74,32 @@ class _Batch:
             self.caches = []
 
 
+POLICIES = ("interleave", "fcfs")
+
+
 class Scheduler:
-    def __init__(self, engine):
+    def __init__(
+        self,
+        engine,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        kv_budget: int = 1 << 30,
+        policy: str = "interleave",
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}")
         self.engine = engine
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.kv_budget = kv_budget
+        self.policy = policy
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._prefilling: deque[Job] = deque()
         self._batches: dict = {}
         self._stopping = False
+        self._running = {"running": 0, "reserved_bytes": 0}  # as of the last step
         self._thread = threading.Thread(target=self._run, name="agentkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -82,6 +109,12 @@ class Scheduler:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is closed")
+            if len(self._pending) >= self.max_queue:
+                raise EngineBusyError(
+                    f"{len(self._pending)} turns are already waiting (max_queue "
+                    f"{self.max_queue}); try again shortly",
+                    retry_after=self._retry_after(),
+                )
             self._pending.append(job)
             self._cond.notify_all()
         return job
@@ -106,6 +139,25 @@ class Scheduler:
         with self._cond:
             return bool(self._pending or self._prefilling or self._batches)
 
+    def load(self) -> dict:
+        """Turns waiting and running, and the KV bytes reserved by the running ones."""
+        with self._cond:
+            return {"waiting": len(self._pending), **self._running}
+
+    def _note_load(self) -> None:
+        active = self._active()
+        self._running = {
+            "running": len(active),
+            "reserved_bytes": sum(j.footprint for j in active),
+        }
+
+    def _active(self) -> list[Job]:
+        return [*self._prefilling, *(j for b in self._batches.values() for j in b.jobs)]
+
+    def _retry_after(self) -> float:
+        """Seconds until a queue slot is likely free: a rough turn time per waiting batch."""
+        return float(min(60, 1 + len(self._pending) // max(1, self.max_batch)))
+
     # -- the scheduling thread ----------------------------------------------------
 
     def _run(self) -> None:
@@ -116,8 +168,10 @@ class Scheduler:
                     return
             try:
                 self._admit()
+                self._note_load()
                 self._prefill_one()
                 self._decode_all()
+                self._note_load()
             except Exception:  # a bug here must not kill the engine's only thread
                 log.exception("agentkv: scheduler step failed")
 
@@ -125,21 +179,31 @@ class Scheduler:
         return bool(self._pending or self._prefilling or self._batches)
 
     def _admit(self) -> None:
-        """Start pending jobs whose agents are free (one turn per agent at a time)."""
+        """Start pending jobs whose agents are free (one turn per agent at a time),
+        in arrival order, within ``max_batch`` and the KV budget."""
         with self._cond:
             waiting = list(self._pending)
-        busy = {j.agent_id for j in self._prefilling} | {
-            j.agent_id for b in self._batches.values() for j in b.jobs
-        }
+            active = self._active()
+        busy = {j.agent_id for j in active}
+        running = len(active)
+        reserved = sum(j.footprint for j in active)
         for job in waiting:
             if job.agent_id in busy:
                 continue
+            if running and (
+                self.policy == "fcfs"
+                or running >= self.max_batch
+                or reserved + job.footprint > self.kv_budget
+            ):
+                break  # in order: a later turn does not overtake one that does not fit
             lock = self.engine._agent_lock(job.agent_id)
             if not lock.acquire(blocking=False):
                 continue  # a caller (evict, delete...) holds the agent right now
             with self._cond:
                 self._pending.remove(job)
             busy.add(job.agent_id)
+            running += 1
+            reserved += job.footprint
             job.lock = lock
             try:
                 resumed = self.engine._resume(job.agent_id, job.prompt)
@@ -149,6 +213,7 @@ class Scheduler:
                     eos_ids=self.engine.eos_ids,
                     max_chunk=self.engine.prefill_chunk,
                     query_heads=self.engine.query_heads,
+                    context_limit=self.engine.context_limit,
                 )
             except Exception as exc:
                 self._fail(job, exc)

@@ -346,7 +346,18 @@ class AgentStore:
         directory = self.agent_dir(agent_id)
         if not directory.exists():
             return 0
-        return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+        total = 0
+        try:
+            entries = list(directory.iterdir())
+        except FileNotFoundError:  # deleted meanwhile
+            return 0
+        for path in entries:
+            try:  # the writer may remove a replaced segment meanwhile
+                if path.is_file():
+                    total += path.stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
 
     def other_fingerprints(self, agent_id: str) -> list[str]:
         """Fingerprint directories of *other* models that hold this agent."""

@@ -1,0 +1,69 @@
+"""``agentkv serve``: the HTTP server (uvicorn) over one Engine."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+
+API_KEY_ENV = "AGENTKV_API_KEY"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from ..engine import Engine
+    from ..server import create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not _is_loopback(args.host) and api_key is None:
+        print(
+            f"agentkv: warning: serving on {args.host} without an API key: anyone who can "
+            f"reach it can use it (set --api-key or ${API_KEY_ENV})",
+            file=sys.stderr,
+        )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    print("agentkv: loading the model...", file=sys.stderr, flush=True)
+    engine = Engine(
+        model=args.model,
+        cache_dir=args.cache_dir,
+        kv_bits=args.kv_bits,
+        hot_budget_bytes=args.kv_budget_mb << 20,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        schedule=args.schedule,
+    )
+    app = create_app(
+        engine,
+        api_key=api_key,
+        max_body_bytes=args.max_body_mb << 20,
+        default_max_tokens=args.default_max_tokens,
+        close_engine=True,
+    )
+    print(
+        f"agentkv: serving {engine.loaded.name} on http://{args.host}:{args.port} "
+        f"(OpenAI /v1/chat/completions, Anthropic /v1/messages, agents /v1/agents)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.drain_timeout,
+        )
+    finally:
+        engine.close()  # no-op after the app's shutdown closed it
+    return 0

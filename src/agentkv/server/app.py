@@ -1,0 +1,266 @@
+"""The ASGI app (Starlette) behind ``agentkv serve``.
+
+Routes::
+
+    POST /v1/chat/completions        OpenAI chat (stream or not)
+    GET  /v1/models[/{id}]           OpenAI model list
+    POST /v1/messages                Anthropic messages (stream or not)
+    POST /v1/agents/{id}/chat        direct: the agent named in the path
+    GET  /v1/agents[/{id}]           stored and in-memory agents
+    DELETE /v1/agents/{id}           forget an agent (memory and disk)
+    GET  /health, GET /metrics
+
+Every response that generated tokens carries ``x-agentkv-cache`` (hot, warm,
+cold), ``x-agentkv-agent`` and the reused / prefilled token counts. A
+response is complete only once its turn is on disk, so a client that got an
+answer can count on it surviving a crash. A client that disconnects cancels
+its turn (no reply is saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+import anyio
+from jinja2.exceptions import TemplateError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..agent_id import validate_agent_id
+from ..errors import AgentKVError, EngineBusyError, InvalidAgentIdError, InvalidRequestError
+from .dialects import AnthropicDialect, OpenAIDialect, ServerLimits, usage_counts
+from .direct import DirectDialect
+from .errors import APIError, bad_request
+from .identity import HEADER
+from .metrics import CONTENT_TYPE, Metrics
+from .turns import AsyncTurn
+
+log = logging.getLogger("agentkv.server")
+
+DEFAULT_MAX_BODY = 16 << 20
+DEFAULT_MAX_TOKENS = 512
+
+
+def create_app(
+    engine,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    close_engine: bool = False,
+) -> Starlette:
+    """An app serving ``engine``; ``close_engine``: close it when the app shuts down."""
+    limits = ServerLimits(
+        model_id=engine.loaded.name,
+        context_limit=engine.context_limit or 1 << 20,
+        default_max_tokens=default_max_tokens,
+    )
+    openai, anthropic, direct = (
+        OpenAIDialect(limits),
+        AnthropicDialect(limits),
+        DirectDialect(limits),
+    )
+    metrics = Metrics(engine)
+    started = time.time()
+
+    def authorized(request: Request) -> bool:
+        if api_key is None:
+            return True
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if given is None and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        return given is not None and hmac.compare_digest(given.encode(), api_key.encode())
+
+    def error_response(dialect, error: APIError) -> JSONResponse:
+        return JSONResponse(dialect.error_body(error), error.status, headers=error.headers)
+
+    def endpoint(dialect, handler, *, public: bool = False):
+        """Auth, then the handler; every failure becomes an error in the dialect's shape."""
+
+        async def run(request: Request) -> Response:
+            try:
+                if not public and not authorized(request):
+                    raise APIError(
+                        401,
+                        "authentication",
+                        "missing or wrong API key (Authorization: Bearer KEY, or x-api-key)",
+                    )
+                response = await handler(request)
+            except APIError as exc:
+                response = error_response(dialect, exc)
+            except (InvalidAgentIdError, InvalidRequestError) as exc:
+                response = error_response(dialect, bad_request(str(exc)))
+            except TemplateError as exc:
+                message = f"the model's chat template rejected these messages: {exc}"
+                response = error_response(dialect, bad_request(message, "messages"))
+            except EngineBusyError as exc:
+                retry = str(max(1, round(exc.retry_after)))
+                error = APIError(429, "rate_limit", str(exc), headers={"retry-after": retry})
+                response = error_response(dialect, error)
+            except AgentKVError as exc:  # the engine is closed: shutting down
+                response = error_response(dialect, APIError(503, "unavailable", str(exc)))
+            except Exception:
+                log.exception("agentkv: %s %s failed", request.method, request.url.path)
+                error = APIError(500, "server", "internal error (see the server's log)")
+                response = error_response(dialect, error)
+            metrics.requests.labels(dialect.name, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise bad_request("invalid Content-Length header")
+            if int(declared) > max_body_bytes:
+                raise APIError(413, "too_large", f"request body over {max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(413, "too_large", f"request body over {max_body_bytes} bytes")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from None
+
+    async def chat(request: Request, dialect, agent: str | None) -> Response:
+        req = dialect.parse(await read_json(request), agent)
+        turn = AsyncTurn(engine, req.agent_id, req.messages, req.sampling)
+        async with turn.cancelled_on_disconnect(request.receive):
+            try:
+                resumed = await turn.start()
+            except RuntimeError as exc:
+                raise APIError(503, "unavailable", str(exc)) from None
+        counts = usage_counts(resumed)
+        headers = {
+            "x-agentkv-cache": resumed.tier,
+            "x-agentkv-agent": req.agent_id,
+            "x-agentkv-reused-tokens": str(counts["reused"]),
+            "x-agentkv-prefill-tokens": str(counts["prefill"]),
+        }
+
+        async def finish():
+            result = await turn.finish()
+            metrics.turn(result)
+            return result, {"agent_id": req.agent_id, **result.stats.to_dict()}
+
+        if not req.stream:
+            async with turn.cancelled_on_disconnect(request.receive):
+                result, agentkv = await finish()
+            return JSONResponse(dialect.response(req, result, counts, agentkv), headers=headers)
+
+        async def events():
+            try:
+                async with turn.cancelled_on_disconnect(request.receive):
+                    async for event in dialect.stream(req, turn, counts, finish):
+                        yield event
+            except Exception as exc:  # headers are sent: report in the stream, then end it
+                if not isinstance(exc, AgentKVError):
+                    log.exception("agentkv: turn of %r failed", req.agent_id)
+                body = dialect.error_body(APIError(500, "server", f"generation failed: {exc}"))
+                yield f"event: error\ndata: {json.dumps(body)}\n\n"
+
+        headers["cache-control"] = "no-cache"
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def chat_completions(request):
+        return await chat(request, openai, request.headers.get(HEADER))
+
+    async def messages(request):
+        return await chat(request, anthropic, request.headers.get(HEADER))
+
+    async def agent_chat(request):
+        return await chat(request, direct, request.path_params["agent_id"])
+
+    def model_card() -> dict:
+        return {
+            "id": limits.model_id,
+            "object": "model",
+            "created": int(started),
+            "owned_by": "agentkv",
+        }
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request):
+        name = request.path_params["model"]
+        limits.check_model(name)
+        return JSONResponse(model_card())
+
+    def agent_json(info) -> dict:
+        return {
+            "id": info.agent_id,
+            "tokens": info.tokens,
+            "tier": info.tier,
+            "memory_bytes": info.memory_bytes,
+            "disk_bytes": info.disk_bytes,
+            "last_used": info.last_used,
+        }
+
+    async def agents(request):
+        infos = await anyio.to_thread.run_sync(engine.agents)
+        return JSONResponse({"object": "list", "data": [agent_json(i) for i in infos]})
+
+    async def agent(request):
+        agent_id = validate_agent_id(request.path_params["agent_id"])
+        info = await anyio.to_thread.run_sync(engine.agent_info, agent_id)
+        if info is None:
+            raise APIError(404, "not_found", f"no agent {agent_id!r}")
+        return JSONResponse(agent_json(info))
+
+    async def delete_agent(request):
+        agent_id = validate_agent_id(request.path_params["agent_id"])
+        if not await anyio.to_thread.run_sync(engine.delete_agent, agent_id):
+            raise APIError(404, "not_found", f"no agent {agent_id!r}")
+        return JSONResponse({"id": agent_id, "deleted": True})
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": limits.model_id, **engine.scheduler.load()})
+
+    async def metrics_text(request):
+        body = await anyio.to_thread.run_sync(metrics.render)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    routes = [
+        Route("/v1/chat/completions", endpoint(openai, chat_completions), methods=["POST"]),
+        Route("/v1/models", endpoint(openai, models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(openai, model), methods=["GET"]),
+        Route("/v1/messages", endpoint(anthropic, messages), methods=["POST"]),
+        Route("/v1/agents", endpoint(direct, agents), methods=["GET"]),
+        Route("/v1/agents/{agent_id}", endpoint(direct, agent), methods=["GET"]),
+        Route("/v1/agents/{agent_id}", endpoint(direct, delete_agent), methods=["DELETE"]),
+        Route("/v1/agents/{agent_id}/chat", endpoint(direct, agent_chat), methods=["POST"]),
+        Route("/health", endpoint(direct, health, public=True), methods=["GET"]),
+        Route("/metrics", endpoint(direct, metrics_text), methods=["GET"]),
+    ]
+
+    async def not_found(request: Request, exc: HTTPException):
+        dialect = anthropic if request.url.path.startswith("/v1/messages") else openai
+        kind = "not_found" if exc.status_code in (404, 405) else "invalid_request"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(dialect, APIError(exc.status_code, kind, message))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if close_engine:  # drained: finish what the engine holds and save every agent
+            await anyio.to_thread.run_sync(engine.close)
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    return app

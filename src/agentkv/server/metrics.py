@@ -1,0 +1,56 @@
+"""Prometheus metrics of one server (its own registry, served at ``GET /metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..engine.results import ChatResult
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "agentkv_requests", "HTTP requests answered", ["api", "status"], registry=r
+        )
+        self.turns = Counter(
+            "agentkv_turns", "finished chat turns by cache outcome", ["cache"], registry=r
+        )
+        self.tokens = Counter(
+            "agentkv_tokens",
+            "tokens of finished turns: prompt = reused + prefilled; generated",
+            ["kind"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "agentkv_ttft_seconds", "time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        Gauge(
+            "agentkv_kv_resident_bytes", "KV cache bytes held in memory", registry=r
+        ).set_function(engine.resident_bytes)
+        Gauge(
+            "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
+        ).set_function(engine.disk_bytes)
+        load = engine.scheduler.load
+        Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
+            lambda: load()["waiting"]
+        )
+        Gauge("agentkv_turns_running", "turns prefilling or decoding", registry=r).set_function(
+            lambda: load()["running"]
+        )
+
+    def turn(self, result: ChatResult) -> None:
+        s = result.stats
+        self.turns.labels(s.cache).inc()
+        self.tokens.labels("prompt").inc(s.prompt_tokens)
+        self.tokens.labels("reused").inc(s.reused_tokens)
+        self.tokens.labels("prefilled").inc(s.prefill_tokens)
+        self.tokens.labels("generated").inc(s.generated_tokens)
+        if s.generated_tokens:
+            self.ttft.observe(s.ttft_ms / 1000)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
