@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|kernels|batch|quality``."""
+"""``agentkv bench reload|ttft|save|kernels|batch|serve|quality``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ def run_bench(args) -> int:
         from .batch import run
 
         run(_counts(args.agents, "--agents"), as_json=args.json, model=args.model)
+    elif name == "serve":
+        from .serve import run
+
+        if args.turns < 2:
+            raise SystemExit("agentkv: error: --turns must be at least 2 (a restart in the middle)")
+        run(args.paragraphs, args.clients, args.turns, args.max_tokens, as_json=args.json)
     else:
         from .quality import FORMATS, run
 

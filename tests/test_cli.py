@@ -172,3 +172,36 @@ def test_bench_commands_emit_their_json(python_env):
     assert set(ttft["rows"][0]) >= {"tokens", "cold_ms", "warm_ms", "hot_ms"}
     bad = agentkv("bench", "reload", "--tokens", "abc", env=python_env)
     assert bad.returncode != 0 and "comma-separated" in bad.stderr
+
+
+def test_bench_kernels_and_serve_emit_their_json(python_env):
+    kernels = json.loads(
+        agentkv(
+            "bench", "kernels", "--batches", "2", "--repeats", "1", "--json", env=python_env
+        ).stdout
+    )
+    ops = {row["op"] for row in kernels["rows"]}
+    assert ops == {"gather", "merge", "extract"}
+    assert set(kernels["rows"][0]) >= {
+        "op",
+        "batch",
+        "tokens_total",
+        "bytes",
+        "agentkv_ms",
+        "reference_ms",
+        "mlx_lm_fp16_ms",
+        "memcpy_gbps",
+    }
+    serve = json.loads(
+        agentkv(
+            "bench", "serve", "--paragraphs", "2", "--clients", "2", "--turns", "2",
+            "--max-tokens", "2", "--json", env=python_env,
+        ).stdout
+    )  # fmt: skip
+    policies = [row["policy"] for row in serve["staggered"]["rows"]]
+    assert policies == ["interleave", "fcfs"] and serve["staggered"]["b_ttft_speedup"] > 0
+    load = serve["load"]
+    assert load["requests"] == 4 and load["errors"] == 0
+    assert load["post_restart_first_turn"] == {"warm": 2}
+    bad = agentkv("bench", "quality", "--formats", "q5", env=python_env)
+    assert bad.returncode != 0 and "--formats" in bad.stderr

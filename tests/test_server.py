@@ -16,7 +16,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from agentkv.benchmarks.server_process import ServerProcess
 
 import agentkv
 

@@ -208,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--agents", default="1,2,4,8", help="comma-separated agent counts")
     batch.add_argument("--json", action="store_true")
     batch.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    serve_bench = bench_sub.add_parser(
+        "serve",
+        help="staggered arrivals (interleaved vs FCFS) and a load run with a server restart",
+    )
+    serve_bench.add_argument(
+        "--paragraphs",
+        type=_positive_int,
+        default=30,
+        help="length of agent A's long prompt in paragraphs of ~50 tokens (default 30)",
+    )
+    serve_bench.add_argument("--clients", type=_positive_int, default=8)
+    serve_bench.add_argument("--turns", type=_positive_int, default=10)
+    serve_bench.add_argument("--max-tokens", type=_positive_int, default=24)
+    serve_bench.add_argument("--json", action="store_true")
     quality = bench_sub.add_parser(
         "quality",
         help="perplexity and greedy agreement with the KV cache in fp16 / 8 / 4 / k8v4 bits",

@@ -1,4 +1,4 @@
-"""A real ``agentkv serve`` process on 127.0.0.1 for the server tests."""
+"""A real ``agentkv serve`` process on 127.0.0.1 (for ``bench serve`` and the server tests)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, cache_dir: Path, env: dict, *extra: str, api_key: str | None = None):
+    """``agentkv serve`` in a subprocess on a free port; ``start`` waits for ``/health``."""
+
+    def __init__(self, cache_dir: Path, env: dict | None, *extra: str, api_key: str | None = None):
         self.cache_dir = cache_dir
         self.env = env
         self.extra = extra
@@ -41,6 +43,7 @@ class ServerProcess:
         args += ["--cache-dir", str(self.cache_dir), "--log-level", "warning", *self.extra]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, env=self.env, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout
