@@ -5,7 +5,7 @@
 // batch with new agents and filters rows out of it.
 //
 // A per-backend preamble declares `srcs`, the source pointers in input order
-// (see agentkv/kernels/preambles.py and csrc/kernels_cpu.cpp).
+// (see agentkv/kernels/gpu.py `_pointers` and csrc/kernels_cpu.cpp).
 //
 // inputs:  srcs    T*[n_sources]
 //          rows    int[5 * n_rows] per output row: source, source row, source

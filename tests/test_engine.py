@@ -240,6 +240,33 @@ def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
     assert order == [("q1", "start"), ("q1", "end"), ("q2", "start"), ("q2", "end")]
 
 
+def test_turns_that_do_not_fit_the_kv_budget_wait(fresh_engine):
+    per_token = 6_480  # the embedded model, 4-bit
+    eng = fresh_engine(hot_budget_bytes=per_token * 600)
+    order = []
+
+    def run(max_tokens):
+        order.clear()
+        with eng.scheduler._cond:  # both are waiting before the scheduler looks
+            jobs = [
+                eng.submit_chat(
+                    f"budget-{name}-{max_tokens}",
+                    [{"role": "user", "content": f"Say {name}."}],
+                    max_tokens=max_tokens,
+                    listener=lambda e, v, n=name: e in ("start", "end") and order.append((n, e)),
+                )
+                for name in ("a", "b")
+            ]
+        for job in jobs:
+            job.wait()
+        return [event for _, event in order]
+
+    # Each turn reserves (prompt + max_tokens) tokens of KV, its prompt ~60 tokens here: two
+    # with 100 fit in 600, two with 300 do not, so the second waits until the first is done.
+    assert run(100) == ["start", "start", "end", "end"]
+    assert run(300) == ["start", "end", "start", "end"]
+
+
 def test_a_prompt_over_the_context_is_rejected(engine):
     too_long = "word " * (engine.context_limit + 10)
     with pytest.raises(InvalidRequestError, match="context"):
