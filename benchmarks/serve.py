@@ -71,10 +71,16 @@ def stream_turn(url: str, agent: str, messages: list[dict], max_tokens: int) -> 
                     r.read()
                     out["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
                     return out
+                failed = False
                 for line in r.iter_lines():
+                    if line == "event: error":
+                        failed = True  # the server reports a failure inside the stream
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if failed or "error" in chunk:
+                        out["error"] = f"stream error: {line[6:206]}"
+                        break
                     if chunk.get("usage"):
                         out["usage"] = chunk["usage"]
                     for choice in chunk.get("choices") or []:

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -205,22 +206,46 @@ def test_an_abandoned_stream_keeps_the_prompt_and_saves_no_reply(engine):
     assert again.tokens == alone.tokens
 
 
+def _cancel_after(eng, method: str, messages, agent: str, **options):
+    """Submit a turn that cancels itself right after its first call of Job.<method>."""
+    with eng.scheduler._cond:  # the scheduler cannot take the job before it is patched
+        job = eng.submit_chat(agent, messages, **options)
+        original = getattr(job, method)
+
+        def then_cancel(*args):
+            out = original(*args)
+            job.cancelled = True
+            return out
+
+        setattr(job, method, then_cancel)
+    return job.wait()
+
+
+def _assert_consistent(state, prompt: bytes):
+    assert len(state.tokens) == len(state.spans) == state.caches[0].offset
+    assert int(state.spans[-1, 1]) == len(state.text)
+    assert prompt.startswith(state.text)
+
+
 def test_a_turn_cancelled_during_prefill_keeps_the_chunks_done(fresh_engine):
     eng = fresh_engine(prefill_chunk=64)
     messages = convo("List every step of the release, one per line.")
-    started = threading.Event()
-    job = eng.submit_chat(
-        "early", messages, max_tokens=8, listener=lambda e, v: e == "start" and started.set()
-    )
-    assert started.wait(60)
-    job.cancel()  # within the first of several 64-token chunks
-    assert job.wait().finish_reason == "cancelled"
-    state = eng._hot["early"]
     prompt = eng.render_chat(messages).encode()
-    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
-    assert prompt.startswith(state.text) and len(state.text) < len(prompt)
-    r = eng.chat("early", messages, max_tokens=8)
-    assert r.tokens == eng.chat("early-ref", messages, max_tokens=8).tokens
+    r = _cancel_after(eng, "chunk_done", messages, "early", max_tokens=8)
+    assert r.finish_reason == "cancelled" and r.stats.prompt_tokens > 64
+    state = eng._hot["early"]
+    _assert_consistent(state, prompt)
+    assert len(state.tokens) == 64  # the first chunk, and nothing else
+    # Cancelled right after the whole prompt was fed (before any token was kept).
+    r = _cancel_after(eng, "prefill_finished", messages, "late", max_tokens=8)
+    assert r.finish_reason == "cancelled" and r.stats.reused_tokens == 0
+    state = eng._hot["late"]
+    _assert_consistent(state, prompt)
+    assert state.text == prompt and len(state.tokens) == r.stats.prompt_tokens
+    # Either way the next turn resumes from a state that gives the same tokens.
+    reference = eng.chat("cancel-ref", messages, max_tokens=8).tokens
+    assert eng.chat("early", messages, max_tokens=8).tokens == reference
+    assert eng.chat("late", messages, max_tokens=8).tokens == reference
 
 
 def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
@@ -230,8 +255,9 @@ def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
     order = []
     listener = lambda name: lambda e, v: e in ("start", "end") and order.append((name, e))  # noqa: E731
     first = eng.submit_chat("q1", convo("One."), max_tokens=24, listener=listener("q1"))
-    while first.phase.value == "pending":
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + 60
+    while first.phase.value == "pending" and time.monotonic() < deadline:
+        time.sleep(0.01)
     second = eng.submit_chat("q2", convo("Two."), max_tokens=4, listener=listener("q2"))
     with pytest.raises(EngineBusyError) as busy:
         eng.submit_chat("q3", convo("Three."), max_tokens=4)

@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens",
         type=_positive_int,
         default=512,
-        help="reply limit when an OpenAI request sets none (default 512)",
+        help="reply limit when an OpenAI or direct-API request sets none (default 512)",
     )
     serve.add_argument(
         "--max-body-mb", type=_positive_int, default=16, help="largest request body (default 16)"

@@ -191,6 +191,7 @@ class Engine:
         for agent_id, prompt in turns:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("every prompt must be a non-empty string")
+            check_text(prompt, "prompt")
             jobs.append(self._job(validate_agent_id(agent_id), prompt, params, None))
         return self._run_all(jobs)
 
@@ -262,6 +263,7 @@ class Engine:
     ) -> ChatStream:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string")
+        check_text(prompt, "prompt")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
         return self._stream(validate_agent_id(agent_id), prompt, params, None)
 
@@ -502,7 +504,7 @@ class Engine:
         ):
             note = m.note
         match = m.kind.value if m is not None else "none"
-        return Resumed(state, tier, match, stored, ids, spans, note, load_ms)
+        return Resumed(state, tier, match, stored, ids, spans, note, load_ms, state.size)
 
     def _commit(self, state: AgentState, failed: bool) -> None:
         agent_id = state.agent_id
@@ -550,7 +552,7 @@ class Engine:
         state.durable = state.size
 
     def _evict_over_budget(self, keep: str) -> None:
-        total = sum(s.nbytes for s in self._hot.values())
+        total = sum(s.nbytes for s in list(self._hot.values()))
         for agent_id in list(self._hot):
             if total <= self.hot_budget:
                 return
@@ -598,8 +600,18 @@ def validate_messages(messages) -> list[dict]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string or text blocks")
+        check_text(content, f"messages[{i}].content")
         out.append({"role": role, "content": content})
     return out
+
+
+def check_text(text: str, what: str) -> str:
+    """Text must be valid Unicode (no lone surrogates, which UTF-8 cannot encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid Unicode: {exc.reason}") from None
+    return text
 
 
 def _query_heads(model, kv_heads: int) -> int:

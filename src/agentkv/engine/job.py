@@ -45,6 +45,11 @@ class Resumed:
     prefill_spans: np.ndarray
     note: str | None
     load_ms: float
+    reused_tokens: int = 0  # the state's size once matched (set on the scheduler thread)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.reused_tokens + len(self.prefill_ids)
 
 
 class Phase(Enum):
@@ -92,6 +97,7 @@ class Job:
         self.first_at = 0.0
         self.last_at = 0.0
         self.prefill_ms = 0.0
+        self.prompt_recorded = False
         self._prefill_started = 0.0
         self._scanner = StopScanner(params.stop)
         self._detok = None
@@ -137,6 +143,7 @@ class Job:
 
     def prefill_finished(self) -> None:
         self.record_prompt()
+        self.prompt_recorded = True
         self.prefill_ms = (time.perf_counter() - self._prefill_started) * 1000
 
     def record_prompt(self) -> None:
@@ -198,8 +205,9 @@ class Job:
 
         A cancelled turn drops them instead (its reply is not saved)."""
         if self.cancelled:
-            if self.phase is Phase.PREFILL:
+            if not self.prompt_recorded:
                 self.record_prompt()  # only the chunks done; the caches hold exactly those
+                self.prompt_recorded = True
             else:  # the caches hold the prompt and every generated token but the last
                 for cache in self.state.caches:
                     cache.trim(max(0, len(self.generated) - 1))
@@ -225,9 +233,9 @@ class Job:
             cache=r.tier,
             match=r.match,
             stored_tokens=r.stored_tokens,
-            reused_tokens=self.state.size - len(r.prefill_ids) - max(0, count - 1),
+            reused_tokens=r.reused_tokens,
             prefill_tokens=len(r.prefill_ids),
-            prompt_tokens=self.state.size - max(0, count - 1),
+            prompt_tokens=r.prompt_tokens,
             generated_tokens=count,
             ttft_ms=(self.first_at - self.submitted) * 1000 if count else 0.0,
             decode_tps=(count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0,

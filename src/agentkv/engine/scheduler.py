@@ -169,6 +169,12 @@ class Scheduler:
             try:
                 self._admit()
                 self._note_load()
+                if not (self._prefilling or self._batches):
+                    # Turns wait, but none could start (their agents are held by a caller
+                    # such as delete or evict): look again shortly instead of spinning.
+                    with self._cond:
+                        self._cond.wait(0.02)
+                    continue
                 self._prefill_one()
                 self._decode_all()
                 self._note_load()
@@ -200,6 +206,9 @@ class Scheduler:
             if not lock.acquire(blocking=False):
                 continue  # a caller (evict, delete...) holds the agent right now
             with self._cond:
+                if job not in self._pending:  # cancelled meanwhile
+                    lock.release()
+                    continue
                 self._pending.remove(job)
             busy.add(job.agent_id)
             running += 1

@@ -130,49 +130,69 @@ def create_app(
                 raise APIError(413, "too_large", f"request body over {max_body_bytes} bytes")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_request("the body is nested too deeply") from None
+        try:  # JSON can spell lone surrogates (\ud800), which no text can hold
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("the body holds invalid Unicode (a lone surrogate)") from None
+        return body
 
     async def chat(request: Request, dialect, agent: str | None) -> Response:
         req = dialect.parse(await read_json(request), agent)
         turn = AsyncTurn(engine, req.agent_id, req.messages, req.sampling)
-        async with turn.cancelled_on_disconnect(request.receive):
+        # One watcher from here to the end of the response: a client that goes away at any
+        # point (waiting for its turn, during prefill, mid-stream) cancels the turn.
+        turn.watch(request.receive)
+        streaming = False
+        try:
             try:
                 resumed = await turn.start()
             except RuntimeError as exc:
                 raise APIError(503, "unavailable", str(exc)) from None
-        counts = usage_counts(resumed)
-        headers = {
-            "x-agentkv-cache": resumed.tier,
-            "x-agentkv-agent": req.agent_id,
-            "x-agentkv-reused-tokens": str(counts["reused"]),
-            "x-agentkv-prefill-tokens": str(counts["prefill"]),
-        }
+            counts = usage_counts(resumed)
+            headers = {
+                "x-agentkv-cache": resumed.tier,
+                "x-agentkv-agent": req.agent_id,
+                "x-agentkv-reused-tokens": str(counts["reused"]),
+                "x-agentkv-prefill-tokens": str(counts["prefill"]),
+            }
 
-        async def finish():
-            result = await turn.finish()
-            metrics.turn(result)
-            return result, {"agent_id": req.agent_id, **result.stats.to_dict()}
+            async def finish():
+                result = await turn.finish()
+                metrics.turn(result)
+                return result, {"agent_id": req.agent_id, **result.stats.to_dict()}
 
-        if not req.stream:
-            async with turn.cancelled_on_disconnect(request.receive):
+            if not req.stream:
                 result, agentkv = await finish()
-            return JSONResponse(dialect.response(req, result, counts, agentkv), headers=headers)
+                return JSONResponse(dialect.response(req, result, counts, agentkv), headers=headers)
 
-        async def events():
-            try:
-                async with turn.cancelled_on_disconnect(request.receive):
+            async def events():
+                try:
                     async for event in dialect.stream(req, turn, counts, finish):
                         yield event
-            except Exception as exc:  # headers are sent: report in the stream, then end it
-                if not isinstance(exc, AgentKVError):
-                    log.exception("agentkv: turn of %r failed", req.agent_id)
-                body = dialect.error_body(APIError(500, "server", f"generation failed: {exc}"))
-                yield f"event: error\ndata: {json.dumps(body)}\n\n"
+                except Exception as exc:  # headers are sent: report in the stream, then end
+                    if not isinstance(exc, AgentKVError):
+                        log.exception("agentkv: turn of %r failed", req.agent_id)
+                    error = APIError(500, "server", f"generation failed: {exc}")
+                    yield f"event: error\ndata: {json.dumps(dialect.error_body(error))}\n\n"
+                finally:
+                    turn.cancel()  # no-op once the turn has ended
+                    await turn.unwatch()
 
-        headers["cache-control"] = "no-cache"
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+            headers["cache-control"] = "no-cache"
+            response = StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+            streaming = True
+            return response
+        except BaseException:
+            turn.cancel()
+            raise
+        finally:
+            if not streaming:
+                await turn.unwatch()
 
     # -- routes -------------------------------------------------------------------------------
 

@@ -101,12 +101,13 @@ def sse(data: dict | str, event: str | None = None) -> str:
 HEARTBEAT = ": keep-alive\n\n"
 
 
-def usage_counts(result_or_resumed) -> dict:
-    """prompt / reused / prefilled token counts at the start of a turn."""
-    r = result_or_resumed
-    reused = r.state.size
-    prefill = len(r.prefill_ids)
-    return {"prompt": reused + prefill, "reused": reused, "prefill": prefill}
+def usage_counts(resumed) -> dict:
+    """prompt / reused / prefilled token counts of a turn, as its start planned them."""
+    return {
+        "prompt": resumed.prompt_tokens,
+        "reused": resumed.reused_tokens,
+        "prefill": len(resumed.prefill_ids),
+    }
 
 
 # -- OpenAI ---------------------------------------------------------------------------------

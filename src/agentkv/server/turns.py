@@ -21,7 +21,8 @@ class AsyncTurn:
     cold), ``pieces()`` yields text as it is generated (and ``None`` as a
     heartbeat after ``HEARTBEAT_S`` of silence), ``await finish()`` returns the
     ``ChatResult`` once the turn and its save are done. ``cancel()`` stops it
-    at the next token; a cancelled turn saves no reply.
+    at the next token; a cancelled turn saves no reply. ``watch(receive)``
+    cancels it when the HTTP client disconnects, until ``unwatch()``.
     """
 
     def __init__(self, engine, agent_id: str, messages: list[dict], sampling: dict):
@@ -31,6 +32,7 @@ class AsyncTurn:
         self._events: asyncio.Queue = asyncio.Queue()
         self.resumed: Resumed | None = None
         self.ended = False
+        self._watcher: asyncio.Task | None = None
         self.job = engine.submit_chat(agent_id, messages, listener=self._listen, **sampling)
 
     def _listen(self, event: str, value) -> None:  # on the engine's thread
@@ -51,7 +53,7 @@ class AsyncTurn:
         while not self.ended:
             try:
                 event, value = await asyncio.wait_for(self._events.get(), HEARTBEAT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
                 yield None
                 continue
             if event == "piece":
@@ -71,9 +73,8 @@ class AsyncTurn:
         if not self.ended:
             self.job.cancel()
 
-    @contextlib.asynccontextmanager
-    async def cancelled_on_disconnect(self, receive):
-        """Cancel the turn if the client goes away while the block runs."""
+    def watch(self, receive) -> None:
+        """Cancel the turn if the client goes away, from now until ``unwatch``."""
 
         async def watch():
             while True:
@@ -82,13 +83,11 @@ class AsyncTurn:
                     self.cancel()
                     return
 
-        task = asyncio.create_task(watch())
-        try:
-            yield
-        except BaseException:
-            self.cancel()
-            raise
-        finally:
+        self._watcher = asyncio.create_task(watch())
+
+    async def unwatch(self) -> None:
+        task, self._watcher = self._watcher, None
+        if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
