@@ -248,6 +248,34 @@ def test_a_turn_cancelled_during_prefill_keeps_the_chunks_done(fresh_engine):
     assert eng.chat("late", messages, max_tokens=8).tokens == reference
 
 
+def test_a_short_prompt_goes_ahead_of_a_long_prefill(fresh_engine):
+    eng = fresh_engine(prefill_chunk=64)
+    events = []
+    short = [{"role": "user", "content": "Hi."}]
+
+    with eng.scheduler._cond:
+        long = eng.submit_chat("long", convo("Plan it."), max_tokens=2)
+        chunk_done = long.chunk_done
+
+        def record_chunk():
+            chunk_done()
+            events.append("long chunk")
+            if len(events) == 1:  # the short turn arrives while the long one is prefilling
+                eng.submit_chat(
+                    "short",
+                    short,
+                    max_tokens=2,
+                    listener=lambda e, v: e == "piece" and events.append("short token"),
+                )
+
+        long.chunk_done = record_chunk
+    long.wait()
+    first_token = events.index("short token")
+    # Round robin would run the long turn's second chunk first; it runs right after the first.
+    assert events[:first_token] == ["long chunk"]
+    assert events.count("long chunk") > 3
+
+
 def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
     from agentkv.errors import EngineBusyError
 

@@ -13,7 +13,9 @@ def run_chat(args) -> int:
 
     agent = validate_agent_id(args.agent)
     progress("loading model...")
-    with Engine(model=args.model, cache_dir=args.cache_dir, kv_bits=args.kv_bits) as eng:
+    with Engine(
+        model=args.model, cache_dir=args.cache_dir, kv_bits=args.kv_bits, key_bits=args.key_bits
+    ) as eng:
         messages = eng.history(agent) or []
         if messages:
             progress(f"resuming {agent}: {len(messages)} messages so far")

@@ -38,6 +38,7 @@ def run_serve(args) -> int:
         model=args.model,
         cache_dir=args.cache_dir,
         kv_bits=args.kv_bits,
+        key_bits=args.key_bits,
         hot_budget_bytes=args.kv_budget_mb << 20,
         max_batch=args.max_batch,
         max_queue=args.max_queue,

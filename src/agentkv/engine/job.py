@@ -88,6 +88,7 @@ class Job:
         self.resumed = None
         self.state = None
         self.chunks: list[int] = []
+        self.passed_over = 0  # prefill rounds other turns went first
         self.fed_prompt = 0
         self.generated: list[int] = []
         self.last_token: int | None = None

@@ -1,10 +1,12 @@
 """Scheduler: every model step of the engine, on one thread, interleaving agents.
 
 Each iteration runs **one prefill chunk** of one agent that is starting a turn
-(round robin), then **one batched decode step** for every agent that is
-generating. So an agent's long prefill delays the others by at most one chunk
-per step, a new agent joins the running batch as soon as its prefill is done,
-and every token is streamed the moment it is sampled.
+(the one with the least prefill left, so a short prompt does not wait behind a
+long one; no turn is passed over more than ``STARVE_ROUNDS`` times), then **one
+batched decode step** for every agent that is generating. So an agent's long
+prefill delays the others by at most one chunk per step, a new agent joins the
+running batch as soon as its prefill is done, and every token is streamed the
+moment it is sampled.
 
 ::
 
@@ -75,6 +77,7 @@ class _Batch:
 
 
 POLICIES = ("interleave", "fcfs")
+STARVE_ROUNDS = 8
 
 
 class Scheduler:
@@ -232,7 +235,7 @@ class Scheduler:
     def _prefill_one(self) -> None:
         if not self._prefilling:
             return
-        job = self._prefilling.popleft()
+        job = self._next_prefill()
         if job.cancelled:
             self._finish(job)
             return
@@ -254,6 +257,17 @@ class Scheduler:
         job.phase = Phase.DECODE
         batch = self._batches.setdefault(job.state.quant, _Batch())
         batch.join([job])
+
+    def _next_prefill(self) -> Job:
+        """Shortest remaining prefill first, so a short prompt never waits behind a long
+        one's every chunk; a turn passed over ``STARVE_ROUNDS`` times goes next."""
+        starving = [j for j in self._prefilling if j.passed_over >= STARVE_ROUNDS]
+        pick = starving[0] if starving else min(self._prefilling, key=lambda j: sum(j.chunks))
+        self._prefilling.remove(pick)
+        for job in self._prefilling:
+            job.passed_over += 1
+        pick.passed_over = 0
+        return pick
 
     def _decode_all(self) -> None:
         for quant in list(self._batches):
