@@ -6,6 +6,8 @@ text so no EOS cuts a turn short). Sequential: ``Engine.generate`` per agent.
 Batched: ``Engine.generate_many`` for all N: each agent's prefill of the new
 text runs on its own, then all decode in one batch. Both produce the same
 tokens (checked); ``*_tps`` = generated tokens / wall time of all N turns.
+``attention_calls`` says which attention path ran over the 4-bit caches
+(``fused_cpu``: agentkv's kernel; ``quantized_matmul``: MLX's).
 """
 
 from __future__ import annotations
@@ -66,5 +68,8 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
                 )
                 for agent in seq_agents + bat_agents:
                     eng.delete_agent(agent)
-    emit("batch", rows, as_json, {"context_tokens": CONTEXT_TOKENS, "new_tokens": NEW_TOKENS})
+    from agentkv.kv.attention import paths_used
+
+    extra = {"context_tokens": CONTEXT_TOKENS, "new_tokens": NEW_TOKENS}
+    emit("batch", rows, as_json, {**extra, "attention_calls": paths_used()})
     return rows

@@ -299,6 +299,8 @@ def test_metrics_count_turns_tokens_and_bytes(server):
     assert 'agentkv_turns_total{cache="hot"}' in text
     assert 'agentkv_tokens_total{kind="reused"}' in text
     assert "agentkv_ttft_seconds_bucket" in text
+    fused = [ln for ln in text.splitlines() if ln.startswith('agentkv_attention_calls{path="fused')]
+    assert float(fused[0].split()[1]) > 0  # the 4-bit cache ran agentkv's CPU kernel
     resident = [ln for ln in text.splitlines() if ln.startswith("agentkv_kv_resident_bytes ")]
     disk = [ln for ln in text.splitlines() if ln.startswith("agentkv_kv_disk_bytes ")]
     assert float(resident[0].split()[1]) > 0 and float(disk[0].split()[1]) > 0

@@ -12,6 +12,7 @@ from .engine import AgentInfo, ChatResult, ChatStream, Engine, TurnStats
 from .errors import (
     AgentKVError,
     CacheFormatError,
+    EngineBusyError,
     InvalidAgentIdError,
     InvalidRequestError,
     ModelImportError,
@@ -30,6 +31,7 @@ __all__ = [
     "ChatResult",
     "ChatStream",
     "Engine",
+    "EngineBusyError",
     "InvalidAgentIdError",
     "InvalidRequestError",
     "KVQuant",

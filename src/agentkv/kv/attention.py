@@ -27,6 +27,13 @@ FUSED_BITS = (2, 4, 8, 16)
 ENV = "AGENTKV_ATTENTION"  # "reference" forces the mx.quantized_matmul path
 _OUR_MASKS: OrderedDict[int, tuple[mx.array, int]] = OrderedDict()
 _NOT_OURS = -1
+FUSED, REFERENCE = "fused_cpu", "quantized_matmul"
+_PATHS = {FUSED: 0, REFERENCE: 0}
+
+
+def paths_used() -> dict[str, int]:
+    """How many attention calls over agentkv caches took each path, in this process."""
+    return dict(_PATHS)
 
 
 def remember_mask(mask, window: int | None):
@@ -80,6 +87,7 @@ def cache_attention(
     if fused_available(quant, queries, mask):
         from .. import _ext
 
+        _PATHS[FUSED] += 1
         return _ext.quantized_attention(
             queries,
             list(keys),
@@ -92,6 +100,7 @@ def cache_attention(
             left_padding,
             sinks,
         )
+    _PATHS[REFERENCE] += 1
     return quantized_attention(
         queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks
     )

@@ -6,6 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine.results import ChatResult
+from ..kv.attention import paths_used
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -34,6 +35,15 @@ class Metrics:
         Gauge(
             "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
         ).set_function(engine.disk_bytes)
+        calls = Gauge(
+            "agentkv_attention_calls",
+            "attention calls over agentkv caches by path (fused_cpu: agentkv's kernel, "
+            "quantized_matmul: MLX's), since the process started",
+            ["path"],
+            registry=r,
+        )
+        for path in paths_used():
+            calls.labels(path).set_function(lambda path=path: paths_used()[path])
         load = engine.scheduler.load
         Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
             lambda: load()["waiting"]
