@@ -222,12 +222,11 @@ class Engine:
         ended, and ``cancel()``: a cancelled turn saves no reply. Raises
         ``EngineBusyError`` when ``max_queue`` turns are already waiting.
         """
+        self._check_open()
         messages = validate_messages(messages)
         prompt = self.render_chat(messages)
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
         job = self._job(validate_agent_id(agent_id), prompt, params, messages, listener=listener)
-        job.cancel = lambda: self.scheduler.cancel(job)
-        self._check_open()
         self.scheduler.submit(job)
         return job
 
@@ -385,7 +384,7 @@ class Engine:
                     yield piece
             finally:
                 if not job.done.is_set():  # the consumer walked away: stop the turn
-                    self.scheduler.cancel(job)
+                    job.cancel()
                     job.done.wait()
             return job.wait()
 

@@ -81,6 +81,7 @@ class Job:
         self.footprint = 0  # KV bytes the scheduler reserved for this turn
         self.done = threading.Event()
         self.cancelled = False
+        self.scheduler = None  # set by Scheduler.submit
         self.result: ChatResult | None = None
         self.error: BaseException | None = None
         # set by the scheduler as the job runs
@@ -259,6 +260,13 @@ class Job:
             self.pieces.put(DONE)
         self.done.set()
         self._notify("end", None)
+
+    def cancel(self) -> None:
+        """Stop at the next token (or before starting); the turn saves no reply."""
+        if self.scheduler is not None:
+            self.scheduler.cancel(self)
+        else:
+            self.cancelled = True
 
     def wait(self) -> ChatResult:
         self.done.wait()

@@ -90,9 +90,7 @@ class Scheduler:
         kv_budget: int = 1 << 30,
         policy: str = "interleave",
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}")
-        self.engine = engine
+        self.engine = engine  # (the Engine checks the options before it loads the model)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.kv_budget = kv_budget
@@ -118,6 +116,7 @@ class Scheduler:
                     f"{self.max_queue}); try again shortly",
                     retry_after=self._retry_after(),
                 )
+            job.scheduler = self
             self._pending.append(job)
             self._cond.notify_all()
         return job

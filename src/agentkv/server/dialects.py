@@ -56,7 +56,7 @@ class ServerLimits:
         return value
 
 
-def _parse(model: type[BaseModel], body: Any) -> BaseModel:
+def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
@@ -65,7 +65,7 @@ def _parse(model: type[BaseModel], body: Any) -> BaseModel:
         raise from_validation(exc) from None
 
 
-def _stops(value, param: str) -> list[str]:
+def stop_list(value, param: str) -> list[str]:
     stops = [value] if isinstance(value, str) else list(value or [])
     if len(stops) > MAX_STOPS:
         raise bad_request(f"{param}: at most {MAX_STOPS} stop sequences", param)
@@ -74,7 +74,7 @@ def _stops(value, param: str) -> list[str]:
     return stops
 
 
-def _text_of(content, where: str) -> str:
+def text_of(content, where: str) -> str:
     """A message's text: a string, or a list of text blocks (anything else is unsupported)."""
     if isinstance(content, str):
         return content
@@ -91,6 +91,34 @@ def _text_of(content, where: str) -> str:
             raise bad_request(f"{where}[{i}].text must be a string", f"{where}[{i}].text")
         parts.append(text)
     return "".join(parts)
+
+
+def sampling(temperature: float | None, top_p: float | None, *, default_t: float, max_t: float):
+    """(temperature, top_p) with the API's defaults, each checked against its range."""
+    temperature = default_t if temperature is None else temperature
+    if not 0.0 <= temperature <= max_t:
+        raise bad_request(f"temperature must be between 0 and {max_t:g}", "temperature")
+    top_p = 1.0 if top_p is None else top_p
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("top_p must be in (0, 1]", "top_p")
+    return temperature, top_p
+
+
+def chat_messages(messages) -> list[dict]:
+    """OpenAI-style messages -> normalized ``{"role", "content"}`` (developer -> system)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = OPENAI_ROLES.get(m.role)
+        if role is None:
+            raise bad_request(
+                f"messages[{i}].role {m.role!r} is not supported "
+                "(system, developer, user, assistant)",
+                f"messages[{i}].role",
+            )
+        if m.content is None:
+            raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
+        out.append({"role": role, "content": text_of(m.content, f"messages[{i}].content")})
+    return out
 
 
 def sse(data: dict | str, event: str | None = None) -> str:
@@ -154,7 +182,7 @@ class OpenAIDialect:
         self.limits = limits
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
-        req: _OpenAIChat = _parse(_OpenAIChat, body)
+        req: _OpenAIChat = parse_body(_OpenAIChat, body)
         self.limits.check_model(req.model)
         if req.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
@@ -164,20 +192,7 @@ class OpenAIDialect:
             raise bad_request("logprobs are not supported by this server", "logprobs")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
             raise bad_request("only response_format type 'text' is supported", "response_format")
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = OPENAI_ROLES.get(m.role)
-            if role is None:
-                raise bad_request(
-                    f"messages[{i}].role {m.role!r} is not supported "
-                    "(system, developer, user, assistant)",
-                    f"messages[{i}].role",
-                )
-            if m.content is None:
-                raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
-            messages.append(
-                {"role": role, "content": _text_of(m.content, f"messages[{i}].content")}
-            )
+        messages = chat_messages(req.messages)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             max_tokens = min(req.max_tokens, req.max_completion_tokens)
             param = "max_tokens"
@@ -185,12 +200,7 @@ class OpenAIDialect:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise bad_request("temperature must be between 0 and 2", "temperature")
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request("top_p must be in (0, 1]", "top_p")
+        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0, max_t=2.0)
         return TurnRequest(
             agent_id=resolve_agent(agent_header, req.user, *first_texts(messages)),
             messages=messages,
@@ -198,7 +208,7 @@ class OpenAIDialect:
             max_tokens=self.limits.check_max_tokens(max_tokens, param),
             temperature=temperature,
             top_p=top_p,
-            stop=_stops(req.stop, "stop"),
+            stop=stop_list(req.stop, "stop"),
             stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
@@ -295,27 +305,22 @@ class AnthropicDialect:
         self.limits = limits
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
-        req: _AnthropicMessages = _parse(_AnthropicMessages, body)
+        req: _AnthropicMessages = parse_body(_AnthropicMessages, body)
         self.limits.check_model(req.model)
         if req.tools:
             raise bad_request("tool use is not supported by this server", "tools")
         messages = []
         if req.system is not None:
-            system = _text_of(req.system, "system")
+            system = text_of(req.system, "system")
             if system:
                 messages.append({"role": "system", "content": system})
         for i, m in enumerate(req.messages):
             messages.append(
-                {"role": m.role, "content": _text_of(m.content, f"messages[{i}].content")}
+                {"role": m.role, "content": text_of(m.content, f"messages[{i}].content")}
             )
         if messages[-1]["role"] != "user":
             raise bad_request("the last message must have role 'user'", "messages")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0.0 <= temperature <= 1.0:
-            raise bad_request("temperature must be between 0 and 1", "temperature")
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request("top_p must be in (0, 1]", "top_p")
+        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0, max_t=1.0)
         user = req.metadata.user_id if req.metadata else None
         return TurnRequest(
             agent_id=resolve_agent(agent_header, user, *first_texts(messages)),
@@ -324,7 +329,7 @@ class AnthropicDialect:
             max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens"),
             temperature=temperature,
             top_p=top_p,
-            stop=_stops(req.stop_sequences, "stop_sequences"),
+            stop=stop_list(req.stop_sequences, "stop_sequences"),
             stream=bool(req.stream),
         )
 

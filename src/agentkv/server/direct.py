@@ -11,33 +11,33 @@ from ..agent_id import validate_agent_id
 from ..engine.results import ChatResult
 from .dialects import (
     HEARTBEAT,
-    OPENAI_ROLES,
     ServerLimits,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    _parse,
-    _stops,
-    _text_of,
+    chat_messages,
+    parse_body,
+    sampling,
     sse,
+    stop_list,
 )
-from .errors import bad_request, openai_error_body
+from .errors import openai_error_body
 from .requests import TurnRequest
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: StrictStr
-    content: StrictStr | list[dict]
+    content: StrictStr | list[dict] | None
 
 
 class _DirectChat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     messages: Annotated[list[_Message], Field(min_length=1)]
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat = 0.0
-    top_p: StrictFloat = 1.0
+    temperature: StrictFloat | None = None  # greedy unless asked
+    top_p: StrictFloat | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
 
@@ -51,30 +51,16 @@ class DirectDialect:
 
     def parse(self, body, agent_id: str) -> TurnRequest:
         agent_id = validate_agent_id(agent_id)
-        req: _DirectChat = _parse(_DirectChat, body)
-        messages = []
-        for i, m in enumerate(req.messages):
-            role = OPENAI_ROLES.get(m.role)
-            if role is None:
-                raise bad_request(
-                    f"messages[{i}].role {m.role!r} is not supported (system, user, assistant)",
-                    f"messages[{i}].role",
-                )
-            messages.append(
-                {"role": role, "content": _text_of(m.content, f"messages[{i}].content")}
-            )
-        if not 0.0 <= req.temperature <= 2.0:
-            raise bad_request("temperature must be between 0 and 2", "temperature")
-        if not 0.0 < req.top_p <= 1.0:
-            raise bad_request("top_p must be in (0, 1]", "top_p")
+        req: _DirectChat = parse_body(_DirectChat, body)
+        temperature, top_p = sampling(req.temperature, req.top_p, default_t=0.0, max_t=2.0)
         return TurnRequest(
             agent_id=agent_id,
-            messages=messages,
+            messages=chat_messages(req.messages),
             model=self.limits.model_id,
             max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens"),
-            temperature=req.temperature,
-            top_p=req.top_p,
-            stop=_stops(req.stop, "stop"),
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop_list(req.stop, "stop"),
             stream=req.stream,
         )
 
