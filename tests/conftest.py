@@ -1,5 +1,6 @@
-"""Shared fixtures. Every test runs offline on real files; integration tests run the
-real embedded model (imported once per session into a temporary AGENTKV_HOME)."""
+"""Shared fixtures. Every test runs on real files in a temporary AGENTKV_HOME; integration
+tests run the real embedded model from the user's model cache (``AGENTKV_MODELS``, else
+``$AGENTKV_HOME/models`` as it was before the tests), fetched there once if missing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ _SESSION_HOME = None
 def pytest_configure(config):
     global _SESSION_HOME
     import tempfile
+
+    from agentkv.paths import MODELS_ENV, models_dir
+
+    os.environ[MODELS_ENV] = str(models_dir())  # before AGENTKV_HOME moves
 
     if "AGENTKV_TEST_HOME" in os.environ:
         _SESSION_HOME = Path(os.environ["AGENTKV_TEST_HOME"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
@@ -84,3 +86,8 @@ def text_for_count(tokens: int):
     text = b"".join(f"{i:03d} ".encode() for i in ids)
     ends = np.arange(1, tokens + 1, dtype=np.int64) * 4
     return ids, np.stack([ends - 4, ends], axis=1), text
+
+
+TESTS = Path(__file__).resolve().parent
+SCRIPTS = TESTS / "scripts"
+DATA = TESTS / "data"

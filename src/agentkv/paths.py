@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ._faults import crash_point
+
 HOME_ENV = "AGENTKV_HOME"
+MODELS_ENV = "AGENTKV_MODELS"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -22,7 +25,9 @@ def agentkv_home() -> Path:
 
 
 def models_dir() -> Path:
-    return agentkv_home() / "models"
+    """``$AGENTKV_MODELS`` or ``$AGENTKV_HOME/models``: fetched and imported models."""
+    configured = os.environ.get(MODELS_ENV)
+    return Path(configured).expanduser() if configured else agentkv_home() / "models"
 
 
 def kv_dir() -> Path:
@@ -69,7 +74,9 @@ def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
+    crash_point(f"before-replace:{path.name}")
     os.replace(tmp, path)
+    crash_point(f"after-replace:{path.name}")
     fsync_dir(path.parent)
 
 

@@ -1,7 +1,9 @@
-"""Save an agent over and over (synthetic KV, real store) until killed.
+"""Save an agent again and again (synthetic KV, real store), up to 40 times.
 
 State k holds n_k tokens whose text, ids and KV depend only on the token
-positions, so any state found on disk can be checked for consistency.
+positions, so any state found on disk can be checked for consistency. Prints
+``saving k n`` before each save and ``saved k n`` after it; with
+AGENTKV_CRASH_AT set, the process kills itself at that point of a save.
 """
 
 import sys
@@ -16,9 +18,8 @@ store = AgentStore(sys.argv[1], synthetic_spec(), "synthetic")
 store.ensure_layout()
 manifest, durable = store.read_manifest("crash")
 previous = manifest.token_count if manifest else 0
-k = 0
-while True:
-    k += 1
+start = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+for k in range(start + 1, start + 41):
     n = 100 + (53 * k) % 1200
     ids, spans, text = text_for_count(n)
     first_block = previous // 256 if n >= previous else 0
@@ -32,6 +33,7 @@ while True:
         messages=None,
         first_block=first_block,
     )
+    print("saving", k, n, flush=True)
     _, durable = store.write(job, durable)
     previous = n
-    print(k, n, flush=True)
+    print("saved", k, n, flush=True)

