@@ -132,6 +132,9 @@ def test_demo_json_shows_warm_far_below_cold(python_env):
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
+    # Nothing but agentkv's own lines: no third-party notices (transformers, hub, pip...).
+    foreign = [line for line in out.stderr.splitlines() if not line.startswith(("demo:", "  "))]
+    assert foreign == []
     assert result["restart"] == "process" and result["kv_bits"] == "q4"
     assert [a["agent"] for a in result["agents"]] == ["planner", "coder"]
     for row in result["agents"]:
