@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|kernels|batch|serve|quality``."""
+"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|quality``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,22 @@ def run_bench(args) -> int:
         from .batch import run
 
         run(_counts(args.agents, "--agents"), as_json=args.json, model=args.model)
+    elif name == "pool":
+        from .pool import run
+
+        sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+        unknown = sorted(set(sections) - {"shared", "decode", "overload", "ops"})
+        if unknown or not sections:
+            raise SystemExit("agentkv: error: --sections takes shared,decode,overload,ops")
+        run(
+            agents=args.agents,
+            system_tokens=args.system_tokens,
+            overload_agents=args.overload_agents,
+            overload_tokens=args.overload_tokens,
+            overload_fit=args.overload_fit,
+            sections=sections,
+            as_json=args.json,
+        )
     elif name == "serve":
         from .serve import run
 

@@ -91,3 +91,32 @@ def emit(name: str, rows: list[dict], as_json: bool, extra: dict | None = None) 
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def synthetic_table(pool, tokens: int, *, seed: int = 0, ids=None):
+    """An agent's block table of ``tokens`` tokens of random KV written into ``pool`` through
+    the forward pass's scatters (load and save times do not depend on the values)."""
+    table = pool.new_table(pool.seed(f"bench-{seed}"))
+    ids = list(ids) if ids is not None else [int(t) for t in np.arange(tokens) % 1000 + 7]
+    return extend_table(pool, table, ids, seed=seed)
+
+
+def extend_table(pool, table, ids, *, seed: int = 0):
+    """Append ``ids`` to ``table`` with random KV (as ``synthetic_table``)."""
+    import mlx.core as mx
+
+    spec, arena, quant = pool.spec, pool.arena, pool.quant
+    mx.random.seed(seed)
+    for at in range(0, len(ids), 2048):
+        n = min(2048, len(ids) - at)
+        start = table.length
+        table.grow(n, arena.copy_rows)
+        rows = mx.array(arena.write_rows([table.blocks], [start], n))
+        for layer in range(spec.num_layers):
+            k = mx.random.normal((1, spec.kv_heads, n, spec.key_head_dim))
+            v = mx.random.normal((1, spec.kv_heads, n, spec.value_head_dim))
+            parts = (*quant.quantize(k, quant.key_bits), *quant.quantize(v, quant.value_bits))
+            arena.write(layer, parts, rows)
+        arena.settle()
+        table.written(ids[at : at + n])
+    return table

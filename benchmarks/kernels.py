@@ -1,4 +1,4 @@
-"""Kernels: gather / merge / extract of Q4 caches vs the pure-MLX reference vs mlx-lm fp16.
+"""Kernels: merge / extract of Q4 caches vs the pure-MLX reference vs mlx-lm fp16.
 
 All 30 layers of the embedded model's geometry (3 KV heads, head dim 64), 4-bit
 group 64, random bits. For B agents with lengths spread over 512-4096 tokens:
@@ -7,7 +7,6 @@ group 64, random bits. For B agents with lengths spread over 512-4096 tokens:
   the same operation in MLX ops vs mlx-lm's ``BatchKVCache.merge`` on float16
   caches of the same lengths, the format mlx-lm can batch);
 * extract: every row of that batch back to its agent (vs ``BatchKVCache.extract``);
-* gather: each agent's stored block regions -> its contiguous cache.
 
 ``bytes`` counts bytes read plus bytes written; ``memcpy_gbps`` is this machine's
 copy bandwidth measured in the same run. Medians of ``repeats``.
@@ -23,7 +22,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 
 def _agent(comps, tokens: int, seed: int):
-    from agentkv.kv.cache import STEP
+    from agentkv.kv.blocks import BLOCK_TOKENS as STEP
 
     rng = np.random.default_rng(seed)
     capacity = (tokens + STEP - 1) // STEP * STEP + STEP
@@ -78,9 +77,9 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from agentkv import _ext, kernels
-    from agentkv.kernels import BlockTable, ExtractRow, Geometry, RowSource
-    from agentkv.kv.cache import STEP
+    from agentkv import kernels
+    from agentkv.kernels import ExtractRow, RowSource
+    from agentkv.kv.blocks import BLOCK_TOKENS as STEP
 
     per_token = sum(c.heads * c.row_bytes for c in comps) * LAYERS
     agents = [_agent(comps, n, seed=i) for i, n in enumerate(lengths)]
@@ -158,44 +157,6 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
         )
     )
 
-    geometry = Geometry(LAYERS, tuple(comps))
-    stored = []
-    for a, n in zip(agents, lengths):
-        arrays = [x for layer in a for x in layer]
-        packed, records = _ext.pack_blocks(
-            arrays,
-            LAYERS,
-            STEP,
-            [(c.heads, c.width, c.dtype) for c in comps],
-            0,
-            n,
-            [(0, arrays[0].shape[2])] * LAYERS,
-        )
-        table = BlockTable(tuple(r[1] for r in records), tuple(r[4] for r in records))
-        stored.append((mx.array(packed), table, n))
-
-    def gather_all():
-        out = [
-            kernels.gather(
-                regions, table, geometry, length=n, capacity=(n + STEP - 1) // STEP * STEP + STEP
-            )
-            for regions, table, n in stored
-        ]
-        mx.eval(out)
-        return out
-
-    rows.append(
-        _row(
-            "gather",
-            batch,
-            tokens_total,
-            2 * tokens_total * per_token,
-            measure(gather_all, "cpu"),
-            measure(gather_all, "reference"),
-            None,
-            copy_bw,
-        )
-    )
     return rows
 
 

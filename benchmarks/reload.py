@@ -2,15 +2,18 @@
 
 For each size, the same Q4 cache content (the embedded model's geometry: 30
 layers, 3 KV heads, head dim 64; synthetic values: load time does not depend on
-them) is stored twice: as an agentkv agent and as an mlx-lm prompt-cache file
-of QuantizedKVCache layers; ``agentkv_load_prompt_cache_ms`` is that mlx-lm
-file read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader).
-Both are loaded alternately ``repeats`` times from the page cache, each until
-every array is materialized (mlx-lm's loads are lazy until evaluated).
-``page_cache_read_ms`` is the time to read() the agentkv files into a reused
-buffer, measured in the same rotation: their bytes over this machine's
-sequential page-cache read bandwidth. Medians; ``*_first_*`` is the first load
-of each size (fresh buffers, files not yet mapped).
+them) is stored twice: as an agentkv agent (its complete blocks in shared block
+files, its tail in a segment) and as an mlx-lm prompt-cache file of
+QuantizedKVCache layers; ``agentkv_load_prompt_cache_ms`` is that mlx-lm file
+read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader).
+agentkv's load is what a warm resume does: read the manifest and copy every
+block into a pool slot (checked), ready for attention. Both are loaded
+alternately ``repeats`` times from the page cache, each until every array is
+materialized (mlx-lm's loads are lazy until evaluated). ``page_cache_read_ms``
+is the time to read() the agentkv files into a reused buffer, measured in the
+same rotation: their bytes over this machine's sequential page-cache read
+bandwidth. Medians; ``*_first_*`` is the first load of each size (files not yet
+mapped).
 """
 
 from __future__ import annotations
@@ -21,34 +24,25 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .common import emit, median_ms, progress, timed
+from .common import emit, median_ms, progress, synthetic_table, timed
 
 
-def _synthetic_caches(spec, quant, tokens: int, seed: int):
-    from agentkv.kv.cache import AgentKVCache
-
-    mx.random.seed(seed)
-    caches = []
-    for layer in spec.layers:
-        cache = AgentKVCache(quant, window=layer.window)
-        for start in range(0, tokens, 2048):
-            n = min(2048, tokens - start)
-            k = mx.random.normal((1, spec.kv_heads, n, spec.key_head_dim))
-            v = mx.random.normal((1, spec.kv_heads, n, spec.value_head_dim))
-            cache.update_and_fetch(k, v)
-            mx.eval(cache.components)
-        caches.append(cache)
-    return caches
-
-
-def _mlx_lm_caches(caches):
+def _mlx_lm_caches(pool, table):
+    """The table's KV as mlx-lm QuantizedKVCache layers (what mlx-lm would have saved)."""
     from mlx_lm.models.cache import QuantizedKVCache
 
+    from agentkv.kv.blocks import BLOCK_TOKENS
+
+    heads, n = pool.spec.kv_heads, table.length
+    t = np.arange(n)
+    blocks = np.asarray(table.blocks, dtype=np.int64)[t // BLOCK_TOKENS]
+    rows = (blocks[None, :] * heads + np.arange(heads)[:, None]) * BLOCK_TOKENS + t % BLOCK_TOKENS
+    rows = mx.array(rows.reshape(-1))
     out = []
-    for c in caches:
-        q = QuantizedKVCache(group_size=c.quant.group_size, bits=c.quant.key_bits)
-        keys, values = c.keys_and_values()
-        q.keys, q.values, q.offset = tuple(keys), tuple(values), c.offset
+    for layer in pool.arena.arrays:
+        parts = [mx.take(a, rows, axis=0).reshape(1, heads, n, -1) for a in layer]
+        q = QuantizedKVCache(group_size=pool.quant.group_size, bits=pool.quant.key_bits)
+        q.keys, q.values, q.offset = tuple(parts[:3]), tuple(parts[3:]), n
         out.append(q)
     return out
 
@@ -57,8 +51,10 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     from agentkv import load_prompt_cache as agentkv_load_prompt_cache
+    from agentkv.kv.blocks import BLOCK_TOKENS
     from agentkv.kv.quant import KVQuant
     from agentkv.model.load import load_model
+    from agentkv.pool import KVPool
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 
     progress("reload: loading the embedded model for its cache geometry...")
@@ -66,35 +62,44 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
     quant = KVQuant(4, 4, 64)
     rows = []
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
-        store = AgentStore(Path(tmp) / "kv", spec, "bench")
+        store = AgentStore(Path(tmp) / "kv", spec, "bench", quant)
         store.ensure_layout()
         for tokens in token_counts:
             progress(f"reload: {tokens} tokens: building the cache...")
-            caches = _synthetic_caches(spec, quant, tokens, seed=tokens)
-            agent = f"reload-{tokens}"
-            ids = np.zeros(tokens, dtype=np.int32)
-            ends = np.arange(1, tokens + 1)
-            spans = np.stack([ends - 1, ends], axis=1)
-            job = build_save_job(
+            block_count = -(-tokens // BLOCK_TOKENS)
+            pool = KVPool(
                 spec,
-                agent,
-                caches,
-                tokens=ids,
-                spans=spans,
+                quant,
+                pool_bytes=(block_count + 1) * BLOCK_TOKENS * spec.bytes_per_token(quant),
+            )
+            table = synthetic_table(pool, tokens, seed=tokens)
+            agent = f"reload-{tokens}"
+            ends = np.arange(1, tokens + 1)
+            job = build_save_job(
+                pool.arena,
+                table,
+                agent_id=agent,
+                keep=0,
+                tokens=table.token_ids(),
+                spans=np.stack([ends - 1, ends], axis=1),
                 text=b"x" * tokens,
                 messages=None,
-                first_block=0,
             )
             store.write(job, DurableState())
             mlx_file = Path(tmp) / f"mlx-lm-{tokens}.safetensors"
-            save_prompt_cache(str(mlx_file), _mlx_lm_caches(caches))
-            del caches, job
+            save_prompt_cache(str(mlx_file), _mlx_lm_caches(pool, table))
+            table.release()
+            del job
+            loader = KVPool(spec, quant, pool_bytes=pool.budget_bytes)  # the resuming process
 
-            def agentkv_load(agent=agent):
+            def agentkv_load(agent=agent, loader=loader):
                 manifest, _ = store.read_manifest(agent)
-                loaded = store.load_caches(manifest, agent, manifest.token_count)
-                mx.eval([x for c in loaded for x in c.components])
-                return loaded
+                count = -(-manifest.token_count // BLOCK_TOKENS)
+                sources = store.block_sources(manifest, agent, count)
+                slots = [loader.blocks.allocate() for _ in sources]
+                store.read_into(loader.arena, agent, list(zip(sources, slots)))
+                loader.blocks.release_all(slots)
+                return slots
 
             def mlx_lm_load(mlx_file=mlx_file):
                 loaded = load_prompt_cache(str(mlx_file))
@@ -106,7 +111,8 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
                 mx.eval([(c.keys, c.values) for c in loaded])
                 return loaded
 
-            files = sorted(store.agent_dir(agent).glob("seg-*.safetensors"))
+            manifest, _ = store.read_manifest(agent)
+            files = [store.file_path(agent, name) for name in sorted(manifest.segments)]
             files.append(store.agent_dir(agent) / "manifest.safetensors")
             for f in files + [mlx_file]:
                 f.read_bytes()  # both files in the page cache before timing

@@ -15,46 +15,48 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import emit, progress, timed
+from .common import emit, extend_table, progress, synthetic_table, timed
 
 
 def run(tokens: int, turn: int, as_json: bool = False) -> list[dict]:
+    from agentkv.kv.blocks import BLOCK_TOKENS
     from agentkv.kv.quant import KVQuant
     from agentkv.model.load import load_model
+    from agentkv.pool import KVPool
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
-    from agentkv.store.format import BLOCK_TOKENS
-
-    from .reload import _synthetic_caches
 
     progress("save: loading the embedded model for its cache geometry...")
     spec = load_model().spec
     quant = KVQuant(4, 4, 64)
     per_token = spec.bytes_per_token(quant)
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-save-") as tmp:
-        store = AgentStore(Path(tmp) / "kv", spec, "bench")
+        store = AgentStore(Path(tmp) / "kv", spec, "bench", quant)
         store.ensure_layout()
         total = tokens + turn
-        caches = _synthetic_caches(spec, quant, total, seed=1)
+        pool = KVPool(
+            spec, quant, pool_bytes=(total // BLOCK_TOKENS + 2) * BLOCK_TOKENS * per_token
+        )
+        ids = [int(t) for t in np.arange(total) % 1000 + 7]
+        table = synthetic_table(pool, tokens, seed=1, ids=ids[:tokens])
 
-        def job_for(n, first_block):
+        def job_for(n, keep):
             ends = np.arange(1, n + 1)
-            for c in caches:
-                c.offset = n
             return build_save_job(
-                spec,
-                "save",
-                caches,
-                tokens=np.zeros(n, np.int32),
+                pool.arena,
+                table,
+                agent_id="save",
+                keep=keep,
+                tokens=ids[:n],
                 spans=np.stack([ends - 1, ends], axis=1),
                 text=b"x" * n,
                 messages=None,
-                first_block=first_block,
             )
 
         full_pack, job = timed(lambda: job_for(tokens, 0))
         full_write, (full, durable) = timed(lambda: store.write(job, DurableState()))
-        first_block = tokens // BLOCK_TOKENS
-        pack, job = timed(lambda: job_for(total, first_block))
+        extend_table(pool, table, ids[tokens:total], seed=2)
+        keep = tokens // BLOCK_TOKENS  # the complete blocks already stored
+        pack, job = timed(lambda: job_for(total, keep))
         write, (incremental, _) = timed(lambda: store.write(job, durable))
     rows = [
         {

@@ -2,11 +2,12 @@
 
 For each size N, one agent's context is N tokens of English text (prefilled
 from scratch: that turn's TTFT is ``cold_ms``). Its saved state is then forked
-(segments hard-linked) into copies. The measured turn appends the same short
-question to the context:
+on disk into copies. The measured turn appends the same short question to the
+context:
 
 * ``hot_ms``: on a copy already in memory (loaded by an earlier turn).
-* ``warm_ms``: on a copy only on disk: the turn reloads it (page cache).
+* ``warm_ms``: on a copy only on disk, with no block of it left in the pool
+  (none held, none cached): the turn reads them all (page cache).
 
 Both run the identical prefill of the question over the identical cached
 state, so ``warm_ms - hot_ms`` is the price of the reload. Medians of
@@ -63,6 +64,7 @@ def run(
                 cold = eng.generate(base, context, max_tokens=1)
                 assert cold.stats.cache == "cold"
                 eng.flush()
+                eng.evict(base)
                 hot, warm = [], []
                 for r in range(repeats):
                     eng.fork_agent(base, f"{base}-hot{r}")
@@ -70,7 +72,13 @@ def run(
                     preload = eng.generate(f"{base}-hot{r}", context, max_tokens=1)
                     assert preload.stats.cache == "warm"
                     h = eng.generate(f"{base}-hot{r}", context + QUESTION, max_tokens=1)
+                    # The warm copy must read its blocks from disk: nothing in memory holds
+                    # them (the hot copy shares them, and freed blocks stay cached).
+                    eng.evict(f"{base}-hot{r}")
+                    eng.drop_cached_blocks()
                     w = eng.generate(f"{base}-warm{r}", context + QUESTION, max_tokens=1)
+                    eng.evict(f"{base}-warm{r}")
+                    eng.drop_cached_blocks()
                     assert (h.stats.cache, w.stats.cache) == ("hot", "warm")
                     assert h.stats.prefill_tokens == w.stats.prefill_tokens
                     assert h.tokens == w.tokens

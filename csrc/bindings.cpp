@@ -27,6 +27,7 @@
 #include "core/gemm.h"
 #include "core/mapping_cache.h"
 #include "core/parallel.h"
+#include "core/pool_io.h"
 #include "core/store_error.h"
 #include "kernels_cpu.h"
 #include "ops.h"
@@ -158,57 +159,6 @@ std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
   return arrays;
 }
 
-// Lay tokens [first_block * block_tokens, end_token) of per-layer cache arrays
-// out as block regions; returns the packed bytes and (offset, length,
-// checksum, tokens) per block.
-std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_blocks(
-    std::vector<mx::array> arrays, uint32_t layers, uint32_t block_tokens,
-    const std::vector<ComponentArg>& components, uint64_t first_block, uint64_t end_token,
-    const std::vector<SpanArg>& spans, int threads) {
-  const Layout layout = make_layout(layers, block_tokens, components);
-  const auto layer_spans = make_spans(spans);
-  const size_t ncomp = components.size();
-  if (arrays.size() != layers * ncomp || layer_spans.size() != layers) {
-    throw nb::value_error("need one array per layer and component and one span per layer");
-  }
-  for (auto& a : arrays) {
-    if (!a.flags().row_contiguous) {
-      a = mx::contiguous(a);
-    }
-  }
-  mx::eval(arrays);
-  std::vector<const uint8_t*> src;
-  for (uint32_t l = 0; l < layers; ++l) {
-    for (size_t c = 0; c < ncomp; ++c) {
-      const mx::array& a = arrays[l * ncomp + c];
-      const auto& comp = layout.geometry.components[c];
-      if (a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != static_cast<int>(comp.heads) ||
-          a.shape(3) != static_cast<int>(layout.widths[c]) || a.dtype() != layout.dtypes[c] ||
-          static_cast<uint64_t>(a.shape(2)) != layer_spans[l].capacity) {
-        throw nb::value_error(("array for layer " + std::to_string(l) + " component " +
-                               std::to_string(c) + " does not match the geometry")
-                                  .c_str());
-      }
-      src.push_back(a.data<uint8_t>());
-    }
-  }
-  const uint64_t size = agentkv::packed_size(layout.geometry, first_block, end_token);
-  auto* out = new uint8_t[size ? size : 1];
-  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<uint8_t*>(p); });
-  std::vector<agentkv::PackedBlock> packed;
-  {
-    nb::gil_scoped_release release;
-    packed = agentkv::pack_blocks(layout.geometry, first_block, end_token, layer_spans, src, out,
-                                  threads);
-  }
-  std::vector<BlockArg> records;
-  for (const auto& p : packed) {
-    records.emplace_back(0u, p.offset, p.length, p.checksum, p.tokens);
-  }
-  size_t shape[1] = {static_cast<size_t>(size)};
-  return {nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, 1, shape, owner), records};
-}
-
 // Tensors of any safetensors file into new MLX arrays, one copy each from the
 // (cached) mmap of the file. A tensor of 2+ dims may get `capacity` rows on its
 // second-to-last axis (>= its own; the extra rows are zero) so a cache loaded
@@ -269,6 +219,114 @@ std::vector<mx::array> load_tensors(const std::string& path, uint64_t data_start
   return arrays;
 }
 
+// -- the block pool's arenas (csrc/core/pool_io.h) ------------------------------------------
+
+using RegionArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t, uint32_t>;
+
+// Raw pointers of evaluated, row-contiguous arenas that match the layout.
+template <typename Ptr>
+std::vector<Ptr> arena_pointers(std::vector<mx::array>& arenas, const Layout& layout,
+                                uint64_t rows) {
+  const size_t ncomp = layout.dtypes.size();
+  if (arenas.size() != layout.geometry.layers * ncomp) {
+    throw nb::value_error("need one arena per layer and component");
+  }
+  mx::eval(arenas);
+  std::vector<Ptr> out;
+  for (size_t i = 0; i < arenas.size(); ++i) {
+    const mx::array& a = arenas[i];
+    const size_t c = i % ncomp;
+    if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != rows ||
+        a.shape(1) != static_cast<int>(layout.widths[c]) || a.dtype() != layout.dtypes[c] ||
+        !a.flags().row_contiguous) {
+      throw nb::value_error(("arena " + std::to_string(i) + " does not match the layout").c_str());
+    }
+    out.push_back(const_cast<Ptr>(a.data<uint8_t>()));
+  }
+  return out;
+}
+
+uint64_t arena_rows(const Layout& layout, uint64_t blocks) {
+  return blocks * layout.geometry.components[0].heads * layout.geometry.block_tokens;
+}
+
+// An arena of `rows` rows whose memory is not touched: pages are committed as they are
+// written (MLX's allocator, no fill).
+mx::array uninitialized(uint64_t rows, uint32_t width, const std::string& dtype_name) {
+  const mx::Dtype dtype = dtype_from_name(dtype_name);
+  auto data = mx::allocator::malloc(std::max<uint64_t>(rows * width * dtype.size(), 1));
+  return mx::array(std::move(data), mx::Shape{static_cast<int>(rows), static_cast<int>(width)},
+                   dtype);
+}
+
+void read_regions(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
+                  const std::vector<ComponentArg>& components, uint64_t blocks,
+                  const std::vector<SegmentArg>& files, const std::vector<RegionArg>& regions,
+                  int threads) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  auto dst = arena_pointers<uint8_t*>(arenas, layout, arena_rows(layout, blocks));
+  std::vector<agentkv::SegmentRef> refs;
+  for (const auto& [path, size, crc] : files) {
+    refs.push_back({path, size, crc});
+  }
+  std::vector<agentkv::RegionRef> regs;
+  for (const auto& [file, offset, length, checksum, tokens, slot] : regions) {
+    regs.push_back({file, offset, length, checksum, tokens, slot});
+  }
+  nb::gil_scoped_release release;
+  agentkv::read_regions(layout.geometry, refs, regs, dst, blocks, threads);
+}
+
+std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_regions(
+    std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
+    const std::vector<ComponentArg>& components, uint64_t blocks,
+    const std::vector<uint32_t>& slots, const std::vector<uint32_t>& tokens, int threads) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  auto src = arena_pointers<const uint8_t*>(arenas, layout, arena_rows(layout, blocks));
+  uint64_t size = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] >= blocks) {
+      throw nb::value_error("a slot lies outside the arenas");
+    }
+    size += layout.geometry.block_bytes(i < tokens.size() ? tokens[i] : 0);
+  }
+  auto* out = new uint8_t[size ? size : 1];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<uint8_t*>(p); });
+  std::vector<agentkv::PackedBlock> packed;
+  {
+    nb::gil_scoped_release release;
+    packed = agentkv::pack_regions(layout.geometry, slots, tokens, src, out, threads);
+  }
+  std::vector<BlockArg> records;
+  for (const auto& p : packed) {
+    records.emplace_back(0u, p.offset, p.length, p.checksum, p.tokens);
+  }
+  size_t shape[1] = {static_cast<size_t>(size)};
+  return {nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, 1, shape, owner), records};
+}
+
+void copy_slot_rows(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
+                    const std::vector<ComponentArg>& components, uint64_t blocks, uint32_t src,
+                    uint32_t dst, uint32_t tokens) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  if (src >= blocks || dst >= blocks) {
+    throw nb::value_error("a slot lies outside the arenas");
+  }
+  auto ptrs = arena_pointers<uint8_t*>(arenas, layout, arena_rows(layout, blocks));
+  agentkv::copy_slot_rows(layout.geometry, ptrs, src, dst, tokens);
+}
+
+uint64_t release_slot(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
+                      const std::vector<ComponentArg>& components, uint64_t blocks, uint32_t slot,
+                      const std::vector<uint8_t>& layer_mask) {
+  const Layout layout = make_layout(layers, block_tokens, components);
+  if (slot >= blocks) {
+    throw nb::value_error("the slot lies outside the arenas");
+  }
+  auto ptrs = arena_pointers<uint8_t*>(arenas, layout, arena_rows(layout, blocks));
+  return agentkv::release_slot(layout.geometry, ptrs, slot, layer_mask);
+}
+
 nb::dict build_info() {
   nb::dict info;
 #if defined(__clang__)
@@ -297,7 +355,9 @@ nb::dict build_info() {
 }  // namespace
 
 NB_MODULE(_ext, m) {
-  m.doc() = "agentkv native core: checksums and the mmap KV block loader.";
+  m.doc() =
+      "agentkv native core: checksums, the mmap KV block loader, the block pool's I/O and "
+      "fused attention.";
 
   // Held for the life of the process (never released at interpreter exit).
   static PyObject* cache_format_error =
@@ -325,8 +385,9 @@ NB_MODULE(_ext, m) {
   m.def(
       "mapped_bytes", [] { return agentkv::mapping_cache().mapped_bytes(); },
       "Bytes of segment files currently mapped by the loader's cache.");
-  m.def("kernel_gather", &agentkv::kernels::gather, "blocks"_a, "table"_a, "metas"_a,
-        "threads"_a = 2, "kernels/gather.metal on CPU, for many outputs at once.");
+  m.def("kernel_paged_attention", &agentkv::kernels::paged_attention, "q"_a, "keys"_a, "values"_a,
+        "tables"_a, "lengths"_a, "dims"_a, "sinks"_a = nb::none(), "scale"_a = 1.0f,
+        "threads"_a = 2, "kernels/paged_attention.metal on CPU (for tests against the others).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,
@@ -340,6 +401,33 @@ NB_MODULE(_ext, m) {
         "values"_a, "scale"_a, "key_bits"_a, "value_bits"_a, "group"_a, "window"_a = 0,
         "left_padding"_a = nb::none(), "sinks"_a = nb::none(),
         "Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.");
+  m.def("paged_attention", &agentkv::ops::paged_attention, "queries"_a, "keys"_a, "values"_a,
+        "tables"_a, "lengths"_a, "kv_heads"_a, "block_tokens"_a, "scale"_a, "key_bits"_a,
+        "value_bits"_a, "group"_a, "window"_a = 0, "sinks"_a = nb::none(),
+        "Fused attention over paged block arenas for a jagged batch (CPU); see "
+        "csrc/core/attention.h.");
+  m.def("uninitialized", &uninitialized, "rows"_a, "width"_a, "dtype"_a,
+        "An arena [rows, width] whose pages are committed only as they are written.");
+  m.def("read_regions", &read_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
+        "blocks"_a, "files"_a, "regions"_a, "threads"_a = 2,
+        "Verify stored block regions (file, offset, length, checksum, tokens, slot) and copy "
+        "each into its pool slot.");
+  m.def("pack_regions", &pack_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
+        "blocks"_a, "slots"_a, "tokens"_a, "threads"_a = 2,
+        "Lay pool slots out as checksummed block regions for a block or segment file.");
+  m.def("copy_slot_rows", &copy_slot_rows, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
+        "blocks"_a, "src"_a, "dst"_a, "tokens"_a,
+        "Copy the first tokens rows of one pool slot into another (every layer and head).");
+  m.def("release_slot", &release_slot, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
+        "blocks"_a, "slot"_a, "layer_mask"_a,
+        "Hand a pool slot's pages back to the OS for the flagged layers; returns the bytes.");
+  m.def(
+      "data_address",
+      [](mx::array a) {
+        mx::eval(a);
+        return reinterpret_cast<uintptr_t>(a.data<uint8_t>());
+      },
+      "array"_a, "Where an evaluated array's data lives (to notice buffers that moved).");
   m.def("build_info", &build_info,
         "Compiler, MLX and nanobind versions this extension was built with.");
   m.def("crc32c", &py_crc32c, "data"_a, "value"_a = 0,
@@ -349,7 +437,4 @@ NB_MODULE(_ext, m) {
   m.def("gather_blocks", &gather_blocks, "layers"_a, "block_tokens"_a, "components"_a, "segments"_a,
         "blocks"_a, "tokens"_a, "spans"_a, "threads"_a = 2,
         "Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.");
-  m.def("pack_blocks", &pack_blocks, "arrays"_a, "layers"_a, "block_tokens"_a, "components"_a,
-        "first_block"_a, "end_token"_a, "spans"_a, "threads"_a = 2,
-        "Lay cache arrays out as checksummed block regions for a segment file.");
 }

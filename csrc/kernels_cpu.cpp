@@ -2,8 +2,12 @@
 
 #include <mlx/mlx.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -13,13 +17,54 @@
 namespace agentkv::kernels {
 namespace {
 
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F;
+  uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {
+      exponent = 127 - 15 + 1;
+      while ((mantissa & 0x400u) == 0) {
+        mantissa <<= 1;
+        --exponent;
+      }
+      bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+    }
+  } else if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // One grid point of each kernel: the kernel body, verbatim, as a function body.
 // The chunk is the whole span (grid x = 1): each call copies whole planes.
 
-template <typename T>
-void gather_point(const T* blocks, const int* table, const int* meta, T* out,
-                  uint3 thread_position_in_grid) {
-#include "kernels/gather.metal"
+// The helpers the paged attention body names, on the host (Metal and CUDA get theirs from
+// the header agentkv/kernels/gpu.py passes).
+inline float kv_half(uint16_t h) {
+  return half_to_float(h);
+}
+inline float kv_exp(float x) {
+  return std::exp(x);
+}
+inline float kv_max(float a, float b) {
+  return a > b ? a : b;
+}
+constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
+
+void paged_attention_point(const float* q, const uint32_t* kw, const uint16_t* ks,
+                           const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
+                           const uint16_t* vb, const int* tables, const int* lengths,
+                           const int* dims, const float* sinks, const float* scale, float* out,
+                           uint3 thread_position_in_grid) {
+#include "kernels/paged_attention.metal"
 }
 
 template <typename T>
@@ -71,54 +116,71 @@ struct Column {
 
 }  // namespace
 
-std::vector<mx::array> gather(const mx::array& blocks_in, const mx::array& table_in,
-                              const std::vector<std::array<int, 7>>& metas, int threads) {
-  check_units(blocks_in, "blocks");
-  mx::array blocks = mx::contiguous(blocks_in);
-  mx::array table = mx::contiguous(mx::astype(table_in, mx::int32));
-  mx::eval({blocks, table});
-  std::vector<mx::array> outputs;
-  std::vector<std::array<int, 7>> params = metas;
-  std::vector<Column> columns;
-  for (size_t k = 0; k < metas.size(); ++k) {
-    auto& m = params[k];
-    m[5] = kWholeSpan;
-    outputs.push_back(new_array({1, m[1], m[4], m[2]}, blocks.dtype()));
-    const int row_blocks = (m[4] + 255) / 256;
-    for (int b = 0; b < row_blocks; ++b) {
-      for (int h = 0; h < m[1]; ++h) {
-        columns.push_back(
-            {static_cast<int>(k), static_cast<unsigned>(b), static_cast<unsigned>(h)});
+mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
+                          const std::vector<mx::array>& values, const mx::array& tables_in,
+                          const mx::array& lengths_in, const std::array<int, 13>& dims,
+                          const std::optional<mx::array>& sinks_in, float scale_value,
+                          int threads) {
+  if (keys.size() != 3 || values.size() != 3) {
+    throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
+  }
+  const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
+              group, window, has_sinks] = dims;
+  auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8; };
+  if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
+      dim > 256 || dim_v < 1 || dim_v > 256 || block_tokens < 1 || !supported(kbits) ||
+      !supported(vbits) || group < 1 || dim % group || dim_v % group || window < 0 ||
+      has_sinks != (sinks_in ? 1 : 0)) {
+    throw std::invalid_argument("paged attention: bad dims");
+  }
+  mx::array q = mx::contiguous(mx::astype(q_in, mx::float32));
+  mx::array tables = mx::contiguous(mx::astype(tables_in, mx::int32));
+  mx::array lengths = mx::contiguous(mx::astype(lengths_in, mx::int32));
+  mx::array sinks = sinks_in ? mx::contiguous(mx::astype(*sinks_in, mx::float32))
+                             : mx::zeros({q_heads}, mx::float32);
+  std::vector<mx::array> parts;
+  for (const auto* list : {&keys, &values}) {
+    for (size_t i = 0; i < 3; ++i) {
+      parts.push_back(mx::contiguous(mx::view((*list)[i], i == 0 ? mx::uint32 : mx::uint16)));
+    }
+  }
+  std::vector<mx::array> to_eval = {q, tables, lengths, sinks};
+  to_eval.insert(to_eval.end(), parts.begin(), parts.end());
+  mx::eval(to_eval);
+  if (q.size() != static_cast<size_t>(n_rows) * q_heads * n_queries * dim ||
+      tables.size() != static_cast<size_t>(n_rows) * width ||
+      lengths.size() != static_cast<size_t>(n_rows)) {
+    throw std::invalid_argument("paged attention: queries, tables or lengths do not match dims");
+  }
+  const uint64_t rows = parts[0].size() / (dim * kbits / 32);
+  const int* tbl = tables.data<int>();
+  const int* len = lengths.data<int>();
+  for (int b = 0; b < n_rows; ++b) {  // every block a query can read must lie in the arenas
+    if (len[b] < n_queries || (len[b] + block_tokens - 1) / block_tokens > width) {
+      throw std::invalid_argument("paged attention: row " + std::to_string(b) + " is too long");
+    }
+    for (int i = 0; i * block_tokens < len[b]; ++i) {
+      const int block = tbl[b * width + i];
+      const bool read = window == 0 || (i + 1) * block_tokens > len[b] - n_queries - window + 1;
+      if (read &&
+          (block < 0 || (static_cast<uint64_t>(block) + 1) * kv_heads * block_tokens > rows)) {
+        throw std::invalid_argument("paged attention: row " + std::to_string(b) +
+                                    " names a block outside the arenas");
       }
     }
   }
-  const int* tbl = table.data<int>();
-  const int64_t table_rows = table.size() / 2;
-  for (const auto& m : params) {
-    if (m[6] > table_rows || static_cast<int64_t>(m[6]) * 256 < m[3] || m[3] > m[4]) {
-      throw std::invalid_argument("gather: the block table does not cover the length");
-    }
-    for (int b = 0; b < m[6]; ++b) {
-      const int64_t end = static_cast<int64_t>(tbl[2 * b]) +
-                          static_cast<int64_t>(tbl[2 * b + 1]) * (m[0] + m[1] * m[2]);
-      if (tbl[2 * b] < 0 || tbl[2 * b + 1] < 0 || tbl[2 * b + 1] > 256 ||
-          end > static_cast<int64_t>(blocks.size())) {
-        throw std::invalid_argument("gather: block " + std::to_string(b) + " lies outside blocks");
-      }
-    }
-  }
-  run_columns(columns.size(), threads, [&](size_t i) {
-    const Column& c = columns[i];
-    const uint3 point{0, c.y, c.z};
-    if (blocks.dtype() == mx::uint16) {
-      gather_point(blocks.data<uint16_t>(), tbl, params[c.output].data(),
-                   outputs[c.output].data<uint16_t>(), point);
-    } else {
-      gather_point(blocks.data<uint32_t>(), tbl, params[c.output].data(),
-                   outputs[c.output].data<uint32_t>(), point);
-    }
+  mx::array out = new_array({n_rows, q_heads, n_queries, dim_v}, mx::float32);
+  const float scale[1] = {scale_value};
+  run_columns(static_cast<size_t>(n_rows) * q_heads * n_queries, threads, [&](size_t k) {
+    const uint3 point{static_cast<unsigned>(k % n_queries),
+                      static_cast<unsigned>(k / n_queries % q_heads),
+                      static_cast<unsigned>(k / n_queries / q_heads)};
+    paged_attention_point(q.data<float>(), parts[0].data<uint32_t>(), parts[1].data<uint16_t>(),
+                          parts[2].data<uint16_t>(), parts[3].data<uint32_t>(),
+                          parts[4].data<uint16_t>(), parts[5].data<uint16_t>(), tbl, len,
+                          dims.data(), sinks.data<float>(), scale, out.data<float>(), point);
   });
-  return outputs;
+  return out;
 }
 
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources_in,

@@ -1,22 +1,24 @@
 // The kernels of kernels/*.metal on CPU: the same bodies, run over their grid.
 //
-// Arrays are passed as *units*: uint16 or uint32 views of the cache components
-// (the kernels only move bits). Each call handles many outputs (every layer and
-// component) in one parallel pass.
+// merge and extract take *units*: uint16 or uint32 views of the cache components (they
+// only move bits), many outputs (every layer and component) in one parallel pass.
 #pragma once
 
 #include <mlx/array.h>
 
 #include <array>
+#include <optional>
 #include <vector>
 
 namespace agentkv::kernels {
 
 namespace mx = mlx::core;
 
-// meta per output: plane, heads, width, length, capacity, (chunk: ignored), n_blocks
-std::vector<mx::array> gather(const mx::array& blocks, const mx::array& table,
-                              const std::vector<std::array<int, 7>>& metas, int threads);
+// kernels/paged_attention.metal over its grid: dims as the body documents them.
+mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
+                          const std::vector<mx::array>& values, const mx::array& tables,
+                          const mx::array& lengths, const std::array<int, 13>& dims,
+                          const std::optional<mx::array>& sinks, float scale, int threads);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

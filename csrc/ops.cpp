@@ -4,6 +4,8 @@
 #include <mlx/mlx.h>
 #include <mlx/primitives.h>
 
+#include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "core/attention.h"
@@ -62,6 +64,8 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     float scale;
     int key_bits, value_bits, group, window, key_parts;
     bool padded, sinks;
+    int kv_heads = 0;  // > 0: paged caches (block arenas read through tables and lengths)
+    int block_tokens = 0;
     bool operator==(const Params&) const = default;
   };
 
@@ -95,28 +99,51 @@ class QuantizedAttention : public mx::UnaryPrimitive {
  private:
   static void view(agentkv::KVView& v, const std::vector<mx::array>& parts, int bits, int group) {
     const mx::array& first = parts[0];
+    const bool paged = first.ndim() == 2;
     for (const auto& p : parts) {
-      if (p.strides().back() != 1 || p.strides()[2] != p.shape(3)) {
+      const bool rows_packed = paged ? p.flags().row_contiguous
+                                     : p.strides().back() == 1 && p.strides()[2] == p.shape(3);
+      if (!rows_packed) {
         throw std::invalid_argument("fused attention needs row-contiguous cache tokens");
       }
     }
     v.bits = bits;
     v.group = group;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 3 && !paged; ++i) {
       v.w_strides[i] = first.strides()[i];
     }
     if (bits == 16) {
       v.halves = first.data<uint16_t>();
-      v.dim = first.shape(3);
+      v.dim = first.shape(-1);
       return;
     }
     v.words = first.data<uint32_t>();
     v.scales = parts[1].data<uint16_t>();
     v.biases = parts[2].data<uint16_t>();
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 3 && !paged; ++i) {
       v.s_strides[i] = parts[1].strides()[i];
     }
-    v.dim = first.shape(3) * 32 / bits;
+    v.dim = first.shape(-1) * 32 / bits;
+  }
+
+  // Whether every block row b reads lies inside the arena. The pool never builds a table
+  // that fails this; if one did, the batch gets NaN instead of reads out of bounds.
+  static bool table_ok(const agentkv::AttentionArgs& a, int b, int64_t blocks) {
+    const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
+    const int len = a.lengths[b];
+    int first = 0;
+    if (a.window > 0) {
+      first = std::max(0, len - a.queries - a.window + 1);
+    }
+    if (len < a.queries || (len + a.block_tokens - 1) / a.block_tokens > a.table_stride) {
+      return false;
+    }
+    for (int i = first / a.block_tokens; i * a.block_tokens < len; ++i) {
+      if (table[i] < 0 || table[i] >= blocks) {
+        return false;
+      }
+    }
+    return true;
   }
 
   static void run(const Params& p, const std::vector<mx::array>& inputs, mx::array& out) {
@@ -138,8 +165,6 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     a.batch = q.shape(0);
     a.q_heads = q.shape(1);
     a.queries = q.shape(2);
-    a.kv_heads = keys[0].shape(1);
-    a.keys = keys[0].shape(2);
     a.scale = p.scale;
     a.window = p.window;
     if (p.padded) {
@@ -150,6 +175,25 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     }
     view(a.k, keys, p.key_bits, p.group);
     view(a.v, values, p.value_bits, p.group);
+    if (p.kv_heads == 0) {
+      a.kv_heads = keys[0].shape(1);
+      a.keys = keys[0].shape(2);
+      agentkv::quantized_attention(a);
+      return;
+    }
+    const mx::array& tables = inputs[next++];
+    a.tables = tables.data<int32_t>();
+    a.table_stride = tables.shape(1);
+    a.lengths = inputs[next++].data<int32_t>();
+    a.kv_heads = p.kv_heads;
+    a.block_tokens = p.block_tokens;
+    const int64_t blocks = keys[0].shape(0) / (static_cast<int64_t>(p.kv_heads) * p.block_tokens);
+    for (int b = 0; b < a.batch; ++b) {
+      if (!table_ok(a, b, blocks)) {  // NaN, never a plausible answer from wrong memory
+        std::fill_n(a.out, out.size(), std::numeric_limits<float>::quiet_NaN());
+        return;
+      }
+    }
     agentkv::quantized_attention(a);
   }
 
@@ -245,6 +289,83 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                                              static_cast<int>(keys.size()),
                                              left_padding.has_value(), sinks.has_value()}),
       std::move(inputs));
+}
+
+mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>& keys,
+                          const std::vector<mx::array>& values, const mx::array& tables,
+                          const mx::array& lengths, int kv_heads, int block_tokens, float scale,
+                          int key_bits, int value_bits, int group, int window,
+                          const std::optional<mx::array>& sinks) {
+  auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
+  if (!supported(key_bits) || !supported(value_bits)) {
+    throw std::invalid_argument("paged attention supports 2, 4, 8 and 16 bits");
+  }
+  if (keys.size() != (key_bits == 16 ? 1u : 3u) || values.size() != (value_bits == 16 ? 1u : 3u)) {
+    throw std::invalid_argument("paged attention: wrong number of key or value components");
+  }
+  if (queries.dtype() != mx::float32 || queries.ndim() != 4) {
+    throw std::invalid_argument("paged attention: queries must be float32 [B, Hq, L, D]");
+  }
+  if (kv_heads < 1 || block_tokens < 1 || queries.shape(1) % kv_heads || window < 0) {
+    throw std::invalid_argument("paged attention: bad kv_heads, block_tokens or window");
+  }
+  const int64_t rows = keys[0].ndim() == 2 ? keys[0].shape(0) : -1;
+  for (const auto* parts : {&keys, &values}) {
+    for (const auto& p : *parts) {
+      if (p.ndim() != 2 || p.shape(0) != rows || rows % (int64_t{kv_heads} * block_tokens)) {
+        throw std::invalid_argument(
+            "paged attention: arenas are [blocks * kv_heads * block_tokens, width]");
+      }
+    }
+  }
+  auto dim_of = [group](const std::vector<mx::array>& parts, int bits) {
+    if (bits == 16) {
+      return static_cast<int>(parts[0].shape(1));
+    }
+    const int dim = parts[0].shape(1) * 32 / bits;
+    if (parts[0].dtype().size() != 4 || parts[1].dtype().size() != 2 ||
+        parts[2].dtype().size() != 2 || (group != 32 && group != 64 && group != 128) ||
+        dim % group || parts[1].shape(1) != dim / group || parts[2].shape(1) != dim / group) {
+      throw std::invalid_argument(
+          "paged attention: quantized arenas are uint32 words + float16 scales and biases");
+    }
+    return dim;
+  };
+  const int dim = dim_of(keys, key_bits);
+  const int dim_v = dim_of(values, value_bits);
+  if (dim != queries.shape(3) || dim % 8 || dim_v % 8 || dim > 256 || dim_v > 256) {
+    throw std::invalid_argument("paged attention: unsupported head dimensions");
+  }
+  const int batch = queries.shape(0);
+  if (tables.ndim() != 2 || tables.shape(0) != batch || lengths.ndim() != 1 ||
+      lengths.shape(0) != batch ||
+      (sinks && sinks->size() != static_cast<size_t>(queries.shape(1)))) {
+    throw std::invalid_argument(
+        "paged attention: tables [B, blocks], lengths [B] and sinks [Hq] must match the queries");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream)};
+  auto add = [&](const mx::array& a, mx::Dtype dtype) {
+    inputs.push_back(a.dtype() == dtype ? a : mx::view(a, dtype, stream));
+  };
+  for (size_t i = 0; i < keys.size(); ++i) {
+    add(keys[i], key_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    add(values[i], value_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+  }
+  if (sinks) {
+    inputs.push_back(mx::astype(*sinks, mx::float32, stream));
+  }
+  inputs.push_back(mx::contiguous(mx::astype(tables, mx::int32, stream), false, stream));
+  inputs.push_back(mx::contiguous(mx::astype(lengths, mx::int32, stream), false, stream));
+  mx::Shape shape = queries.shape();
+  shape.back() = dim_v;
+  QuantizedAttention::Params params{
+      scale, key_bits,          value_bits, group,       window, static_cast<int>(keys.size()),
+      false, sinks.has_value(), kv_heads,   block_tokens};
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }
 
 mx::array invariant_linear(const mx::array& x, const mx::array& w,

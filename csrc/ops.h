@@ -25,4 +25,14 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                               const std::optional<mx::array>& left_padding,
                               const std::optional<mx::array>& sinks);
 
+// The same attention over paged caches: keys and values are arenas of token rows
+// [blocks * kv_heads * block_tokens, width] (see csrc/core/attention.h); row b of the batch
+// holds lengths[b] tokens in blocks tables[b, :], and its L queries are its last L tokens.
+// A jagged batch: no padding, no copies. CPU only.
+mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>& keys,
+                          const std::vector<mx::array>& values, const mx::array& tables,
+                          const mx::array& lengths, int kv_heads, int block_tokens, float scale,
+                          int key_bits, int value_bits, int group, int window,
+                          const std::optional<mx::array>& sinks);
+
 }  // namespace agentkv::ops

@@ -91,3 +91,79 @@ def text_for_count(tokens: int):
 TESTS = Path(__file__).resolve().parent
 SCRIPTS = TESTS / "scripts"
 DATA = TESTS / "data"
+
+
+# -- the block pool ---------------------------------------------------------------------
+
+
+def pool_for(spec: ModelCacheSpec, quant=None, blocks: int = 24):
+    """A small pool for ``spec`` (its arenas are committed only as blocks fill)."""
+    from agentkv.kv.blocks import BLOCK_TOKENS
+    from agentkv.pool import KVPool
+
+    quant = quant or KVQuant()
+    return KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * BLOCK_TOKENS * blocks)
+
+
+def _kv_for(spec: ModelCacheSpec, layer: int, start: int, count: int, *, rng, positional: bool):
+    shape_k = (1, spec.kv_heads, count, spec.key_head_dim)
+    shape_v = (1, spec.kv_heads, count, spec.value_head_dim)
+    if not positional:
+        return (
+            mx.array(rng.standard_normal(shape_k).astype(np.float32)),
+            mx.array(rng.standard_normal(shape_v).astype(np.float32)),
+        )
+    t = mx.arange(start, start + count, dtype=mx.float32)[None, None, :, None]
+    h = mx.arange(spec.kv_heads, dtype=mx.float32)[None, :, None, None]
+    dk = mx.arange(spec.key_head_dim, dtype=mx.float32)[None, None, None, :]
+    dv = mx.arange(spec.value_head_dim, dtype=mx.float32)[None, None, None, :]
+    return (
+        mx.sin(t * 0.37 + h * 1.1 + dk * 0.05 + layer),
+        mx.cos(t * 0.21 + h * 0.7 + dv * 0.11 + layer),
+    )
+
+
+def fill_table(pool, tokens: int, *, seed=0, positional=False, ids=None, table=None):
+    """A table holding ``tokens`` tokens (ids ``text_for``'s unless given) whose KV is random
+    (or, ``positional``, a function of the token's position), written in uneven chunks
+    through the same scatters the model's forward pass uses."""
+    spec = pool.spec
+    rng = np.random.default_rng(seed)
+    ids = list(ids) if ids is not None else text_for(tokens, seed)[0]
+    table = table or pool.new_table(pool.seed())
+    arena = pool.arena
+    for size in _chunks(tokens - table.length):
+        start = table.length
+        table.grow(size, arena.copy_rows)
+        rows = mx.array(arena.write_rows([table.blocks], [start], size))
+        for layer in range(spec.num_layers):
+            k, v = _kv_for(spec, layer, start, size, rng=rng, positional=positional)
+            q = pool.quant
+            arena.write(layer, (*q.quantize(k, q.key_bits), *q.quantize(v, q.value_bits)), rows)
+        arena.settle()
+        table.written(ids[start : start + size])
+    return table
+
+
+def table_arrays(pool, table, tokens: int | None = None) -> list[np.ndarray]:
+    """Every (layer, component) of the table's first ``tokens`` tokens as [heads, n, width]."""
+    from agentkv.kv.blocks import BLOCK_TOKENS
+
+    n = table.length if tokens is None else tokens
+    arena = pool.arena
+    heads = pool.spec.kv_heads
+    t = np.arange(n)
+    blocks = np.asarray(table.blocks, dtype=np.int64)[t // BLOCK_TOKENS]
+    rows = (blocks[None, :] * heads + np.arange(heads)[:, None]) * BLOCK_TOKENS + t % BLOCK_TOKENS
+    out = []
+    for layer in arena.arrays:
+        for array in layer:
+            out.append(
+                np.array(mx.take(array, mx.array(rows.reshape(-1)), axis=0)).reshape(heads, n, -1)
+            )
+    return out
+
+
+def cache_arrays(caches: list[AgentKVCache]) -> list[np.ndarray]:
+    """The same arrays from contiguous caches (``AgentStore.load_caches``)."""
+    return [x[0] for c in caches for x in held_arrays(c)]

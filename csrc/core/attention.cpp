@@ -152,6 +152,31 @@ struct Portable : ExpConstants {
   }
 };
 
+// Where rows [t0, t1) of batch row b, KV head h start: element offsets into the words (or
+// halves) and into the scales and biases of `view`.
+void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0, int t1, int64_t* w,
+               int64_t* s) {
+  if (a.tables != nullptr) {
+    const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
+    const int64_t w_width = view.bits == 16 ? view.dim : view.dim * view.bits / 32;
+    const int64_t s_width = view.bits == 16 ? 0 : view.dim / view.group;
+    for (int t = t0; t < t1; ++t) {
+      const int64_t row =
+          (static_cast<int64_t>(table[t / a.block_tokens]) * a.kv_heads + h) * a.block_tokens +
+          t % a.block_tokens;
+      w[t - t0] = row * w_width;
+      s[t - t0] = row * s_width;
+    }
+    return;
+  }
+  const int64_t w0 = b * view.w_strides[0] + h * view.w_strides[1];
+  const int64_t s0 = b * view.s_strides[0] + h * view.s_strides[1];
+  for (int t = t0; t < t1; ++t) {
+    w[t - t0] = w0 + t * view.w_strides[2];
+    s[t - t0] = s0 + t * view.s_strides[2];
+  }
+}
+
 namespace portable {
 using Ops = Portable;
 #include "attention_impl.inc"

@@ -13,6 +13,10 @@
 // scores summed over d in order, an online softmax per tile, values accumulated
 // over j in order): the same whether it runs alone, in a prefill chunk or in a
 // left-padded batch row. That is what lets agents batch without changing tokens.
+//
+// The cache is either contiguous ([B, H, T, ...] arrays with strides) or paged: fixed blocks
+// of token rows found through each batch row's block table, rows of unequal lengths (a jagged
+// batch, no padding). The same arithmetic runs on both; only where a token row lives differs.
 #pragma once
 
 #include <cstdint>
@@ -22,16 +26,21 @@ namespace agentkv {
 struct KVView {
   int bits = 4;                      // 2..8: quantized; 16: float16
   int group = 64;                    // values per scale/bias
-  const uint32_t* words = nullptr;   // quantized: [B, H, T, D * bits / 32]
-  const uint16_t* scales = nullptr;  // float16 bits: [B, H, T, D / group]
+  const uint32_t* words = nullptr;   // quantized: D * bits / 32 per token row
+  const uint16_t* scales = nullptr;  // float16 bits: D / group per token row
   const uint16_t* biases = nullptr;
-  const uint16_t* halves = nullptr;  // bits == 16: [B, H, T, D]
-  // strides in elements of the arrays above: batch, head, token
+  const uint16_t* halves = nullptr;  // bits == 16: D per token row
+  // Contiguous caches [B, H, T, ...]: strides in elements of the arrays above (batch, head,
+  // token). Paged caches (AttentionArgs::tables): unused, rows are found through the table.
   int64_t w_strides[3] = {0, 0, 0};
   int64_t s_strides[3] = {0, 0, 0};
   int dim = 0;
 };
 
+// Paged caches hold every token row of a block together, per head:
+//   row(b, h, t) = ((tables[b * table_stride + t / block_tokens] * kv_heads) + h) * block_tokens
+//                  + t % block_tokens
+// and a row of words / scales / halves starts at row * (its width) in its array.
 struct AttentionArgs {
   const float* q = nullptr;  // [B, Hq, L, D], strides below (in floats)
   int64_t q_strides[3] = {0, 0, 0};
@@ -39,8 +48,14 @@ struct AttentionArgs {
   int batch = 0, q_heads = 0, kv_heads = 0, queries = 0, keys = 0;
   float scale = 1.0f;
   int window = 0;                         // 0: none
-  const int32_t* left_padding = nullptr;  // [B] or null (no padding)
+  const int32_t* left_padding = nullptr;  // [B] or null (no padding); contiguous caches only
   const float* sinks = nullptr;           // [Hq] or null
+  // Paged (jagged) batches: row b holds lengths[b] tokens (its queries are the last L of
+  // them) whose blocks are tables[b * table_stride + i]. Null: contiguous caches of `keys`.
+  const int32_t* tables = nullptr;
+  const int32_t* lengths = nullptr;
+  int table_stride = 0;
+  int block_tokens = 256;
   KVView k, v;
 };
 

@@ -13,32 +13,8 @@
 namespace agentkv {
 namespace {
 
-// A safetensors header longer than this is not one agentkv wrote.
-constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
-
 uint64_t ceil_div(uint64_t a, uint64_t b) {
   return (a + b - 1) / b;
-}
-
-// The first byte after the JSON header, once the segment passes its checks.
-uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
-  if (file.size() != ref.size) {
-    throw StoreError(ref.path, "file is " + std::to_string(file.size()) +
-                                   " bytes, the manifest says " + std::to_string(ref.size) +
-                                   " (truncated or replaced)");
-  }
-  if (file.size() < 8) {
-    throw StoreError(ref.path, "file is shorter than a safetensors header");
-  }
-  uint64_t header_len = 0;
-  std::memcpy(&header_len, file.data(), 8);
-  if (header_len < 2 || header_len > kMaxHeaderBytes || header_len > file.size() - 8) {
-    throw StoreError(ref.path, "header length " + std::to_string(header_len) + " is not sane");
-  }
-  if (crc32c(file.data() + 8, header_len) != ref.header_checksum) {
-    throw StoreError(ref.path, "header checksum mismatch");
-  }
-  return 8 + header_len;
 }
 
 void check_spans(const Geometry& g, const std::vector<LayerSpan>& spans, uint64_t end_token,
@@ -63,6 +39,29 @@ void check_spans(const Geometry& g, const std::vector<LayerSpan>& spans, uint64_
 }
 
 }  // namespace
+
+// A safetensors header longer than this is not one agentkv wrote.
+constexpr uint64_t kMaxHeaderBytes = 64ull << 20;
+
+uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
+  if (file.size() != ref.size) {
+    throw StoreError(ref.path, "file is " + std::to_string(file.size()) +
+                                   " bytes, the manifest says " + std::to_string(ref.size) +
+                                   " (truncated or replaced)");
+  }
+  if (file.size() < 8) {
+    throw StoreError(ref.path, "file is shorter than a safetensors header");
+  }
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, file.data(), 8);
+  if (header_len < 2 || header_len > kMaxHeaderBytes || header_len > file.size() - 8) {
+    throw StoreError(ref.path, "header length " + std::to_string(header_len) + " is not sane");
+  }
+  if (crc32c(file.data() + 8, header_len) != ref.header_checksum) {
+    throw StoreError(ref.path, "header checksum mismatch");
+  }
+  return 8 + header_len;
+}
 
 uint64_t Geometry::layer_token_bytes() const {
   uint64_t total = 0;
@@ -159,59 +158,6 @@ void gather_blocks(const Geometry& g, const std::vector<SegmentRef>& segments,
       throw StoreError(path, "block " + std::to_string(i) + " checksum mismatch");
     }
   });
-}
-
-uint64_t packed_size(const Geometry& g, uint64_t first_block, uint64_t end_token) {
-  const uint64_t start = first_block * g.block_tokens;
-  return end_token > start ? g.block_bytes(end_token - start) : 0;
-}
-
-std::vector<PackedBlock> pack_blocks(const Geometry& g, uint64_t first_block, uint64_t end_token,
-                                     const std::vector<LayerSpan>& spans,
-                                     const std::vector<const uint8_t*>& src, uint8_t* out,
-                                     int threads) {
-  g.validate();
-  check_spans(g, spans, end_token, src.size());
-  const uint64_t start = first_block * g.block_tokens;
-  if (end_token <= start) {
-    return {};
-  }
-  for (uint32_t l = 0; l < g.layers; ++l) {
-    if (spans[l].first_token > start) {
-      throw std::invalid_argument("layer " + std::to_string(l) + " holds no data for token " +
-                                  std::to_string(start));
-    }
-  }
-  const uint64_t count = ceil_div(end_token - start, g.block_tokens);
-  std::vector<PackedBlock> packed(count);
-  uint64_t offset = 0;
-  for (uint64_t i = 0; i < count; ++i) {
-    const uint64_t t0 = start + i * g.block_tokens;
-    const auto tokens = static_cast<uint32_t>(std::min<uint64_t>(g.block_tokens, end_token - t0));
-    packed[i] = PackedBlock{offset, g.block_bytes(tokens), 0, tokens};
-    offset += packed[i].length;
-  }
-  const size_t ncomp = g.components.size();
-  parallel_for(count, threads, [&](size_t i) {
-    PackedBlock& p = packed[i];
-    const uint64_t t0 = start + i * g.block_tokens;
-    uint8_t* dst = out + p.offset;
-    for (uint32_t l = 0; l < g.layers; ++l) {
-      const LayerSpan& span = spans[l];
-      for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.components[c];
-        const uint8_t* in = src[l * ncomp + c];
-        for (uint32_t h = 0; h < comp.heads; ++h) {
-          const size_t bytes = static_cast<size_t>(p.tokens) * comp.row_bytes;
-          std::memcpy(dst, in + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes,
-                      bytes);
-          dst += bytes;
-        }
-      }
-    }
-    p.checksum = block_checksum(out + p.offset, p.length);
-  });
-  return packed;
 }
 
 }  // namespace agentkv

@@ -8,9 +8,10 @@
 //                    for comp in components:      e.g. k.w k.s k.b v.w v.s v.b
 //                      [heads, tokens, row_bytes]
 //
-// In memory each (layer, component) is one buffer [heads, capacity, row_bytes]
-// (the layout of an mlx-lm cache array [1, heads, capacity, width]) whose row 0
-// holds token `first_token` of that layer: 0, or where a sliding window starts.
+// gather_blocks loads them into one buffer per (layer, component) [heads, capacity,
+// row_bytes] (the layout of an mlx-lm cache array [1, heads, capacity, width]) whose row 0
+// holds token `first_token` of that layer: 0, or where a sliding window starts. The block
+// pool reads and packs regions through pool_io.h instead.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +48,12 @@ struct SegmentRef {
   uint32_t header_checksum;  // crc32c of the safetensors JSON header bytes
 };
 
+class MappedFile;
+
+// Checks a mapped segment against its reference (size, header length, header checksum) and
+// returns the first byte after its JSON header; throws StoreError naming the file.
+uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref);
+
 struct BlockRef {
   uint32_t segment;
   uint64_t offset;  // of the region in the file
@@ -70,14 +77,5 @@ struct PackedBlock {
   uint32_t checksum;
   uint32_t tokens;
 };
-
-uint64_t packed_size(const Geometry& geometry, uint64_t first_block, uint64_t end_token);
-
-// The inverse of gather_blocks: lays tokens [first_block * block_tokens,
-// end_token) out as consecutive block regions in `out` (packed_size bytes).
-std::vector<PackedBlock> pack_blocks(const Geometry& geometry, uint64_t first_block,
-                                     uint64_t end_token, const std::vector<LayerSpan>& spans,
-                                     const std::vector<const uint8_t*>& src, uint8_t* out,
-                                     int threads);
 
 }  // namespace agentkv

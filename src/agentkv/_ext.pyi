@@ -1,4 +1,6 @@
-"""agentkv native core: checksums and the mmap KV block loader."""
+"""
+agentkv native core: checksums, the mmap KV block loader, the block pool's I/O and fused attention.
+"""
 
 from collections.abc import Sequence
 from typing import Annotated
@@ -19,8 +21,8 @@ def clear_mappings() -> None:
 def mapped_bytes() -> int:
     """Bytes of segment files currently mapped by the loader's cache."""
 
-def kernel_gather(blocks: mlx.core.array, table: mlx.core.array, metas: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
-    """kernels/gather.metal on CPU, for many outputs at once."""
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2) -> mlx.core.array:
+    """kernels/paged_attention.metal on CPU (for tests against the others)."""
 
 def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/merge.metal on CPU, for many outputs at once."""
@@ -43,6 +45,39 @@ def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array],
     Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.
     """
 
+def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None) -> mlx.core.array:
+    """
+    Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h.
+    """
+
+def uninitialized(rows: int, width: int, dtype: str) -> mlx.core.array:
+    """
+    An arena [rows, width] whose pages are committed only as they are written.
+    """
+
+def read_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], blocks: int, files: Sequence[tuple[str, int, int]], regions: Sequence[tuple[int, int, int, int, int, int]], threads: int = 2) -> None:
+    """
+    Verify stored block regions (file, offset, length, checksum, tokens, slot) and copy each into its pool slot.
+    """
+
+def pack_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], blocks: int, slots: Sequence[int], tokens: Sequence[int], threads: int = 2) -> tuple[Annotated[NDArray[numpy.uint8], dict(shape=(None,))], list[tuple[int, int, int, int, int]]]:
+    """
+    Lay pool slots out as checksummed block regions for a block or segment file.
+    """
+
+def copy_slot_rows(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], blocks: int, src: int, dst: int, tokens: int) -> None:
+    """
+    Copy the first tokens rows of one pool slot into another (every layer and head).
+    """
+
+def release_slot(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], blocks: int, slot: int, layer_mask: Sequence[int]) -> int:
+    """
+    Hand a pool slot's pages back to the OS for the flagged layers; returns the bytes.
+    """
+
+def data_address(array: mlx.core.array) -> int:
+    """Where an evaluated array's data lives (to notice buffers that moved)."""
+
 def build_info() -> dict:
     """Compiler, MLX and nanobind versions this extension was built with."""
 
@@ -56,6 +91,3 @@ def gather_blocks(layers: int, block_tokens: int, components: Sequence[tuple[int
     """
     Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.
     """
-
-def pack_blocks(arrays: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[tuple[int, int, str]], first_block: int, end_token: int, spans: Sequence[tuple[int, int]], threads: int = 2) -> tuple[Annotated[NDArray[numpy.uint8], dict(shape=(None,))], list[tuple[int, int, int, int, int]]]:
-    """Lay cache arrays out as checksummed block regions for a segment file."""

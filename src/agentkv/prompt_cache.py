@@ -20,10 +20,10 @@ import numpy as np
 
 from . import _ext, mlx_adapter
 from .errors import CacheFormatError
+from .kv.blocks import BLOCK_TOKENS
 from .paths import fsync_dir
 from .store.format import read_header
 
-STEP = 256
 LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
 _DTYPES = {
     "BOOL": "bool",
@@ -141,4 +141,4 @@ def _capacity(name: str, shape: list[int], classes: list[str], small: dict) -> i
     rows = shape[2]
     if offset is None or int(offset) < rows:
         return -1
-    return rows + STEP
+    return rows + BLOCK_TOKENS

@@ -187,7 +187,7 @@ def test_bench_kernels_and_serve_emit_their_json(python_env):
         ).stdout
     )
     ops = {row["op"] for row in kernels["rows"]}
-    assert ops == {"gather", "merge", "extract"}
+    assert ops == {"merge", "extract"}
     assert set(kernels["rows"][0]) >= {
         "op",
         "batch",
@@ -211,3 +211,23 @@ def test_bench_kernels_and_serve_emit_their_json(python_env):
     assert load["post_restart_first_turn"] == {"warm": 2}
     bad = agentkv("bench", "quality", "--formats", "q5", env=python_env)
     assert bad.returncode != 0 and "--formats" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_pool_emits_its_json(python_env):
+    out = agentkv(
+        "bench", "pool", "--sections", "ops,shared,overload", "--agents", "3",
+        "--system-tokens", "300", "--overload-agents", "4", "--overload-tokens", "200",
+        "--overload-fit", "2", "--json", env=python_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result["ops"]) >= {"allocate_release_us", "seal_us", "lookup_us"}
+    shared = result["shared"]
+    later = shared["agents"][1:]
+    assert all(r["shared_tokens"] >= 256 and r["excess_prefill"] <= 64 for r in later)
+    assert shared["resident_ratio"] < 1 and shared["disk_ratio"] < 1
+    assert shared["after_restart_shared"] >= 256
+    overload = result["overload"]
+    assert (overload["completed"], overload["errors"]) == (4, 0)
+    assert overload["ttft_p99_ms"] >= overload["ttft_p50_ms"] > 0

@@ -93,7 +93,7 @@ def test_exact_partial_and_diverge_on_real_turns(engine):
     messages = convo("List three risks of the CSV tool.")
     first = engine.chat("outcomes", messages, max_tokens=8)
     # exact: the same text again (raw) reuses all but the last token
-    held = engine.loaded.tokenizer.decode(engine._hot["outcomes"].tokens)
+    held = engine.loaded.tokenizer.decode(engine.residency.get("outcomes").tokens)
     rendered = engine.render_chat(messages)  # the cache holds it and the reply but its last token
     assert held.startswith(rendered) and first.text.startswith(held[len(rendered) :])
     assert len(held) > len(rendered)
@@ -190,10 +190,10 @@ def test_an_abandoned_stream_keeps_the_prompt_and_saves_no_reply(engine):
     next(iterator)
     next(iterator)  # a few tokens were generated and fed
     iterator.close()
-    state = engine._hot["abandon"]
+    state = engine.residency.get("abandon")
     prompt = engine.render_chat(messages).encode()
-    # The caches hold exactly the prompt: the reply's tokens were dropped with the turn.
-    assert len(state.tokens) == state.caches[0].offset == len(state.spans)
+    # The cache holds exactly the prompt: the reply's tokens were dropped with the turn.
+    assert len(state.tokens) == state.table.length == len(state.spans)
     assert state.text == prompt and int(state.spans[-1, 1]) == len(prompt)
     assert state.messages is None  # the turn's messages were not recorded either
     kept = len(state.tokens)
@@ -220,7 +220,7 @@ def _cancel_after(eng, method: str, messages, agent: str, **options):
 
 
 def _assert_consistent(state, prompt: bytes):
-    assert len(state.tokens) == len(state.spans) == state.caches[0].offset
+    assert len(state.tokens) == len(state.spans) == state.table.length
     assert int(state.spans[-1, 1]) == len(state.text)
     assert prompt.startswith(state.text)
 
@@ -232,13 +232,14 @@ def test_a_turn_cancelled_during_prefill_keeps_the_chunks_done(fresh_engine):
     prompt = eng.render_chat(messages).encode()
     r = _cancel_after(eng, "chunk_done", messages, "early", max_tokens=8)
     assert r.finish_reason == "cancelled" and r.stats.prompt_tokens > 64
-    state = eng._hot["early"]
+    state = eng.residency.get("early")
     _assert_consistent(state, prompt)
     assert len(state.tokens) == 64  # the first chunk, and nothing else
     # Cancelled right after the whole prompt was fed (before any token was kept).
     r = _cancel_after(eng, "prefill_finished", messages, "late", max_tokens=8)
-    assert r.finish_reason == "cancelled" and r.stats.reused_tokens == 0
-    state = eng._hot["late"]
+    # (its first 64 tokens come from "early"'s block: the same prompt, shared)
+    assert r.finish_reason == "cancelled" and r.stats.reused_tokens == r.stats.shared_tokens == 64
+    state = eng.residency.get("late")
     _assert_consistent(state, prompt)
     assert state.text == prompt and len(state.tokens) == r.stats.prompt_tokens
     # Either way the next turn resumes from a state that gives the same tokens.
@@ -295,9 +296,9 @@ def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
 
 
 @pytest.mark.slow
-def test_turns_that_do_not_fit_the_kv_budget_wait(fresh_engine):
-    per_token = 6_480  # the embedded model, 4-bit
-    eng = fresh_engine(hot_budget_bytes=per_token * 600)
+def test_turns_that_do_not_fit_the_pool_wait(fresh_engine):
+    block = 6_480 * 256  # one block of the embedded model, 4-bit
+    eng = fresh_engine(pool_bytes=block * 5)
     order = []
 
     def run(max_tokens):
@@ -316,10 +317,15 @@ def test_turns_that_do_not_fit_the_kv_budget_wait(fresh_engine):
             job.wait()
         return [event for _, event in order]
 
-    # Each turn reserves (prompt + max_tokens) tokens of KV, its prompt ~60 tokens here: two
-    # with 100 fit in 600, two with 300 do not, so the second waits until the first is done.
+    # A turn reserves the blocks of its prompt (~40 tokens here) + max_tokens, and one for
+    # a copied tail: with 100, two turns need 2 + 2 of 5 blocks and run together; with 400,
+    # 3 + 3 do not fit, so the second waits until the first is done (the first's agent is
+    # idle then, and its blocks are reclaimed).
     assert run(100) == ["start", "start", "end", "end"]
-    assert run(300) == ["start", "end", "start", "end"]
+    assert run(400) == ["start", "end", "start", "end"]
+    assert eng.pool_stats().reserved_blocks == 0
+    with pytest.raises(InvalidRequestError, match="pool holds 5"):
+        eng.chat("too-big", [{"role": "user", "content": "Hi."}], max_tokens=2000)
 
 
 def test_a_prompt_over_the_context_is_rejected(engine):
@@ -470,22 +476,29 @@ def test_state_of_another_model_is_named_not_used(fresh_engine):
     assert r.stats.cache == "cold" and "another model" in r.stats.reuse_note
 
 
-def test_agent_keeps_its_stored_format_and_history(fresh_engine, tmp_path):
+def test_an_agent_stored_in_another_format_is_converted_once(fresh_engine, tmp_path):
     eng = fresh_engine()
     messages = [{"role": "user", "content": "Name a color."}]
     r = eng.chat("fmt", messages, max_tokens=6)
     assert eng.history("fmt") == messages + [{"role": "assistant", "content": r.text}]
     eng.close()
     eng8 = fresh_engine(kv_bits=8)
-    r2 = eng8.chat(
-        "fmt",
-        messages
-        + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Another?"}],
-        max_tokens=6,
+    follow = messages + [
+        {"role": "assistant", "content": r.text},
+        {"role": "user", "content": "Another?"},
+    ]
+    r2 = eng8.chat("fmt", follow, max_tokens=6)
+    assert r2.stats.cache == "warm" and r2.stats.kv_format == "q8"
+    assert "converted from the stored q4 KV format to q8" in r2.stats.reuse_note
+    assert r2.stats.reused_tokens == r.stats.prompt_tokens + r.stats.generated_tokens - 1
+    eng8.flush()
+    manifest, _ = eng8.store.read_manifest("fmt")
+    assert manifest.quant.label == "q8"  # saved in the new format
+    eng8.close()
+    again = fresh_engine(kv_bits=8).chat(
+        "fmt", follow + [{"role": "assistant", "content": r2.text}], max_tokens=2
     )
-    assert r2.stats.cache == "warm" and r2.stats.kv_format == "q4"
-    fresh = eng8.chat("fmt8", messages, max_tokens=6)
-    assert fresh.stats.kv_format == "q8"
+    assert again.stats.cache == "warm" and again.stats.reuse_note is None
 
 
 @pytest.mark.slow

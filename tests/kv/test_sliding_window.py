@@ -66,15 +66,19 @@ def test_sliding_layers_reload_only_their_window_and_resume_exactly(tiny_gemma, 
             {"role": "user", "content": "What happened to job 1?"},
         ]
         hot = eng.chat("slider", second, max_tokens=16)
-        hot_caches = eng._hot["slider"].caches
         assert hot.stats.cache == "hot"
+        hot_table = eng.residency.get("slider").table
+        hot_window = (hot_table.window_from, hot_table.length)
+        hot_rows = [eng.pool.blocks.records[b].window_rows for b in hot_table.blocks]
+        full_bytes = len(hot_table.blocks) * eng.pool.block_bytes
+        assert 0 < eng.resident_bytes() < full_bytes  # the sliding rows past the window went
     with Engine(model=str(tiny_gemma), cache_dir=tmp_path / "b", warmup=False) as eng:
         warm = eng.chat("slider", second, max_tokens=16)
-        warm_caches = eng._hot["slider"].caches
+        table = eng.residency.get("slider").table
         assert warm.stats.cache == "warm" and warm.stats.reused_tokens == hot.stats.reused_tokens
+        assert (table.window_from, table.length) == hot_window
+        assert [eng.pool.blocks.records[b].window_rows for b in table.blocks] == hot_rows
     assert warm.tokens == hot.tokens
-    for h, w in zip(hot_caches, warm_caches):
-        assert (h.start, h.offset) == (w.start, w.offset)
-    sliding, full = hot_caches[0], hot_caches[1]
-    assert full.start == 0 and sliding.start > 0
-    assert sliding.capacity < full.capacity
+    # The sliding layers hold only the blocks their window reaches; the full layers all.
+    assert hot_window[0] > 0 and hot_rows[: hot_window[0]] == [False] * hot_window[0]
+    assert all(hot_rows[hot_window[0] :])

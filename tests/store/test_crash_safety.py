@@ -6,7 +6,16 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import SCRIPTS, TESTS, held_arrays, positional_caches, synthetic_spec, text_for_count
+from helpers import (
+    SCRIPTS,
+    TESTS,
+    cache_arrays,
+    fill_table,
+    pool_for,
+    synthetic_spec,
+    table_arrays,
+    text_for_count,
+)
 
 from agentkv.store.agent_store import AgentStore, build_save_job
 
@@ -19,17 +28,18 @@ def check_consistent(store) -> int:
     ids, spans, text = text_for_count(n)
     assert manifest.tokens.tolist() == ids and manifest.text == text
     assert np.array_equal(manifest.spans, spans)
-    want = positional_caches(store.spec, n)
-    got = store.load_caches(manifest, "crash", n)
-    for a, b in zip(want, got):
-        for x, y in zip(held_arrays(a), held_arrays(b)):
-            assert np.array_equal(x, y)
+    pool = pool_for(store.spec, blocks=8)
+    want = table_arrays(pool, fill_table(pool, n, positional=True, ids=ids))
+    for w, g in zip(want, cache_arrays(store.load_caches(manifest, "crash", n))):
+        assert np.array_equal(w, g)
     return n
 
 
 # Every point of the save protocol, and what a restart must find if the process dies there:
 # the state before the save ("old") or the one being saved ("new"), never a mix.
 CRASH_POINTS = [
+    ("block-written", "old"),  # a new shared block file written, not renamed
+    ("block-renamed", "old"),  # the block file in place, no manifest names it yet
     ("segment-part-written", "old"),  # the new segment half written, not renamed
     ("segment-renamed", "old"),  # the segment in place, its directory entry not synced
     ("before-replace:manifest.safetensors", "old"),  # the new manifest written, not switched
@@ -66,21 +76,30 @@ def test_a_save_killed_at_any_point_loads_as_the_old_or_the_new_state(
         assert found == (saving[-1] if expect == "new" else old), (point, hit, lines)
         k = int(lines[-1][1])
 
-    # Leftovers of killed saves (temporary files, orphan segments) go with the next save.
+    # Leftovers of killed saves (temporary files, orphan segments and block files) go with
+    # the next save and the next collection.
     manifest, durable = store.read_manifest("crash")
     n = manifest.token_count
     ids, spans, text = text_for_count(n)
+    pool = pool_for(store.spec, blocks=8)
+    table = fill_table(pool, n, positional=True, ids=ids)
     job = build_save_job(
-        store.spec,
-        "crash",
-        positional_caches(store.spec, n),
+        pool.arena,
+        table,
+        agent_id="crash",
+        keep=0,
         tokens=ids,
         spans=spans,
         text=text,
         messages=None,
-        first_block=0,
     )
     store.write(job, durable)
+    store.collect_blocks()
     manifest, _ = store.read_manifest("crash")
     names = {p.name for p in store.agent_dir("crash").iterdir()}
-    assert names == {".lock", "manifest.safetensors", *manifest.segments}
+    private = {name for name in manifest.segments if not name.startswith("blocks/")}
+    assert names == {".lock", "manifest.safetensors", *private}
+    on_disk = {
+        str(p.relative_to(store.model_dir)) for p in store.shared.dir.rglob("*") if p.is_file()
+    }
+    assert on_disk == {name for name in manifest.segments if name.startswith("blocks/")}

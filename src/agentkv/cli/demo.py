@@ -155,7 +155,11 @@ def _resume(args) -> int:
                 + [{"role": "assistant", "content": warm.text}, {"role": "user", "content": AFTER}],
                 max_tokens=args.max_tokens,
             )
-            cold = eng.chat(f"{name}.cold", turn, max_tokens=args.max_tokens)
+            # A scratch agent under its own salt: none of the real agents' blocks are
+            # shared with it, so this is what the turn costs with no cache at all.
+            cold = eng.chat(
+                f"{name}.cold", turn, max_tokens=args.max_tokens, cache_salt=f"demo-cold-{name}"
+            )
             eng.delete_agent(f"{name}.cold")
             progress(
                 f"  resumed {name:<9} {warm.stats.cache}: context {warm.stats.stored_tokens} "

@@ -76,6 +76,37 @@ def configure_logging(verbose: int) -> None:
     log.propagate = False
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def _byte_size(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5G``, ``1000000``: a positive number of bytes."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1e9 bytes)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError("a size must be positive")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -159,11 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="turns waiting beyond those; more get 429 + Retry-After (default 64)",
     )
     serve.add_argument(
-        "--kv-budget-mb",
-        type=_positive_int,
-        default=1024,
-        help="KV memory budget: running turns' reserved KV and agents kept in memory "
-        "(default 1024)",
+        "--pool-memory",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="memory for every agent's KV blocks, e.g. 2GiB or 512MiB (default: a quarter "
+        "of this machine's RAM, at most 16GiB; pages are committed only as blocks fill)",
     )
     serve.add_argument(
         "--schedule",
@@ -272,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--json", action="store_true")
     kernels = bench_sub.add_parser(
         "kernels",
-        help="Q4 gather / merge / extract vs the MLX reference vs mlx-lm fp16 vs memcpy",
+        help="Q4 merge / extract vs the MLX reference vs mlx-lm fp16 vs memcpy",
     )
     kernels.add_argument("--batches", default="2,4,8", help="comma-separated agent counts")
     kernels.add_argument("--repeats", type=_positive_int, default=5)
@@ -283,6 +315,26 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--agents", default="1,2,4,8", help="comma-separated agent counts")
     batch.add_argument("--json", action="store_true")
     batch.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    pool_bench = bench_sub.add_parser(
+        "pool",
+        help="shared prefixes, paged decode, an overloaded pool, block operations",
+        description="The block pool: N agents sharing a system prompt (prefill, TTFT vs a hot "
+        "turn, memory and disk vs the agents kept apart, reuse after a restart); the decode "
+        "step on the pool vs contiguous caches at batch 1 and 4, and the KV bytes copied when "
+        "agents join and leave a batch; many agents through a pool that fits a few (errors, "
+        "TTFT percentiles, peak RSS); pool operations in microseconds.",
+    )
+    pool_bench.add_argument("--agents", type=_positive_int, default=8)
+    pool_bench.add_argument("--system-tokens", type=_positive_int, default=1100)
+    pool_bench.add_argument("--overload-agents", type=_positive_int, default=32)
+    pool_bench.add_argument("--overload-tokens", type=_positive_int, default=1024)
+    pool_bench.add_argument(
+        "--overload-fit", type=_positive_int, default=8, help="agents the pool holds at once"
+    )
+    pool_bench.add_argument(
+        "--sections", default="shared,decode,overload,ops", help="comma-separated sections"
+    )
+    pool_bench.add_argument("--json", action="store_true")
     serve_bench = bench_sub.add_parser(
         "serve",
         help="staggered arrivals (interleaved vs FCFS) and a load run with a server restart",

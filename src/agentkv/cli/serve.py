@@ -42,7 +42,7 @@ def run_serve(args) -> int:
         cache_dir=args.cache_dir,
         kv_bits=args.kv_bits,
         key_bits=args.key_bits,
-        hot_budget_bytes=args.kv_budget_mb << 20,
+        pool_bytes=args.pool_memory,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         schedule=args.schedule,

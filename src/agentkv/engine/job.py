@@ -45,7 +45,8 @@ class Resumed:
     prefill_spans: np.ndarray
     note: str | None
     load_ms: float
-    reused_tokens: int = 0  # the state's size once matched (set on the scheduler thread)
+    reused_tokens: int = 0  # the state's size once matched and shared
+    shared_tokens: int = 0  # of those, taken from other agents' blocks
 
     @property
     def prompt_tokens(self) -> int:
@@ -78,7 +79,8 @@ class Job:
         self.phase = Phase.PENDING
         self.pieces: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
         self.listener = listener
-        self.footprint = 0  # KV bytes the scheduler reserved for this turn
+        self.salt: str | None = None  # tenant salt for shared prefixes (None: default)
+        self.reservation = None  # the pool blocks promised to this turn (once started)
         self.done = threading.Event()
         self.cancelled = False
         self.scheduler = None  # set by Scheduler.submit
@@ -208,11 +210,9 @@ class Job:
         A cancelled turn drops them instead (its reply is not saved)."""
         if self.cancelled:
             if not self.prompt_recorded:
-                self.record_prompt()  # only the chunks done; the caches hold exactly those
+                self.record_prompt()  # only the chunks done
                 self.prompt_recorded = True
-            else:  # the caches hold the prompt and every generated token but the last
-                for cache in self.state.caches:
-                    cache.trim(max(0, len(self.generated) - 1))
+            self.state.table.trim(self.state.size)  # no generated token stays
             self.finish_reason = "cancelled"
             return
         if not self._scanner.stopped and self.generated and self.generated[-1] not in self._eos:
@@ -246,6 +246,7 @@ class Job:
             total_ms=(time.perf_counter() - self.submitted) * 1000,
             kv_format=self.state.quant.label,
             reuse_note=r.note,
+            shared_tokens=r.shared_tokens,
         )
         visible = [t for t in self.generated if t not in eos_ids]
         self.result = ChatResult(

@@ -12,8 +12,9 @@ class TurnStats:
     ``cache`` is where the reused state came from: ``hot`` (memory, no I/O),
     ``warm`` (reloaded from disk) or ``cold`` (nothing reused, full prefill).
     ``stored_tokens`` is what the stored state held, ``reused_tokens`` what this
-    turn kept of it; whenever a hot or warm state is not reused in full,
-    ``reuse_note`` says why.
+    turn did not prefill: the agent's own tokens it kept, plus ``shared_tokens`` taken
+    from blocks other agents made (a shared system prompt). Whenever a hot or warm state
+    is not reused in full, ``reuse_note`` says why.
     """
 
     cache: str
@@ -30,6 +31,7 @@ class TurnStats:
     total_ms: float
     kv_format: str
     reuse_note: str | None = None
+    shared_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

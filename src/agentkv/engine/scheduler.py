@@ -11,20 +11,22 @@ moment it is sampled.
 ::
 
     submit ─► pending (per agent, FIFO) ─► prefill chunks ─► decode batch ─► done
-                 waits while its agent         solo, on the     one row per
-                 has a turn in flight          agent's caches   agent (Q4)
+                 waits while its agent         one row: its      one row per
+                 has a turn in flight          block table       agent (jagged)
 
-Prefill runs on the agent's own caches, decode in ``BatchQuantizedKVCache``
-rows; the linear layers are batch-invariant on CPU, so a turn gives the same
-tokens alone or batched. All MLX work happens on this thread.
+Every step is one forward pass over block tables in the pool (``TurnRunner.forward``):
+a decode batch is the list of its agents' tables, so agents join and leave it between
+steps with no KV bytes copied. The linear layers and attention are batch-invariant on
+CPU, so a turn gives the same tokens alone or batched. All MLX work happens on this
+thread.
 
-Admission: at most ``max_batch`` turns run at once (prefilling or decoding),
-and their reserved KV bytes (context + ``max_tokens``, estimated when the turn
-is submitted) stay within ``kv_budget`` (a turn that alone exceeds it still
-runs, by itself). Waiting turns start in arrival order; at most ``max_queue``
-wait, beyond that ``submit`` raises ``EngineBusyError``. ``policy="fcfs"``
-runs one turn at a time to completion (the baseline the interleaved
-scheduler is measured against).
+Admission: at most ``max_batch`` turns run at once (prefilling or decoding), and a turn
+starts only when the pool can give it every block it may need (its context, prompt and
+``max_tokens``): ``TurnRunner.admit`` reclaims idle agents' blocks if it must, reserves
+them and builds the agent's state; otherwise the turn waits, so a running turn never
+runs out of blocks. Waiting turns start in arrival order; at most ``max_queue`` wait,
+beyond that ``submit`` raises ``EngineBusyError``. ``policy="fcfs"`` runs one turn at a
+time to completion (the baseline the interleaved scheduler is measured against).
 """
 
 from __future__ import annotations
@@ -36,45 +38,10 @@ from collections import deque
 import mlx.core as mx
 
 from ..errors import EngineBusyError
-from ..kv.batch import BatchQuantizedKVCache
-from .generation import prefill_chunk
 from .job import Job, Phase
+from .runner import TurnRunner
 
 log = logging.getLogger("agentkv.engine")
-
-
-class _Batch:
-    """The agents decoding together in one storage format: per-layer batch caches."""
-
-    def __init__(self):
-        self.jobs: list[Job] = []
-        self.caches: list[BatchQuantizedKVCache] = []
-
-    def join(self, joining: list[Job]) -> None:
-        layers = len(joining[0].state.caches)
-        incoming = [
-            BatchQuantizedKVCache.merge([j.state.caches[layer] for j in joining])
-            for layer in range(layers)
-        ]
-        if self.jobs:
-            for mine, theirs in zip(self.caches, incoming):
-                mine.extend(theirs)
-        else:
-            self.caches = incoming
-        self.jobs.extend(joining)
-
-    def leave(self, rows: list[int]) -> None:
-        """Hand the rows' caches back to their agents and drop them from the batch."""
-        for row in rows:
-            self.jobs[row].state.caches = [c.extract(row) for c in self.caches]
-        keep = [i for i in range(len(self.jobs)) if i not in set(rows)]
-        self.jobs = [self.jobs[i] for i in keep]
-        if keep:
-            for c in self.caches:
-                c.filter(keep)
-        else:
-            self.caches = []
-
 
 POLICIES = ("interleave", "fcfs")
 STARVE_ROUNDS = 8
@@ -83,24 +50,23 @@ STARVE_ROUNDS = 8
 class Scheduler:
     def __init__(
         self,
-        engine,
+        runner: TurnRunner,
         *,
         max_batch: int = 8,
         max_queue: int = 64,
-        kv_budget: int = 1 << 30,
         policy: str = "interleave",
     ):
-        self.engine = engine  # (the Engine checks the options before it loads the model)
+        self.runner = runner  # (the Engine checks the options before it loads the model)
         self.max_batch = max_batch
         self.max_queue = max_queue
-        self.kv_budget = kv_budget
         self.policy = policy
         self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
         self._prefilling: deque[Job] = deque()
-        self._batches: dict = {}
+        self._decoding: list[Job] = []
+        self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
-        self._running = {"running": 0, "reserved_bytes": 0}  # as of the last step
+        self._running = {"running": 0, "reserved_blocks": 0}  # as of the last step
         self._thread = threading.Thread(target=self._run, name="agentkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -136,13 +102,51 @@ class Scheduler:
             self._cond.notify_all()
         self._thread.join()
 
+    def call(self, fn):
+        """Run ``fn()`` on the scheduler's thread between two steps and return its result
+        (or raise its exception): whatever touches the pool runs there, never beside a step.
+        """
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return fn()
+        done = threading.Event()
+        box: dict = {}
+
+        def task():
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+        with self._cond:
+            self._calls.append(task)
+            self._cond.notify_all()
+        while not done.wait(0.1):
+            if not self._thread.is_alive():  # stopped meanwhile: nothing runs beside us now
+                with self._cond:
+                    if task in self._calls:
+                        self._calls.remove(task)
+                        task()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                task = self._calls.popleft()
+            task()
+
     @property
     def busy(self) -> bool:
         with self._cond:
-            return bool(self._pending or self._prefilling or self._batches)
+            return bool(self._pending or self._prefilling or self._decoding)
 
     def load(self) -> dict:
-        """Turns waiting and running, and the KV bytes reserved by the running ones."""
+        """Turns waiting and running, and the pool blocks still reserved for the running."""
         with self._cond:
             return {"waiting": len(self._pending), **self._running}
 
@@ -150,11 +154,11 @@ class Scheduler:
         active = self._active()
         self._running = {
             "running": len(active),
-            "reserved_bytes": sum(j.footprint for j in active),
+            "reserved_blocks": sum(j.reservation.left for j in active if j.reservation),
         }
 
     def _active(self) -> list[Job]:
-        return [*self._prefilling, *(j for b in self._batches.values() for j in b.jobs)]
+        return [*self._prefilling, *self._decoding]
 
     def _retry_after(self) -> float:
         """Seconds until a queue slot is likely free: a rough turn time per waiting batch."""
@@ -165,13 +169,16 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self._has_work())
-                if self._stopping and not self._has_work():
+                self._cond.wait_for(lambda: self._stopping or self._has_work() or self._calls)
+                if self._stopping and not self._has_work() and not self._calls:
                     return
             try:
+                self._run_calls()
+                if not self._has_work():
+                    continue
                 self._admit()
                 self._note_load()
-                if not (self._prefilling or self._batches):
+                if not (self._prefilling or self._decoding):
                     # Turns wait, but none could start (their agents are held by a caller
                     # such as delete or evict): look again shortly instead of spinning.
                     with self._cond:
@@ -184,52 +191,60 @@ class Scheduler:
                 log.exception("agentkv: scheduler step failed")
 
     def _has_work(self) -> bool:
-        return bool(self._pending or self._prefilling or self._batches)
+        return bool(self._pending or self._prefilling or self._decoding)
 
     def _admit(self) -> None:
-        """Start pending jobs whose agents are free (one turn per agent at a time),
-        in arrival order, within ``max_batch`` and the KV budget."""
+        """Start pending jobs whose agents are free (one turn per agent at a time), in
+        arrival order, within ``max_batch`` and the blocks the pool can give."""
         with self._cond:
             waiting = list(self._pending)
-            active = self._active()
+        active = self._active()
         busy = {j.agent_id for j in active}
         running = len(active)
-        reserved = sum(j.footprint for j in active)
         for job in waiting:
             if job.agent_id in busy:
                 continue
-            if running and (
-                self.policy == "fcfs"
-                or running >= self.max_batch
-                or reserved + job.footprint > self.kv_budget
-            ):
+            if running and (self.policy == "fcfs" or running >= self.max_batch):
                 break  # in order: a later turn does not overtake one that does not fit
-            lock = self.engine._agent_lock(job.agent_id)
+            lock = self.runner.agent_lock(job.agent_id)
             if not lock.acquire(blocking=False):
                 continue  # a caller (evict, delete...) holds the agent right now
             with self._cond:
                 if job not in self._pending:  # cancelled meanwhile
                     lock.release()
                     continue
-                self._pending.remove(job)
+            try:
+                resumed = self.runner.admit(job, busy)
+            except Exception as exc:
+                self._drop_pending(job)
+                job.lock = lock
+                self._fail(job, exc)
+                continue
+            if resumed is None:  # the pool cannot give its blocks yet: it waits, in order
+                lock.release()
+                break
+            self._drop_pending(job)
             busy.add(job.agent_id)
             running += 1
-            reserved += job.footprint
             job.lock = lock
             try:
-                resumed = self.engine._resume(job.agent_id, job.prompt)
                 job.start(
                     resumed,
-                    tokenizer=self.engine.loaded.tokenizer,
-                    eos_ids=self.engine.eos_ids,
-                    max_chunk=self.engine.prefill_chunk,
-                    query_heads=self.engine.query_heads,
-                    context_limit=self.engine.context_limit,
+                    tokenizer=self.runner.tokenizer,
+                    eos_ids=self.runner.eos_ids,
+                    max_chunk=self.runner.prefill_chunk,
+                    query_heads=self.runner.query_heads,
+                    context_limit=self.runner.context_limit,
                 )
             except Exception as exc:
                 self._fail(job, exc)
                 continue
             self._prefilling.append(job)
+
+    def _drop_pending(self, job: Job) -> None:
+        with self._cond:
+            if job in self._pending:
+                self._pending.remove(job)
 
     def _prefill_one(self) -> None:
         if not self._prefilling:
@@ -240,7 +255,9 @@ class Scheduler:
             return
         try:
             ids, last = job.next_chunk()
-            logits = prefill_chunk(self.engine.loaded.model, job.state.caches, ids, last=last)
+            logits = self.runner.forward(
+                [job.state.table], [ids], reservations=[job.reservation], logits=last
+            )
             job.chunk_done()
             if not last:
                 self._prefilling.append(job)
@@ -254,8 +271,7 @@ class Scheduler:
             self._finish(job)
             return
         job.phase = Phase.DECODE
-        batch = self._batches.setdefault(job.state.quant, _Batch())
-        batch.join([job])
+        self._decoding.append(job)
 
     def _next_prefill(self) -> Job:
         """Shortest remaining prefill first, so a short prompt never waits behind a long
@@ -269,34 +285,36 @@ class Scheduler:
         return pick
 
     def _decode_all(self) -> None:
-        for quant in list(self._batches):
-            batch = self._batches[quant]
-            try:
-                tokens = mx.array([[j.last_token] for j in batch.jobs])
-                logits = self.engine.loaded.model(tokens, cache=batch.caches)[:, -1, :]
-                sampled = [j.sample(logits[i : i + 1]) for i, j in enumerate(batch.jobs)]
-                mx.eval(sampled)
-            except Exception as exc:
-                for job in batch.jobs:
-                    self._fail(job, exc)
-                del self._batches[quant]
-                continue
-            done = [i for i, (j, t) in enumerate(zip(batch.jobs, sampled)) if j.take(t.item())]
-            if done:
-                finished = [batch.jobs[i] for i in done]
-                batch.leave(done)
-                for job in finished:
-                    self._finish(job)
-            if not batch.jobs:
-                del self._batches[quant]
+        """One token for every decoding agent: one forward pass over their block tables."""
+        jobs = self._decoding
+        if not jobs:
+            return
+        try:
+            logits = self.runner.forward(
+                [j.state.table for j in jobs],
+                [[j.last_token] for j in jobs],
+                reservations=[j.reservation for j in jobs],
+            )
+            sampled = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
+            mx.eval(sampled)
+        except Exception as exc:
+            self._decoding = []
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        done = [j for j, t in zip(jobs, sampled) if j.take(t.item())]
+        if done:
+            self._decoding = [j for j in jobs if j not in done]
+            for job in done:
+                self._finish(job)
 
     # -- ends ---------------------------------------------------------------------
 
     def _finish(self, job: Job) -> None:
         try:
-            job.record_fed(self.engine.token_text)
-            job.finish(self.engine.eos_ids)
-            self.engine._commit(job.state, failed=False)
+            job.record_fed(self.runner.token_text)
+            job.finish(self.runner.eos_ids)
+            self.runner.finish(job, failed=False)
             job.close()
         except Exception as exc:
             self._fail(job, exc)
@@ -304,8 +322,7 @@ class Scheduler:
             self._release(job)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
-        if job.state is not None:
-            self.engine._commit(job.state, failed=True)
+        self.runner.finish(job, failed=True)
         if job in self._prefilling:
             self._prefilling.remove(job)
         job.close(exc)

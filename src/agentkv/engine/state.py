@@ -1,8 +1,11 @@
-"""AgentState: one agent's hot state — its caches and the text they encode.
+"""AgentState: one agent in memory — its block table in the pool and the text it encodes.
 
-Invariant: ``caches`` hold exactly ``len(tokens)`` tokens, token ``i`` covers
-bytes ``spans[i]`` of ``text``, and ``text`` is exactly what those tokens cover.
-``durable`` leading tokens are identical to what is on disk (or queued to be).
+Invariant: ``table`` holds exactly ``len(tokens)`` tokens, token ``i`` covers bytes
+``spans[i]`` of ``text``, and ``text`` is exactly what those tokens cover. ``durable``
+leading tokens are identical to what is on disk (or queued to be), and ``saved_blocks``
+are the chain hashes of the leading blocks the agent's manifest names once its queued
+saves land (None for a private, partial block): a save keeps the leading blocks whose
+hashes still match and writes the rest.
 """
 
 from __future__ import annotations
@@ -12,26 +15,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kv.cache import STEP, AgentKVCache, window_start
+from ..kv.blocks import BLOCK_TOKENS
 from ..kv.quant import KVQuant
+from ..pool import BlockTable
 
 
 @dataclass
 class AgentState:
     agent_id: str
     quant: KVQuant
-    caches: list[AgentKVCache]
+    table: BlockTable
     tokens: list[int] = field(default_factory=list)
     spans: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     text: bytes = b""
     durable: int = 0
+    saved_blocks: list[bytes | None] = field(default_factory=list)
     messages: list | None = None
     last_used: float = field(default_factory=time.monotonic)
-
-    @classmethod
-    def empty(cls, agent_id: str, quant: KVQuant, layers) -> AgentState:
-        caches = [AgentKVCache(quant, window=layer.window) for layer in layers]
-        return cls(agent_id, quant, caches)
 
     @property
     def size(self) -> int:
@@ -42,29 +42,35 @@ class AgentState:
         return self.spans[:, 1]
 
     @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+    def blocks(self) -> int:
+        return len(self.table.blocks)
 
     def trim(self, keep: int) -> None:
         """Forget every token after the first ``keep``."""
-        drop = self.size - keep
-        if drop > 0:
-            for cache in self.caches:
-                cache.trim(drop)
+        if self.size > keep:
+            self.table.trim(keep)
             self.tokens = self.tokens[:keep]
             self.spans = self.spans[:keep]
             self.text = self.text[: int(self.spans[-1, 1]) if keep else 0]
         self.durable = min(self.durable, keep)
-
-    def cap_windows(self) -> None:
-        """Free sliding-window rows no future token can see (never rows not yet on disk)."""
-        durable_from = self.durable // STEP * STEP
-        for cache in self.caches:
-            if cache.window is not None:
-                cache.drop_before(min(window_start(self.size, cache.window), durable_from))
+        del self.saved_blocks[keep // BLOCK_TOKENS :]
 
     def append(self, ids: list[int], spans: np.ndarray, text: bytes) -> None:
-        """Record tokens just fed into the caches and the text they cover."""
+        """Record tokens already written into the table and the text they cover."""
         self.tokens.extend(ids)
         self.spans = np.concatenate([self.spans, spans.astype(np.int64)])
         self.text = self.text + text
+
+    def kept_blocks(self) -> int:
+        """Leading blocks a save need not write again (their hashes are on disk already)."""
+        records = self.table.pool.records
+        keep = 0
+        for saved, block in zip(self.saved_blocks, self.table.blocks):
+            if saved is None or records[block].hash != saved:
+                break
+            keep += 1
+        return keep
+
+    def release(self) -> None:
+        """Give the agent's blocks back to the pool (the state is unusable afterwards)."""
+        self.table.release()

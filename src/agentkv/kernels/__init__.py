@@ -1,5 +1,6 @@
-"""Q4 cache kernels: gather (blocks -> contiguous), merge (caches -> left-padded
-batch), extract (batch row -> one agent), on every backend from one source.
+"""KV cache kernels on every backend from one source: paged attention (a jagged batch's
+queries over the block pool, through block tables), merge (caches -> left-padded batch)
+and extract (batch row -> one agent) for the mlx-lm drop-in batch cache.
 
 Each kernel body is written once in ``kernels/*.metal`` (installed as
 ``agentkv/_kernel_sources``) in the C++ subset that Metal, CUDA and host C++
@@ -23,25 +24,34 @@ import mlx.core as mx
 
 from ..errors import InvalidRequestError
 from . import cpu, gpu, reference
-from .types import BlockTable, ExtractRow, Geometry, RowSource
+from .types import ExtractRow, PagedQuery, RowSource
 
 __all__ = [
     "BACKENDS",
-    "BlockTable",
     "ExtractRow",
-    "Geometry",
+    "PagedQuery",
     "RowSource",
     "available_backends",
     "backend",
+    "bytes_moved",
     "extract",
     "extract_rows",
-    "gather",
+    "paged_attention",
     "merge",
     "set_backend",
     "use_backend",
 ]
 
 BACKENDS = ("metal", "cuda", "cpu", "reference")
+_MOVED = {"merge": 0, "extract": 0}
+
+
+def bytes_moved() -> dict[str, int]:
+    """Bytes the merge and extract kernels have written in this process (the copies the
+    contiguous batch cache makes; the block pool's batches make none)."""
+    return dict(_MOVED)
+
+
 ENV = "AGENTKV_KERNELS"
 _forced: str | None = None
 
@@ -102,17 +112,12 @@ def _impl():
     return gpu.for_backend(name)
 
 
-def gather(
-    regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
-) -> list[tuple[mx.array, ...]]:
-    """Stored block regions (bytes, back to back) -> per layer, contiguous components.
-
-    ``table`` locates each block's region; the first ``length`` tokens are
-    laid out as ``[1, heads, capacity, width]`` arrays, rows past ``length`` zero.
-    """
-    if length > capacity or length > len(table.tokens) * 256:
-        raise InvalidRequestError("gather: length exceeds the capacity or the blocks")
-    return _impl().gather(regions, table, geometry, length=length, capacity=capacity)
+def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    """Attention of a jagged batch's queries over the pool's arenas, read through block
+    tables (kernels/paged_attention.metal; quantized keys and values)."""
+    if paged.key_bits == 16 or paged.value_bits == 16:
+        raise InvalidRequestError("the paged attention kernel reads quantized keys and values")
+    return _impl().paged_attention(queries, paged, scale=scale)
 
 
 def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:
@@ -124,7 +129,9 @@ def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx
         raise InvalidRequestError("merge needs at least one source")
     if any(s.length > used for s in sources) or used > capacity:
         raise InvalidRequestError("merge: a row is longer than `used`, or `used` > capacity")
-    return _impl().merge(sources, used=used, capacity=capacity)
+    out = _impl().merge(sources, used=used, capacity=capacity)
+    _MOVED["merge"] += sum(a.nbytes for a in out)
+    return out
 
 
 def extract(
@@ -138,4 +145,6 @@ def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[
     """``extract`` for several rows of one batch in one pass."""
     if any(r.length > r.capacity for r in rows):
         raise InvalidRequestError("extract: length exceeds capacity")
-    return _impl().extract_rows(batch, rows)
+    out = _impl().extract_rows(batch, rows)
+    _MOVED["extract"] += sum(a.nbytes for parts in out for a in parts)
+    return out

@@ -8,34 +8,40 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from .. import _ext
-from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
+from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def gather(
-    regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
-) -> list[tuple[mx.array, ...]]:
-    units = mx.view(regions, mx.uint16)
-    rows = mx.array(
-        [v for pair in zip((o // 2 for o in table.offsets), table.tokens) for v in pair],
-        dtype=mx.int32,
+def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    B, q_heads, L, dim = queries.shape
+    dim_v = paged.values[0].shape[-1] * 32 // paged.value_bits
+    dims = (
+        B,
+        q_heads,
+        paged.kv_heads,
+        L,
+        dim,
+        dim_v,
+        paged.tables.shape[1],
+        paged.block_tokens,
+        paged.key_bits,
+        paged.value_bits,
+        paged.group,
+        paged.window,
+        int(paged.sinks is not None),
     )
-    n_blocks = min(len(table.tokens), (length + 255) // 256)
-    metas = [
-        (geometry.plane_offset(layer, i), c.heads, c.row_bytes // 2, length, capacity, 0, n_blocks)
-        for layer in range(geometry.layers)
-        for i, c in enumerate(geometry.components)
-    ]
-    flat = _ext.kernel_gather(units, rows, metas, THREADS)
-    n = len(geometry.components)
-    dtypes = [
-        mx.uint32 if c.dtype == "uint32" else getattr(mx, c.dtype) for c in geometry.components
-    ]
-    return [
-        tuple(from_units(flat[layer * n + i], dtypes[i]) for i in range(n))
-        for layer in range(geometry.layers)
-    ]
+    return _ext.kernel_paged_attention(
+        queries,
+        list(paged.keys),
+        list(paged.values),
+        paged.tables,
+        paged.lengths,
+        dims,
+        paged.sinks,
+        scale,
+        THREADS,
+    )
 
 
 def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:

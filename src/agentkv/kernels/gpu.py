@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
+from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
 
 THREADGROUP = (256, 1, 1)
 CUDA_THREAD_ID = (
@@ -28,6 +28,25 @@ CUDA_THREAD_ID = (
     "blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y, "
     "blockIdx.z * blockDim.z + threadIdx.z);\n"
 )
+
+
+# What kernels/paged_attention.metal calls, spelled for each backend (the host's are in
+# csrc/kernels_cpu.cpp).
+HELPERS = {
+    "metal": (
+        "inline float kv_half(half x) { return float(x); }\n"
+        "inline float kv_exp(float x) { return metal::exp(x); }\n"
+        "inline float kv_max(float a, float b) { return metal::max(a, b); }\n"
+        "constant float KV_NEG_INF = -INFINITY;\n"
+    ),
+    "cuda": (
+        "#include <cuda_fp16.h>\n"
+        "__device__ inline float kv_half(__half x) { return __half2float(x); }\n"
+        "__device__ inline float kv_exp(float x) { return expf(x); }\n"
+        "__device__ inline float kv_max(float a, float b) { return fmaxf(a, b); }\n"
+        "#define KV_NEG_INF (-INFINITY)\n"
+    ),
+}
 
 
 def metal_available() -> bool:
@@ -53,7 +72,20 @@ def _pointers(backend: str, n: int) -> str:
 @cache
 def _kernel(backend: str, name: str, sources: int = 0):
     inputs = {
-        "gather": ["blocks", "table", "meta"],
+        "paged_attention": [
+            "q",
+            "kw",
+            "ks",
+            "kb",
+            "vw",
+            "vs",
+            "vb",
+            "tables",
+            "lengths",
+            "dims",
+            "sinks",
+            "scale",
+        ],
         "merge": [f"src{i}" for i in range(sources)] + ["rows", "dims"],
         "extract": ["batch", "meta", "dims"],
     }[name]
@@ -66,6 +98,7 @@ def _kernel(backend: str, name: str, sources: int = 0):
         input_names=inputs,
         output_names=["out"],
         source=preamble + body(name),
+        header=HELPERS[backend] if name == "paged_attention" else "",
     )
 
 
@@ -83,46 +116,45 @@ def _run(backend, name, inputs, grid, shape, dtype, sources=0):
 
 
 def for_backend(backend: str) -> SimpleNamespace:
-    def gather(
-        regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
-    ) -> list[tuple[mx.array, ...]]:
-        units = mx.view(regions, mx.uint16)
-        rows = mx.array(
-            [v for pair in zip((o // 2 for o in table.offsets), table.tokens) for v in pair],
+    def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+        B, q_heads, L, dim = queries.shape
+        dim_v = paged.values[0].shape[-1] * 32 // paged.value_bits
+        dims = mx.array(
+            [
+                B,
+                q_heads,
+                paged.kv_heads,
+                L,
+                dim,
+                dim_v,
+                paged.tables.shape[1],
+                paged.block_tokens,
+                paged.key_bits,
+                paged.value_bits,
+                paged.group,
+                paged.window,
+                int(paged.sinks is not None),
+            ],
             dtype=mx.int32,
         )
-        n_blocks = min(len(table.tokens), (length + 255) // 256)
-        out = []
-        for layer in range(geometry.layers):
-            arrays = []
-            for i, c in enumerate(geometry.components):
-                width = c.row_bytes // 2
-                meta = mx.array(
-                    [
-                        geometry.plane_offset(layer, i),
-                        c.heads,
-                        width,
-                        length,
-                        capacity,
-                        1,
-                        n_blocks,
-                    ],
-                    dtype=mx.int32,
-                )
-                grid = (256 * width, (capacity + 255) // 256, c.heads)
-                a = _run(
-                    backend,
-                    "gather",
-                    [units, rows, meta],
-                    grid,
-                    (1, c.heads, capacity, width),
-                    mx.uint16,
-                )
-                arrays.append(
-                    from_units(a, mx.uint32 if c.dtype == "uint32" else getattr(mx, c.dtype))
-                )
-            out.append(tuple(arrays))
-        return out
+        sinks = paged.sinks if paged.sinks is not None else mx.zeros((q_heads,), mx.float32)
+        kernel = _kernel(backend, "paged_attention")
+        return kernel(
+            inputs=[
+                queries.astype(mx.float32),
+                *paged.keys,
+                *paged.values,
+                paged.tables.astype(mx.int32),
+                paged.lengths.astype(mx.int32),
+                dims,
+                sinks.astype(mx.float32),
+                mx.array([scale], dtype=mx.float32),
+            ],
+            grid=(L, q_heads, B),
+            threadgroup=(min(L, 32), 1, 1),
+            output_shapes=[(B, q_heads, L, dim_v)],
+            output_dtypes=[mx.float32],
+        )[0]
 
     def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:
         unique, index_of = [], {}
@@ -178,4 +210,4 @@ def for_backend(backend: str) -> SimpleNamespace:
             results.append(tuple(outputs))
         return results
 
-    return SimpleNamespace(gather=gather, merge=merge, extract_rows=extract_rows)
+    return SimpleNamespace(paged_attention=paged_attention, merge=merge, extract_rows=extract_rows)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .types import BlockTable, ExtractRow, Geometry, RowSource, as_units, from_units
+from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
 
 
 def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
@@ -15,35 +15,39 @@ def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (before, after), (0, 0)])
 
 
-def gather(
-    regions: mx.array, table: BlockTable, geometry: Geometry, *, length: int, capacity: int
-) -> list[tuple[mx.array, ...]]:
-    units = mx.view(regions, mx.uint16)
-    out = []
-    for layer in range(geometry.layers):
-        arrays = []
-        for index, comp in enumerate(geometry.components):
-            width = comp.row_bytes // 2
-            plane = geometry.plane_offset(layer, index)
-            parts = []
-            for b, (offset, tokens) in enumerate(zip(table.offsets, table.tokens)):
-                keep = min(tokens, length - 256 * b)
-                if keep <= 0:
-                    break
-                start = offset // 2 + tokens * plane
-                block = units[start : start + comp.heads * tokens * width]
-                parts.append(block.reshape(1, comp.heads, tokens, width)[:, :, :keep])
-            rows = (
-                mx.concatenate(parts, axis=2)
-                if parts
-                else mx.zeros((1, comp.heads, 0, width), dtype=mx.uint16)
-            )
-            rows = _pad_rows(rows, 0, capacity - length)
-            arrays.append(
-                from_units(rows, mx.uint32 if comp.dtype == "uint32" else getattr(mx, comp.dtype))
-            )
-        out.append(tuple(arrays))
-    return out
+def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    """Each row's blocks gathered (``mx.take``) into a contiguous cache, then the
+    ``mx.quantized_matmul`` attention of ``kv/attention.py``."""
+    from ..kv.attention import quantized_attention
+    from ..kv.quant import KVQuant
+
+    quant = KVQuant(paged.key_bits, paged.value_bits, paged.group)
+    B, _, L, _ = queries.shape
+    heads, block = paged.kv_heads, paged.block_tokens
+    outs = []
+    for b in range(B):
+        n = int(paged.lengths[b].item())
+        t = mx.arange(n)
+        blocks = paged.tables[b][t // block]
+        rows = (blocks[None, :] * heads + mx.arange(heads)[:, None]) * block
+        rows = (rows + (t % block)[None, :]).reshape(-1)
+        keys = tuple(mx.take(p, rows, axis=0).reshape(1, heads, n, -1) for p in paged.keys)
+        values = tuple(mx.take(p, rows, axis=0).reshape(1, heads, n, -1) for p in paged.values)
+        q_pos = mx.arange(n - L, n)[:, None]
+        mask = t[None, :] <= q_pos
+        if paged.window:
+            mask = mask & (q_pos - t[None, :] < paged.window)
+        out = quantized_attention(
+            queries[b : b + 1],
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            quant=quant,
+            sinks=paged.sinks,
+        )
+        outs.append(out)
+    return mx.concatenate(outs, axis=0)
 
 
 def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:

@@ -1,4 +1,4 @@
-"""What the kernels take: a cache geometry, a block table, row sources."""
+"""What the kernels take: row sources and extract rows (merge/extract), paged queries."""
 
 from __future__ import annotations
 
@@ -6,31 +6,22 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..kv.quant import Component
 
+class PagedQuery(NamedTuple):
+    """What paged attention reads besides the queries: the pool's arenas of one layer and
+    the batch's block tables (see kernels/paged_attention.metal)."""
 
-class Geometry(NamedTuple):
-    """Layers and per-layer components, in region order (see csrc/core/block_io.h)."""
-
-    layers: int
-    components: tuple[Component, ...]
-
-    @property
-    def units_per_layer_token(self) -> int:
-        """uint16 units of one token of one layer, all components."""
-        return sum(c.heads * c.row_bytes for c in self.components) // 2
-
-    def plane_offset(self, layer: int, index: int) -> int:
-        """uint16 units per block token before (layer, component) inside a region."""
-        before = sum(c.heads * c.row_bytes for c in self.components[:index]) // 2
-        return layer * self.units_per_layer_token + before
-
-
-class BlockTable(NamedTuple):
-    """Where each block's region starts in the regions buffer (bytes) and its tokens."""
-
-    offsets: tuple[int, ...]
-    tokens: tuple[int, ...]
+    keys: tuple[mx.array, ...]  # words, scales, biases: [blocks * kv_heads * 256, ...]
+    values: tuple[mx.array, ...]
+    tables: mx.array  # int32 [B, max blocks]
+    lengths: mx.array  # int32 [B], the queries included
+    kv_heads: int
+    block_tokens: int
+    key_bits: int
+    value_bits: int
+    group: int
+    window: int  # 0: none
+    sinks: mx.array | None
 
 
 class RowSource(NamedTuple):

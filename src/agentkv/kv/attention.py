@@ -26,9 +26,9 @@ from .quant import FLOAT_BITS, KVQuant
 FUSED_BITS = (2, 4, 8, 16)
 ENV = "AGENTKV_ATTENTION"  # "reference" forces the mx.quantized_matmul path
 _OUR_MASKS: OrderedDict[int, tuple[mx.array, int]] = OrderedDict()
-_NOT_OURS = -1
-FUSED, REFERENCE = "fused_cpu", "quantized_matmul"
-_PATHS = {FUSED: 0, REFERENCE: 0}
+NOT_OURS = -1
+FUSED, KERNEL, REFERENCE = "fused_cpu", "gpu_kernel", "quantized_matmul"
+_PATHS = {FUSED: 0, KERNEL: 0, REFERENCE: 0}
 
 
 def paths_used() -> dict[str, int]:
@@ -45,14 +45,14 @@ def remember_mask(mask, window: int | None):
     return mask
 
 
-def _mask_window(mask, n_queries: int) -> int:
-    """The sliding window ``mask`` stands for (0: none), or _NOT_OURS."""
+def mask_window(mask, n_queries: int) -> int:
+    """The sliding window ``mask`` stands for (0: none), or NOT_OURS."""
     if mask is None:
-        return 0 if n_queries == 1 else _NOT_OURS
+        return 0 if n_queries == 1 else NOT_OURS
     if isinstance(mask, str):
-        return 0 if mask == "causal" else _NOT_OURS
+        return 0 if mask == "causal" else NOT_OURS
     held = _OUR_MASKS.get(id(mask))
-    return held[1] if held is not None and held[0] is mask else _NOT_OURS
+    return held[1] if held is not None and held[0] is mask else NOT_OURS
 
 
 def fused_available(quant: KVQuant, queries: mx.array, mask) -> bool:
@@ -64,7 +64,7 @@ def fused_available(quant: KVQuant, queries: mx.array, mask) -> bool:
         and quant.value_bits in FUSED_BITS
         and queries.shape[-1] % 8 == 0
         and queries.shape[-1] <= 256
-        and _mask_window(mask, queries.shape[-2]) != _NOT_OURS
+        and mask_window(mask, queries.shape[-2]) != NOT_OURS
     )
 
 
@@ -96,7 +96,7 @@ def cache_attention(
             quant.key_bits,
             quant.value_bits,
             quant.group_size,
-            _mask_window(mask, queries.shape[-2]),
+            mask_window(mask, queries.shape[-2]),
             left_padding,
             sinks,
         )
@@ -104,6 +104,83 @@ def cache_attention(
     return quantized_attention(
         queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks
     )
+
+
+def paged_fused_available(quant: KVQuant, queries: mx.array) -> bool:
+    return (
+        os.environ.get(ENV) != "reference"
+        and mx.default_device() == mx.cpu
+        and queries.dtype == mx.float32
+        and quant.key_bits in FUSED_BITS
+        and quant.value_bits in FUSED_BITS
+        and queries.shape[-1] % 8 == 0
+        and queries.shape[-1] <= 256
+    )
+
+
+def paged_attention(
+    queries: mx.array,
+    keys: tuple,
+    values: tuple,
+    *,
+    tables: mx.array,
+    lengths: mx.array,
+    kv_heads: int,
+    block_tokens: int,
+    scale: float,
+    quant: KVQuant,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Attention of a jagged batch over the pool's arenas, read through block tables.
+
+    Row ``b`` holds ``lengths[b]`` tokens in blocks ``tables[b]``; its ``L`` queries are its
+    last ``L`` tokens and see keys from 0 (or their sliding window's start) to themselves.
+    On CPU the fused kernel (``csrc/core/attention*``); on Metal and CUDA the kernel body
+    ``kernels/paged_attention.metal``; otherwise (float16 KV on a GPU, or
+    ``AGENTKV_ATTENTION=reference``) the pure-MLX reference. They agree within float
+    rounding (tests/kernels).
+    """
+    if paged_fused_available(quant, queries):
+        from .. import _ext
+
+        _PATHS[FUSED] += 1
+        return _ext.paged_attention(
+            queries,
+            list(keys),
+            list(values),
+            tables,
+            lengths,
+            kv_heads,
+            block_tokens,
+            scale,
+            quant.key_bits,
+            quant.value_bits,
+            quant.group_size,
+            window or 0,
+            sinks,
+        )
+    from .. import kernels
+
+    paged = kernels.PagedQuery(
+        tuple(keys),
+        tuple(values),
+        tables,
+        lengths,
+        kv_heads,
+        block_tokens,
+        quant.key_bits,
+        quant.value_bits,
+        quant.group_size,
+        window or 0,
+        sinks,
+    )
+    quantized = FLOAT_BITS not in (quant.key_bits, quant.value_bits)
+    if quantized and os.environ.get(ENV) != "reference" and kernels.backend() in ("metal", "cuda"):
+        _PATHS[KERNEL] += 1
+        return kernels.paged_attention(queries, paged, scale=scale)
+    _PATHS[REFERENCE] += 1
+    return kernels.reference.paged_attention(queries, paged, scale=scale)
 
 
 def _scores(q: mx.array, keys: tuple, bits: int, group_size: int) -> mx.array:

@@ -21,17 +21,16 @@ import mlx.core as mx
 from .. import kernels
 from ..kernels import RowSource
 from .attention import cache_attention, remember_mask
+from .blocks import BLOCK_TOKENS
 from .quant import KVQuant
-
-STEP = 256
 
 
 def _capacity(rows: int) -> int:
-    return (rows + STEP - 1) // STEP * STEP + STEP
+    return (rows + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS + BLOCK_TOKENS
 
 
 class BatchQuantizedKVCache:
-    step = STEP
+    step = BLOCK_TOKENS
 
     def __init__(self, quant: KVQuant, left_padding: list[int], *, window: int | None = None):
         self.quant = quant

@@ -20,12 +20,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .attention import cache_attention, remember_mask
+from .blocks import BLOCK_TOKENS
 from .quant import KVQuant
 
-STEP = 256
 
-
-def _round_up(n: int, step: int = STEP) -> int:
+def _round_up(n: int, step: int = BLOCK_TOKENS) -> int:
     return (n + step - 1) // step * step
 
 
@@ -37,13 +36,13 @@ def window_start(tokens: int, window: int | None) -> int:
     """
     if window is None or tokens <= window:
         return 0
-    return (tokens - window) // STEP * STEP
+    return (tokens - window) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 class AgentKVCache:
     """One layer's KV cache in a ``KVQuant`` format (default: 4-bit, group 64)."""
 
-    step = STEP
+    step = BLOCK_TOKENS
 
     def __init__(self, quant: KVQuant | None = None, *, window: int | None = None):
         self.quant = quant or KVQuant()
@@ -146,7 +145,7 @@ class AgentKVCache:
         """Free the rows of tokens before ``token`` (a block boundary; sliding windows only)."""
         if token <= self.start or self.keys is None:
             return
-        if token % STEP or token > self.offset:
+        if token % BLOCK_TOKENS or token > self.offset:
             raise ValueError(
                 f"cannot drop to token {token} (start {self.start}, offset {self.offset})"
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,9 @@ import mlx.core as mx
 
 from ..errors import ModelImportError
 from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
+from ..progress import ProgressBar
+
+log = logging.getLogger("agentkv.model")
 
 #: Bumped whenever the import recipe changes what it writes; part of a model's identity.
 IMPORT_RECIPE_VERSION = 1
@@ -126,10 +130,17 @@ def import_gguf(
             f"{dest} exists and is not an agentkv import; choose another destination"
         )
 
+    with ProgressBar(4, f"importing {src.name}", unit="step") as bar:
+        return _import(src, dest, dtype, info, sha, bar)
+
+
+def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar) -> ImportResult:
+    log.info("agentkv: importing %s into %s (%s weights)", src, dest, dtype)
     try:
         weights, meta = mx.load(str(src), return_metadata=True)
     except Exception as exc:  # MLX raises plain exceptions for unsupported quant types
         raise ModelImportError(f"MLX cannot read {src}: {exc}") from exc
+    bar.advance()
     arch = _meta_str(meta, "general.architecture")
     if arch != "llama":
         raise ModelImportError(
@@ -145,7 +156,9 @@ def import_gguf(
     tensors, quant_config = _convert_weights(weights, dtype)
     if quant_config:
         config["quantization"] = quant_config
+    bar.advance()
     tokenizer = _build_tokenizer(meta)
+    bar.advance()
 
     # The temporary name must not match mlx-lm's "model*.safetensors" glob.
     tmp_weights = dest / f".tmp-{os.getpid()}.safetensors"
@@ -159,6 +172,7 @@ def import_gguf(
     atomic_write_text(dest / "config.json", json.dumps(config, indent=2))
     # Written last: its presence marks a complete import.
     atomic_write_text(dest / IMPORT_INFO_FILE, json.dumps(info, indent=2))
+    bar.advance()
     return ImportResult(dest, sha, dtype, reused=False)
 
 

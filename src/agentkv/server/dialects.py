@@ -169,6 +169,7 @@ class _OpenAIChat(BaseModel):
     functions: list | None = None
     logprobs: StrictBool | None = None
     response_format: dict | None = None
+    cache_salt: StrictStr | None = None  # as vLLM: prompts share blocks only within a salt
 
 
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -211,6 +212,7 @@ class OpenAIDialect:
             stop=stop_list(req.stop, "stop"),
             stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            cache_salt=req.cache_salt,
         )
 
     @staticmethod
@@ -295,6 +297,7 @@ class _AnthropicMessages(BaseModel):
     stream: StrictBool | None = False
     metadata: _Metadata | None = None
     tools: list | None = None
+    cache_salt: StrictStr | None = None
 
 
 class AnthropicDialect:
@@ -331,6 +334,7 @@ class AnthropicDialect:
             top_p=top_p,
             stop=stop_list(req.stop_sequences, "stop_sequences"),
             stream=bool(req.stream),
+            cache_salt=req.cache_salt,
         )
 
     @staticmethod

@@ -40,6 +40,7 @@ class _DirectChat(BaseModel):
     top_p: StrictFloat | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
+    cache_salt: StrictStr | None = None
 
 
 class DirectDialect:
@@ -62,6 +63,7 @@ class DirectDialect:
             top_p=top_p,
             stop=stop_list(req.stop, "stop"),
             stream=req.stream,
+            cache_salt=req.cache_salt,
         )
 
     def response(self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict) -> dict:

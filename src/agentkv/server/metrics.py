@@ -22,7 +22,8 @@ class Metrics:
         )
         self.tokens = Counter(
             "agentkv_tokens",
-            "tokens of finished turns: prompt = reused + prefilled; generated",
+            "tokens of finished turns: prompt = reused + prefilled; generated; shared "
+            "(of the reused, those from other agents' blocks)",
             ["kind"],
             registry=r,
         )
@@ -35,6 +36,28 @@ class Metrics:
         Gauge(
             "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
         ).set_function(engine.disk_bytes)
+        blocks = Gauge(
+            "agentkv_pool_blocks",
+            "KV pool blocks by state: capacity, used (held by agents), shared (by more than "
+            "one), cached (held by none, kept findable), free, reserved (for running turns)",
+            ["state"],
+            registry=r,
+        )
+        fields = {
+            "capacity": "capacity_blocks",
+            "used": "used_blocks",
+            "shared": "shared_blocks",
+            "cached": "cached_blocks",
+            "free": "free_blocks",
+            "reserved": "reserved_blocks",
+        }
+        for state, field in fields.items():
+            blocks.labels(state).set_function(
+                lambda field=field: getattr(engine.pool_stats(), field)
+            )
+        Gauge(
+            "agentkv_pool_block_bytes", "bytes of one pool block (every layer)", registry=r
+        ).set_function(lambda: engine.pool_stats().block_bytes)
         calls = Gauge(
             "agentkv_attention_calls",
             "attention calls over agentkv caches by path (fused_cpu: agentkv's kernel, "
@@ -57,6 +80,7 @@ class Metrics:
         self.turns.labels(s.cache).inc()
         self.tokens.labels("prompt").inc(s.prompt_tokens)
         self.tokens.labels("reused").inc(s.reused_tokens)
+        self.tokens.labels("shared").inc(s.shared_tokens)
         self.tokens.labels("prefilled").inc(s.prefill_tokens)
         self.tokens.labels("generated").inc(s.generated_tokens)
         if s.generated_tokens:

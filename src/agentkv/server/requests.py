@@ -16,6 +16,7 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None  # only prompts under the same salt share blocks
 
     @property
     def sampling(self) -> dict:
@@ -24,4 +25,5 @@ class TurnRequest:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "stop": self.stop,
+            "cache_salt": self.cache_salt,
         }

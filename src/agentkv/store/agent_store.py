@@ -1,11 +1,13 @@
-"""AgentStore: one model's agents on disk — read, load, save, quarantine, list.
+"""AgentStore: one model's agents on disk — read, load into the pool, save, quarantine.
 
 Identity is ``(model fingerprint, agent id)``: each fingerprint has its own
 directory, so another model's caches are never even opened. Files are 0600,
 directories 0700. Readers take a shared flock(2) on the agent's ``.lock``,
 the writer an exclusive one, so a reader never sees segments vanish under it.
+Complete blocks go to ``SharedBlocks`` (one file per chain hash, for every agent);
+an agent's directory holds its manifest and a segment with its partial tail block.
 A file that fails any check is never deleted or overwritten: the agent's whole
-directory is renamed into ``quarantine/`` and the agent starts cold.
+directory (or the one bad block file) is moved into ``quarantine/``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,20 +30,23 @@ from .. import _ext
 from .._faults import crash_point
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError, InvalidRequestError
-from ..kv.cache import STEP, AgentKVCache, window_start
+from ..kv.blocks import BLOCK_TOKENS
+from ..kv.cache import AgentKVCache, window_start
 from ..kv.quant import KVQuant
 from ..model.spec import LayerKind, ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
+from .blocks import SharedBlocks
 from .format import (
-    BLOCK_TOKENS,
     MANIFEST_NAME,
     SEGMENT_RE,
     BlockRecord,
     Manifest,
     SegmentRecord,
+    block_file_name,
     decode_manifest,
     encode_manifest,
     encode_segment_header,
+    is_shared_file,
     segment_name,
 )
 
@@ -55,15 +61,29 @@ class StoreConflictError(Exception):
     """The agent's manifest changed on disk since this process last read or wrote it."""
 
 
+class NewRegion(NamedTuple):
+    """One block packed for a save: a region of ``SaveJob.packed``."""
+
+    offset: int
+    length: int
+    checksum: int
+    tokens: int
+    hash: bytes | None  # complete, sealed blocks go to shared block files
+    parent: bytes | None
+    ids: np.ndarray | None  # int32 [256] token ids of a hashed block
+
+
 @dataclass
 class SaveJob:
-    """A finished turn to persist: new block regions plus the agent's whole text record."""
+    """A finished turn to persist: the blocks after the first ``keep`` durable ones (as
+    packed regions) plus the agent's whole text record."""
 
     agent_id: str
-    first_block: int  # blocks before this one are already durable
-    packed: np.ndarray  # uint8, the block regions laid out by pack_blocks
-    packed_blocks: list[tuple]  # (0, offset, length, checksum, tokens) per region
+    keep: int  # blocks of the durable manifest that stay as they are
+    packed: np.ndarray  # uint8, the regions of the new blocks back to back
+    regions: list[NewRegion]
     quant: KVQuant
+    chain_seed: bytes
     tokens: np.ndarray
     spans: np.ndarray
     text: bytes
@@ -72,6 +92,19 @@ class SaveJob:
     @property
     def nbytes(self) -> int:
         return int(self.packed.nbytes + self.tokens.nbytes + self.spans.nbytes + len(self.text))
+
+
+class BlockSource(NamedTuple):
+    """Where one stored block of an agent is, ready for ``KVArena.read_regions``."""
+
+    hash: bytes | None
+    path: str
+    size: int
+    header_crc: int
+    offset: int
+    length: int
+    checksum: int
+    tokens: int
 
 
 @dataclass
@@ -94,15 +127,17 @@ class SaveReport:
 
 
 class AgentStore:
-    def __init__(self, root: Path, spec: ModelCacheSpec, model_name: str):
+    def __init__(
+        self, root: Path, spec: ModelCacheSpec, model_name: str, quant: KVQuant | None = None
+    ):
         self.root = Path(root)
         self.spec = spec
         self.model_name = model_name
+        self.quant = quant or KVQuant()
         self.model_dir = self.root / spec.fingerprint[:16]
         self.agents_dir = self.model_dir / "agents"
         self.quarantine_dir = self.model_dir / "quarantine"
-
-    # -- layout -----------------------------------------------------------------
+        self.shared = SharedBlocks(self.model_dir, spec, self.quant)
 
     def ensure_layout(self) -> None:
         secure_mkdir(self.agents_dir)
@@ -173,18 +208,82 @@ class AgentStore:
         if m.geometry != self.spec.geometry():
             raise CacheFormatError(path, "cache geometry does not match the loaded model")
 
+    def file_path(self, agent_id: str, name: str) -> Path:
+        """A file a manifest names: a shared block file or one of the agent's segments."""
+        return self.model_dir / name if is_shared_file(name) else self.agent_dir(agent_id) / name
+
+    def block_sources(self, manifest: Manifest, agent_id: str, count: int) -> list[BlockSource]:
+        """Where the agent's first ``count`` blocks are stored."""
+        out = []
+        for b in manifest.blocks[:count]:
+            seg = manifest.segments[b.segment]
+            out.append(
+                BlockSource(
+                    bytes.fromhex(b.hash) if b.hash else None,
+                    str(self.file_path(agent_id, b.segment)),
+                    seg.size,
+                    seg.header_crc,
+                    b.offset,
+                    b.length,
+                    b.checksum,
+                    b.tokens,
+                )
+            )
+        return out
+
+    def read_into(self, arena, agent_id: str | None, items: list[tuple[BlockSource, int]]) -> None:
+        """Copy stored blocks into pool slots ``[(source, slot)]`` (verified; CacheFormatError
+        names the file at fault). ``agent_id``: whose segments these are (None: shared only)."""
+        if not items:
+            return
+        files: dict[str, int] = {}
+        refs, regions = [], []
+        for src, slot in items:
+            if src.path not in files:
+                files[src.path] = len(refs)
+                refs.append((src.path, src.size, src.header_crc))
+            regions.append(
+                (files[src.path], src.offset, src.length, src.checksum, src.tokens, slot)
+            )
+        if agent_id is None:
+            arena.read_regions(refs, regions)
+            return
+        with self._locked(agent_id, exclusive=False):
+            arena.read_regions(refs, regions)
+
+    def find_shared(self, digest: bytes) -> tuple[BlockSource, tuple[int, ...]] | None:
+        """A stored complete block with this hash (another agent's), if one is sound, and
+        the token ids it holds."""
+        found = self.shared.find(digest)
+        if found is None:
+            return None
+        return BlockSource(
+            digest,
+            str(self.shared.path(found.name)),
+            found.size,
+            found.header_crc,
+            found.offset,
+            found.length,
+            found.checksum,
+            BLOCK_TOKENS,
+        ), found.tokens
+
     def layer_first_tokens(self, tokens: int) -> list[int]:
         """Where each layer's loaded rows start: 0, or the block a sliding window reaches."""
         return [window_start(tokens, layer.window) for layer in self.spec.layers]
 
     def load_caches(self, manifest: Manifest, agent_id: str, tokens: int) -> list[AgentKVCache]:
-        """Load tokens [0, tokens) of the agent's KV blocks (mmap, one copy, checked)."""
+        """Tokens [0, tokens) of the agent's blocks as contiguous per-layer caches in the
+        agent's stored format (mmap, one copy, checked): for mlx-lm interop and tests."""
         comps = manifest.components()
         names = sorted({b.segment for b in manifest.blocks})
         index = {name: i for i, name in enumerate(names)}
-        directory = self.agent_dir(agent_id)
         segments = [
-            (str(directory / n), manifest.segments[n].size, manifest.segments[n].header_crc)
+            (
+                str(self.file_path(agent_id, n)),
+                manifest.segments[n].size,
+                manifest.segments[n].header_crc,
+            )
             for n in names
         ]
         blocks = [
@@ -218,46 +317,80 @@ class AgentStore:
     # -- writing ----------------------------------------------------------------
 
     def write(self, job: SaveJob, durable: DurableState) -> tuple[SaveReport, DurableState]:
-        """Persist ``job`` on top of ``durable``; crash-safe, never overwrites a newer state."""
+        """Persist ``job`` on top of ``durable``; crash-safe, never overwrites a newer state.
+
+        Order: new complete blocks as shared block files (skipping those already stored),
+        the tail in a new private segment, fsync both directories, then the manifest
+        switch; the shared-blocks lock is held from the first block file to the switch.
+        """
         started = time.perf_counter()
         directory = self.agent_dir(job.agent_id)
         path = directory / MANIFEST_NAME
-        with self._locked(job.agent_id, exclusive=True):
+        with self.shared.writing(), self._locked(job.agent_id, exclusive=True):
             if self._signature(path) != durable.signature:
                 raise StoreConflictError(
                     f"{path} changed on disk since this process read it (another agentkv "
                     "process is using this agent); not overwriting it"
                 )
-            base = durable.blocks[: job.first_block]
-            if len(base) != job.first_block:
-                raise StoreConflictError(f"{path}: blocks before {job.first_block} are not durable")
+            base = durable.blocks[: job.keep]
+            if len(base) != job.keep:
+                raise StoreConflictError(f"{path}: blocks before {job.keep} are not durable")
             generation = durable.generation + 1
             segments = {b.segment: durable.segments[b.segment] for b in base}
             blocks = list(base)
             written = 0
-            if job.packed_blocks:
+            shared_names = []
+            private = []
+            for r in job.regions:
+                if r.hash is None:
+                    private.append(r)
+                    continue
+                if private:
+                    raise ValueError("only the trailing blocks of a save may be unsealed")
+                region = memoryview(job.packed)[r.offset : r.offset + r.length]
+                existed = (self.model_dir / block_file_name(r.hash)).exists()
+                stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
+                segments[stored.name] = SegmentRecord(stored.size, stored.header_crc)
+                blocks.append(
+                    BlockRecord(
+                        stored.name,
+                        stored.offset,
+                        stored.length,
+                        stored.checksum,
+                        r.tokens,
+                        r.hash.hex(),
+                    )
+                )
+                shared_names.append(stored.name)
+                written += 0 if existed else stored.size
+            self.shared.sync_dirs(shared_names)
+            if private:
                 name = segment_name(generation)
+                first = job.keep + len(job.regions) - len(private)
+                body = np.concatenate([job.packed[r.offset : r.offset + r.length] for r in private])
+                relative, at = [], 0
+                for r in private:
+                    relative.append((0, at, r.length, r.checksum, r.tokens))
+                    at += r.length
                 header, records = encode_segment_header(
                     agent_id=job.agent_id,
                     fingerprint=self.spec.fingerprint,
                     generation=generation,
                     layers=self.spec.num_layers,
                     components=self.spec.components(job.quant),
-                    first_block=job.first_block,
-                    packed=job.packed_blocks,
+                    first_block=first,
+                    packed=relative,
                 )
-                _write_durably(directory / name, header, job.packed)
+                _write_durably(directory / name, header, body)
                 crash_point("segment-renamed")
                 fsync_dir(directory)
                 data_start = len(header)
-                segments[name] = SegmentRecord(
-                    data_start + job.packed.nbytes, _ext.crc32c(header[8:])
-                )
+                segments[name] = SegmentRecord(data_start + body.nbytes, _ext.crc32c(header[8:]))
                 blocks += [
                     BlockRecord(name, data_start + off, ln, crc, t)
                     for _, off, ln, crc, t in records
                 ]
-                written += data_start + job.packed.nbytes
+                written += data_start + body.nbytes
             manifest = Manifest(
                 agent_id=job.agent_id,
                 model_fingerprint=self.spec.fingerprint,
@@ -272,6 +405,7 @@ class AgentStore:
                 segments=segments,
                 messages=job.messages,
                 updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                chain_seed=job.chain_seed.hex(),
             )
             data = encode_manifest(manifest)
             atomic_write_bytes(path, data)
@@ -280,9 +414,26 @@ class AgentStore:
             self._collect_garbage(directory, segments)
             new_state = DurableState(self._signature(path), generation, blocks, segments)
         report = SaveReport(
-            job.agent_id, generation, written, len(job.packed_blocks), time.perf_counter() - started
+            job.agent_id, generation, written, len(job.regions), time.perf_counter() - started
         )
         return report, new_state
+
+    def collect_blocks(self) -> int:
+        """Delete shared block files that no manifest names (agents' and quarantined ones)."""
+        return self.shared.collect(self._named_block_files)
+
+    def _named_block_files(self) -> set[str]:
+        named = set()
+        manifests = list(self.agents_dir.glob(f"*/{MANIFEST_NAME}"))
+        if self.quarantine_dir.exists():
+            manifests += list(self.quarantine_dir.glob(f"*/{MANIFEST_NAME}"))
+        for path in manifests:
+            try:
+                manifest = decode_manifest(path.read_bytes(), path)
+            except (OSError, CacheFormatError):
+                continue  # unreadable: it names nothing loadable
+            named.update(name for name in manifest.segments if is_shared_file(name))
+        return named
 
     @staticmethod
     def _collect_garbage(directory: Path, live: dict) -> None:
@@ -314,7 +465,8 @@ class AgentStore:
         return target
 
     def copy_agent(self, src: str, dst: str) -> None:
-        """Make ``dst`` a copy of ``src``'s durable state (segments are hard-linked: immutable)."""
+        """Make ``dst`` a copy of ``src``'s durable state: its segments hard-linked (they are
+        immutable), its shared block files named again (held against collection meanwhile)."""
         target = self.agent_dir(dst)
         if (target / MANIFEST_NAME).exists():
             raise InvalidRequestError(f"agent {dst!r} already has a stored state")
@@ -322,8 +474,16 @@ class AgentStore:
         if manifest is None:
             raise InvalidRequestError(f"agent {src!r} has no stored state")
         source = self.agent_dir(src)
-        with self._locked(src, exclusive=False), self._locked(dst, exclusive=True):
+        with (
+            self.shared.writing(),
+            self._locked(src, exclusive=False),
+            self._locked(dst, exclusive=True),
+        ):
             for name in manifest.segments:
+                if is_shared_file(name):
+                    if not (self.model_dir / name).exists():
+                        raise CacheFormatError(self.model_dir / name, "a shared block is missing")
+                    continue
                 try:
                     os.link(source / name, target / name)
                 except OSError:
@@ -376,37 +536,45 @@ class AgentStore:
 
 
 def build_save_job(
-    spec: ModelCacheSpec,
-    agent_id: str,
-    caches: list[AgentKVCache],
+    arena,
+    table,
     *,
+    agent_id: str,
+    keep: int,
     tokens,
     spans,
     text: bytes,
     messages: list | None,
-    first_block: int,
-    threads: int = LOAD_THREADS,
 ) -> SaveJob:
-    """Pack the blocks from ``first_block`` on of ``caches`` into a SaveJob (one copy)."""
-    quant = caches[0].quant
-    comps = spec.components(quant)
-    arrays = [x for c in caches for x in c.components]
-    packed, records = _ext.pack_blocks(
-        arrays,
-        spec.num_layers,
-        BLOCK_TOKENS,
-        [(c.heads, c.width, c.dtype) for c in comps],
-        first_block,
-        len(tokens),
-        [(c.start, c.capacity) for c in caches],
-        threads,
-    )
+    """Pack the table's blocks from ``keep`` on (one copy each, checksummed) for a save."""
+    pool = table.pool
+    slots = table.blocks[keep:]
+    counts = [
+        min(BLOCK_TOKENS, table.length - (keep + i) * BLOCK_TOKENS) for i in range(len(slots))
+    ]
+    packed, records = arena.pack(slots, counts)
+    regions = []
+    for slot, (_, offset, length, checksum, count) in zip(slots, records):
+        record = pool.records[slot]
+        hashed = record.hash is not None
+        regions.append(
+            NewRegion(
+                offset,
+                length,
+                checksum,
+                count,
+                record.hash,
+                record.parent if hashed else None,
+                np.asarray(record.tokens, dtype=np.int32) if hashed else None,
+            )
+        )
     return SaveJob(
         agent_id,
-        first_block,
+        keep,
         packed,
-        records,
-        quant,
+        regions,
+        arena.quant,
+        table.seed,
         np.asarray(tokens, dtype=np.int32),
         np.asarray(spans, dtype=np.int32),
         bytes(text),
@@ -416,7 +584,7 @@ def build_save_job(
 
 def _capacity(rows: int) -> int:
     """Rows allocated for a loaded layer: rounded up to a block, plus one spare block."""
-    return (rows + STEP - 1) // STEP * STEP + STEP
+    return (rows + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS + BLOCK_TOKENS
 
 
 def _write_durably(path: Path, header: bytes, body: np.ndarray) -> None:

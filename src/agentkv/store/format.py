@@ -1,25 +1,29 @@
-"""agentkv's on-disk format (version 1): safetensors files, one agent per directory.
+"""agentkv's on-disk format (version 2): safetensors files, shared blocks stored once.
 
 ::
 
-    <cache_dir>/<fingerprint[:16]>/agents/<agent_id>/
-        manifest.safetensors     the switch point: tokens, spans, text + JSON record
-        seg-00000007.safetensors immutable segments of 256-token KV blocks
-        .lock                    flock(2) between processes
+    <cache_dir>/<fingerprint[:16]>/
+        blocks/<hh>/<hash>.safetensors   one complete 256-token block, named by its chain
+                                         hash, written once, shared by every agent naming it
+        agents/<agent_id>/
+            manifest.safetensors         the switch point: tokens, spans, text + JSON record
+            seg-00000007.safetensors     the agent's private blocks (its partial tail)
+            .lock                        flock(2) between processes
 
-A *segment* holds consecutive blocks. Inside it, each block is one contiguous
-region (see ``csrc/core/block_io.h``) described as ordinary safetensors tensors
-``b000003.l017.k.w`` of shape ``[heads, tokens, width]``; one striped CRC-32C
-covers each region. Segments are written once under a new name and never
-modified, so a reader's mmap never sees a change.
+A *region* is one block's KV, laid out layer-major (see ``csrc/core/block_io.h``) and
+described as ordinary safetensors tensors ``l017.k.w`` (block files) or
+``b000003.l017.k.w`` (segments) of shape ``[heads, tokens, width]``; one striped CRC-32C
+covers each region. Files are written once under a new name and never modified, so a
+reader's mmap never sees a change.
 
-The *manifest* holds the agent's token ids (int32 [n]), each token's byte span
-in the text (int32 [n, 2]), the text (uint8), and a JSON record: format
-version, model fingerprint and cache geometry, quantization, token count,
-generation, segments (name, size, header CRC-32C) and blocks (segment, offset,
-length, checksum, tokens), CRC-32Cs of the arrays and of the record itself.
-A save writes and fsyncs its new segment, then atomically replaces the
-manifest: a crash leaves the old state or the new one, never a mix.
+The *manifest* holds the agent's token ids (int32 [n]), each token's byte span in the text
+(int32 [n, 2]), the text (uint8) and a JSON record: format version, model fingerprint and
+cache geometry, quantization, the chain seed of its block hashes, token count, generation,
+files (name, size, header CRC-32C) and blocks (file, offset, length, checksum, tokens,
+hash), CRC-32Cs of the arrays and of the record itself. A save writes and fsyncs its new
+block files and segment, then atomically replaces the manifest: a crash leaves the old
+state or the new one, never a mix. Version-1 manifests (every block in the agent's own
+segments, no hashes) are still read.
 """
 
 from __future__ import annotations
@@ -34,20 +38,33 @@ import numpy as np
 
 from .. import _ext
 from ..errors import CacheFormatError, InvalidRequestError
+from ..kv.blocks import BLOCK_TOKENS
 from ..kv.quant import Component, KVQuant
 
-FORMAT_VERSION = 1
-BLOCK_TOKENS = 256
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.safetensors"
 MANIFEST_KIND = "agentkv-manifest"
 SEGMENT_KIND = "agentkv-segment"
+BLOCK_KIND = "agentkv-block"
 SEGMENT_RE = re.compile(r"^seg-\d{8}\.safetensors$")
+BLOCK_FILE_RE = re.compile(r"^blocks/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors$")
 MAX_HEADER_BYTES = 64 << 20
 _DTYPE_CODES = {"uint32": "U32", "float16": "F16", "uint8": "U8", "float32": "F32"}
 
 
 def segment_name(generation: int) -> str:
     return f"seg-{generation:08d}.safetensors"
+
+
+def block_file_name(digest: bytes) -> str:
+    """Where a shared block lives, relative to the model directory."""
+    hex_digest = digest.hex()
+    return f"blocks/{hex_digest[:2]}/{hex_digest}.safetensors"
+
+
+def is_shared_file(name: str) -> bool:
+    return BLOCK_FILE_RE.match(name) is not None
 
 
 @dataclass(frozen=True)
@@ -58,11 +75,15 @@ class SegmentRecord:
 
 @dataclass(frozen=True)
 class BlockRecord:
-    segment: str
+    """Where one block of an agent is stored: a region of a file (a shared block file, or
+    one of the agent's segments) and, for a complete block, its chain hash."""
+
+    segment: str  # "blocks/..." (relative to the model dir) or "seg-..." (to the agent's)
     offset: int
     length: int
     checksum: int
     tokens: int
+    hash: str | None = None  # hex chain hash (complete blocks of version-2 manifests)
 
 
 @dataclass
@@ -83,6 +104,8 @@ class Manifest:
     messages: list | None = None
     updated_at: str = ""
     block_tokens: int = BLOCK_TOKENS
+    chain_seed: str | None = None  # hex; None in version-1 manifests (the default seed)
+    version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
 
     @property
@@ -118,8 +141,9 @@ def encode_manifest(m: Manifest) -> bytes:
         "block_tokens": m.block_tokens,
         "token_count": m.token_count,
         "generation": m.generation,
+        "chain_seed": m.chain_seed,
         "segments": {name: [s.size, s.header_crc] for name, s in sorted(m.segments.items())},
-        "blocks": [[b.segment, b.offset, b.length, b.checksum, b.tokens] for b in m.blocks],
+        "blocks": [[b.segment, b.offset, b.length, b.checksum, b.tokens, b.hash] for b in m.blocks],
         "checksums": {"tokens": _crc(tokens), "spans": _crc(spans), "text": _crc(text)},
         "messages": m.messages,
         "updated_at": m.updated_at,
@@ -177,9 +201,9 @@ def decode_manifest(data: bytes, path) -> Manifest:
     _require(isinstance(record, dict), path, "manifest record is not a JSON object")
     version = record.get("format_version")
     _require(
-        version == FORMAT_VERSION,
+        version in READABLE_VERSIONS,
         path,
-        f"unknown format version {version!r} (this agentkv reads {FORMAT_VERSION})",
+        f"unknown format version {version!r} (this agentkv reads {READABLE_VERSIONS})",
     )
 
     from safetensors import SafetensorError
@@ -215,10 +239,10 @@ def decode_manifest(data: bytes, path) -> Manifest:
             str(name): SegmentRecord(int(size), int(crc))
             for name, (size, crc) in record["segments"].items()
         }
-        blocks = [
-            BlockRecord(str(s), int(o), int(ln), int(c), int(t))
-            for s, o, ln, c, t in record["blocks"]
-        ]
+        blocks = [_block_record(entry, version) for entry in record["blocks"]]
+        seed = record.get("chain_seed") if version >= 2 else None
+        if seed is not None:
+            bytes.fromhex(seed)
     except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
     manifest = Manifest(
@@ -236,9 +260,22 @@ def decode_manifest(data: bytes, path) -> Manifest:
         messages=record.get("messages"),
         updated_at=str(record.get("updated_at", "")),
         block_tokens=block_tokens,
+        chain_seed=seed,
+        version=version,
     )
     _check_blocks(manifest, path)
     return manifest
+
+
+def _block_record(entry, version: int) -> BlockRecord:
+    if version == 1:
+        segment, offset, length, checksum, tokens = entry
+        digest = None
+    else:
+        segment, offset, length, checksum, tokens, digest = entry
+        if digest is not None and (len(bytes.fromhex(digest)) != 32):
+            raise ValueError(f"bad block hash {digest!r}")
+    return BlockRecord(str(segment), int(offset), int(length), int(checksum), int(tokens), digest)
 
 
 def _check_spans(spans: np.ndarray, text_len: int, path) -> None:
@@ -275,10 +312,17 @@ def _check_blocks(m: Manifest, path) -> None:
         want = min(m.block_tokens, m.token_count - i * m.block_tokens)
         _require(b.tokens == want, path, f"block {i} holds {b.tokens} tokens, expected {want}")
         _require(b.length == per_token * b.tokens, path, f"block {i} has the wrong length")
+        shared = is_shared_file(b.segment)
         _require(
-            b.segment in m.segments and SEGMENT_RE.match(b.segment) is not None,
+            b.segment in m.segments and (SEGMENT_RE.match(b.segment) is not None or shared),
             path,
             f"block {i} names an unknown segment {b.segment!r}",
+        )
+        named = b.hash is not None and b.segment == block_file_name(bytes.fromhex(b.hash))
+        _require(
+            not shared or named,
+            path,
+            f"block {i} names a shared block file that is not its hash's",
         )
         seg = m.segments[b.segment]
         _require(
@@ -298,7 +342,7 @@ def encode_segment_header(
     first_block: int,
     packed: list[tuple],
 ) -> tuple[bytes, list[tuple]]:
-    """The safetensors header for packed block regions (records from ``pack_blocks``).
+    """The safetensors header for packed block regions (records from ``KVArena.pack``).
 
     Returns the header (length prefix included, padded to 8 bytes) and the
     ``(offset, length, checksum, tokens)`` of each block relative to the data start.
@@ -337,3 +381,91 @@ def encode_segment_header(
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
     return struct.pack("<Q", len(body)) + body, blocks
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A shared block file as found on disk: what a manifest records to name it, and the
+    token ids it holds (a hit by hash is confirmed by comparing them)."""
+
+    name: str  # relative to the model directory
+    size: int
+    header_crc: int
+    offset: int
+    length: int
+    checksum: int
+    tokens: tuple[int, ...]
+
+
+def encode_block_header(
+    *,
+    fingerprint: str,
+    digest: bytes,
+    parent: bytes,
+    layers: int,
+    components: list[Component],
+    length: int,
+    checksum: int,
+) -> bytes:
+    """The safetensors header of a shared block file: the region's tensors ``l017.k.w``
+    [heads, 256, width], then ``tokens`` int32 [256] (length prefix included, padded)."""
+    tensors: dict = {}
+    position = 0
+    for layer in range(layers):
+        for comp in components:
+            size = comp.heads * BLOCK_TOKENS * comp.row_bytes
+            tensors[f"l{layer:03d}.{comp.name}"] = {
+                "dtype": _DTYPE_CODES[comp.dtype],
+                "shape": [comp.heads, BLOCK_TOKENS, comp.width],
+                "data_offsets": [position, position + size],
+            }
+            position += size
+    assert position == length
+    tensors["tokens"] = {
+        "dtype": "I32",
+        "shape": [BLOCK_TOKENS],
+        "data_offsets": [length, length + 4 * BLOCK_TOKENS],
+    }
+    record = {
+        "format_version": FORMAT_VERSION,
+        "model_fingerprint": fingerprint,
+        "hash": digest.hex(),
+        "parent": parent.hex(),
+        "block_tokens": BLOCK_TOKENS,
+        "checksum": checksum,
+    }
+    text = json.dumps(record, separators=(",", ":"))
+    header = {"__metadata__": {"format": BLOCK_KIND, "agentkv": text}, **tensors}
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def decode_block_file(
+    head: bytes,
+    tail: bytes,
+    path,
+    *,
+    name: str,
+    size: int,
+    fingerprint: str,
+    digest: bytes,
+    length: int,
+) -> StoredBlock:
+    """Check a shared block file's header (``head``: the length prefix and JSON) and its
+    token ids (``tail``: the 1 KiB after the region)."""
+    header, data_start = read_header(head, path)
+    meta = header.get("__metadata__")
+    _require(isinstance(meta, dict) and meta.get("format") == BLOCK_KIND, path, "not a block file")
+    try:
+        record = json.loads(meta["agentkv"])
+        checksum = int(record["checksum"])
+    except (KeyError, TypeError, ValueError):
+        raise CacheFormatError(path, "block record is malformed") from None
+    _require(record.get("format_version") == FORMAT_VERSION, path, "unknown block format")
+    _require(record.get("model_fingerprint") == fingerprint, path, "another model's block")
+    _require(record.get("hash") == digest.hex(), path, "block file holds another hash")
+    _require(size == data_start + length + 4 * BLOCK_TOKENS, path, "block file has the wrong size")
+    _require(len(tail) == 4 * BLOCK_TOKENS, path, "block file lacks its token ids")
+    tokens = tuple(int(t) for t in np.frombuffer(tail, dtype="<i4"))
+    return StoredBlock(name, size, _ext.crc32c(head[8:]), data_start, length, checksum, tokens)

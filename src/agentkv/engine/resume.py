@@ -1,0 +1,417 @@
+"""Resume planning: where a turn starts from — the agent's own state (memory, then disk),
+the longest prefix other agents' blocks give it, and what is left to prefill.
+
+Two steps, so the scheduler can admit turns by pool blocks: ``Resumer.plan`` decides
+everything and counts the blocks the turn needs (blocks to read, a tail to copy, growth
+for the prompt and the reply) without allocating; ``ResumePlan.apply`` then builds the
+agent's state under the turn's reservation. ``ResumePlan.cancel`` puts a hot agent back
+untouched when the turn must wait.
+
+The text matcher decides the agent's *own* reuse (``text/matcher.py``); sharing
+(``pool/sharing.py``) looks past it. A stored file that fails its checks while a plan is
+applied raises ``ReloadNeeded`` after moving the file aside (a bad shared block file
+alone, or the agent's whole directory): the scheduler plans the turn again, from what
+is left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import CacheFormatError, InvalidRequestError
+from ..kv.blocks import BLOCK_TOKENS, blocks_for
+from ..kv.cache import window_start
+from ..pool import KVPool, Reservation
+from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
+from ..store.agent_store import AgentStore, DurableState
+from ..store.format import Manifest, is_shared_file
+from ..store.writer import BackgroundWriter
+from ..text.matcher import Match, MatchKind, match_prefix
+from ..text.tokens import TokenText
+from .job import Resumed
+from .residency import Residency
+from .state import AgentState
+
+
+class ReloadNeeded(Exception):
+    """A stored file failed its checks while a plan was applied; plan the turn again."""
+
+
+@dataclass
+class ResumePlan:
+    """A turn's starting point, decided but not applied (nothing allocated yet)."""
+
+    agent_id: str
+    tier: str  # hot | warm | cold
+    match: Match | None
+    stored_tokens: int
+    note: str | None
+    load_ms: float
+    seed: bytes
+    reuse: int  # own tokens kept
+    own_spans: np.ndarray  # their spans
+    prefill_ids: list[int]
+    prefill_spans: np.ndarray
+    prompt: bytes
+    hot: AgentState | None = None  # the agent's state, taken out of residency
+    manifest: Manifest | None = None
+    share: SharePlan | None = None
+    blocks_needed: int = 0
+    resumer: Resumer | None = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """The turn waits: give a hot agent back as it was."""
+        if self.hot is not None:
+            self.resumer.residency.put(self.hot)
+            self.hot = None
+
+    def apply(self, reservation: Reservation) -> Resumed:
+        return self.resumer.apply(self, reservation)
+
+
+class Resumer:
+    def __init__(
+        self,
+        *,
+        pool: KVPool,
+        store: AgentStore,
+        writer: BackgroundWriter,
+        residency: Residency,
+        token_text: TokenText,
+        bos_id: int | None,
+        min_reuse: int,
+        context_limit: int | None,
+    ):
+        self.pool = pool
+        self.store = store
+        self.writer = writer
+        self.residency = residency
+        self.token_text = token_text
+        self.bos_id = bos_id
+        self.min_reuse = min_reuse
+        self.context_limit = context_limit
+        self.default_seed = pool.seed()
+
+    # -- planning -------------------------------------------------------------------------
+
+    def plan(self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None) -> ResumePlan:
+        """Match the agent's state (memory, then disk) with ``prompt``; count the blocks."""
+        fresh_seed = self.pool.seed(salt) if salt else self.default_seed
+        state = self.residency.take(agent_id)
+        if state is not None:
+            m = match_prefix(
+                state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse
+            )
+            if m.kind is MatchKind.DIVERGE:
+                plan = self._plan(agent_id, "cold", m, state.size, prompt, fresh_seed)
+            elif self._window_rows_held(state, m.reuse):
+                plan = self._plan(
+                    agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans
+                )
+            else:  # the sliding layers' rows of its window are gone: read them again
+                self.residency.put(state)
+                self.residency.drop(agent_id)
+                return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
+            plan.hot = state
+            return self._count(plan, max_new)
+        return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
+
+    def _window_rows_held(self, state: AgentState, reuse: int) -> bool:
+        if self.pool.window is None:
+            return True
+        first = window_start(reuse, self.pool.window) // BLOCK_TOKENS
+        records = self.pool.blocks.records
+        return all(records[b].window_rows for b in state.table.blocks[first : blocks_for(reuse)])
+
+    def _plan_from_disk(self, agent_id: str, prompt: bytes, fresh_seed: bytes) -> ResumePlan:
+        self.writer.flush(agent_id)
+        t0 = time.perf_counter()
+        try:
+            manifest, durable = self.store.read_manifest(agent_id)
+        except CacheFormatError as exc:
+            moved = self.store.quarantine(agent_id, str(exc))
+            self.writer.set_durable(agent_id, DurableState())
+            note = f"stored state rejected ({exc.reason}); kept at {moved}"
+            return self._plan(agent_id, "cold", None, 0, prompt, fresh_seed, note=note)
+        self.writer.set_durable(agent_id, durable)
+        if manifest is None:
+            others = self.store.other_fingerprints(agent_id)
+            note = (
+                f"no stored state for this model; the agent has one for another model "
+                f"({', '.join(others)}), which this model cannot use"
+                if others
+                else None
+            )
+            return self._plan(agent_id, "cold", None, 0, prompt, fresh_seed, note=note)
+        stored = manifest.token_count
+        load_ms = (time.perf_counter() - t0) * 1000
+        convert = manifest.quant != self.pool.quant
+        if convert and self.pool.window is not None:
+            note = (
+                f"stored in the {manifest.quant.label} KV format; this engine keeps "
+                f"{self.pool.quant.label}, so the context is prefilled again"
+            )
+            return self._plan(agent_id, "cold", None, stored, prompt, fresh_seed, note=note)
+        m = match_prefix(
+            manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=self.min_reuse
+        )
+        seed = bytes.fromhex(manifest.chain_seed) if manifest.chain_seed else self.default_seed
+        m = self._readable_prefix(manifest, m)
+        if m.kind is MatchKind.DIVERGE or m.reuse == 0:
+            plan = self._plan(agent_id, "cold", m, stored, prompt, seed)
+        else:
+            plan = self._plan(agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans)
+            plan.manifest = manifest
+            if convert:
+                plan.note = (
+                    f"converted from the stored {manifest.quant.label} KV format to "
+                    f"{self.pool.quant.label} (once: it is saved as {self.pool.quant.label})"
+                    + (f"; {plan.note}" if plan.note else "")
+                )
+        plan.load_ms = load_ms
+        return plan
+
+    def _readable_prefix(self, manifest: Manifest, m: Match) -> Match:
+        """Cut the reuse before the first shared block file that is gone (collected or
+        quarantined): what precedes it is still good."""
+        if m.kind is MatchKind.DIVERGE:
+            return m
+        for i, b in enumerate(manifest.blocks[: blocks_for(m.reuse)]):
+            if not is_shared_file(b.segment) or self.pool.blocks.lookup(bytes.fromhex(b.hash)):
+                continue
+            if (self.store.model_dir / b.segment).exists():
+                continue
+            keep = i * BLOCK_TOKENS
+            note = f"stored block {i} is missing; resumed from token {keep}"
+            if keep == 0:
+                return Match(MatchKind.DIVERGE, 0, None, 0, m.common, note)
+            resume = int(manifest.spans[keep - 1, 1])
+            return Match(MatchKind.PARTIAL, keep, None, resume, m.common, note)
+        return m
+
+    def _plan(
+        self,
+        agent_id: str,
+        tier: str,
+        m: Match | None,
+        stored: int,
+        prompt: bytes,
+        seed: bytes,
+        *,
+        spans: np.ndarray | None = None,
+        note: str | None = None,
+    ) -> ResumePlan:
+        """Tokenize what the own state does not cover (with the refeed and BOS rules)."""
+        reusing = tier != "cold" and m is not None
+        reuse = m.reuse if reusing else 0
+        resume = m.resume_at if reusing else 0
+        encoded = self.token_text.encode(prompt[resume:].decode("utf-8"))
+        ids, new_spans = list(encoded.ids), encoded.spans + resume
+        if reusing and m.refeed is not None:
+            ids.insert(0, m.refeed)
+            new_spans = np.concatenate([np.asarray(spans[m.reuse], np.int64)[None], new_spans])
+        elif reuse == 0 and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
+            new_spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), new_spans])
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        total = reuse + len(ids)
+        if self.context_limit is not None and total >= self.context_limit:
+            raise InvalidRequestError(
+                f"the conversation is {total} tokens; this model's context is "
+                f"{self.context_limit} tokens (including the reply)"
+            )
+        if (
+            note is None
+            and m is not None
+            and m.kind is not MatchKind.EXTEND
+            and (reusing or stored)
+        ):
+            note = m.note
+        own_spans = spans[:reuse].astype(np.int64) if reusing else np.zeros((0, 2), np.int64)
+        plan = ResumePlan(
+            agent_id, tier, m, stored, note, 0.0, seed, reuse, own_spans, ids, new_spans, prompt
+        )
+        plan.resumer = self
+        return plan
+
+    def _count(self, plan: ResumePlan, max_new: int) -> ResumePlan:
+        """Find what sharing adds past the own reuse, and count the blocks the turn takes."""
+        if plan.tier == "hot":
+            own = plan.hot.tokens[: plan.reuse]
+        elif plan.tier == "warm":
+            own = plan.manifest.tokens[: plan.reuse].tolist()
+        else:
+            own = []
+        context = own + plan.prefill_ids
+        plan.share = plan_sharing(self.pool, self.store, plan.seed, context, own=plan.reuse)
+        reused = plan.share.reuse if plan.share is not None else plan.reuse
+        reads = 0
+        if plan.manifest is not None:
+            kept = blocks_for(plan.reuse)
+            if plan.share is not None:
+                kept = min(kept, plan.share.first_block)
+            if plan.manifest.quant != self.pool.quant:
+                reads = kept
+            else:
+                reads = sum(1 for b in plan.manifest.blocks[:kept] if not self._in_pool(b.hash))
+        taken = plan.share.blocks_to_take if plan.share is not None else 0
+        growth = blocks_for(len(context) + max_new) - blocks_for(reused) + 1  # +1: a copied tail
+        plan.blocks_needed = reads + taken + growth
+        return plan
+
+    def _in_pool(self, digest: str | None) -> bool:
+        return digest is not None and self.pool.blocks.lookup(bytes.fromhex(digest)) is not None
+
+    # -- applying ---------------------------------------------------------------------------
+
+    def apply(self, plan: ResumePlan, reservation: Reservation) -> Resumed:
+        """Build the agent's state as planned, reading and sharing under ``reservation``."""
+        if plan.tier == "hot":
+            state, plan.hot = plan.hot, None
+            state.trim(plan.reuse)
+            if self.pool.window is not None:
+                first = window_start(plan.reuse, self.pool.window) // BLOCK_TOKENS
+                state.table.rehold_window(first)
+        else:
+            if plan.hot is not None:  # its text diverged: the old state goes
+                plan.hot.release()
+                plan.hot = None
+            state = AgentState(plan.agent_id, self.pool.quant, self.pool.new_table(plan.seed))
+            if plan.tier == "warm" and plan.manifest.quant != self.pool.quant:
+                self._convert_own(plan, state, reservation)
+            elif plan.tier == "warm":
+                self._read_own(plan, state, reservation)
+        shared = 0
+        if plan.share is not None and plan.share.reuse > state.size:
+            before = state.size
+            context = state.tokens + plan.prefill_ids
+            try:
+                apply_sharing(self.pool, self.store, state.table, plan.share, reservation)
+            except CacheFormatError as exc:
+                state.release()
+                raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
+            shared = state.table.length - before
+            spans = plan.prefill_spans[:shared]
+            state.append(
+                context[before : before + shared],
+                spans,
+                plan.prompt[len(state.text) : int(spans[-1, 1])],
+            )
+            plan.prefill_ids = plan.prefill_ids[shared:]
+            plan.prefill_spans = plan.prefill_spans[shared:]
+        return Resumed(
+            state,
+            plan.tier,
+            plan.match.kind.value if plan.match is not None else "none",
+            plan.stored_tokens,
+            plan.prefill_ids,
+            plan.prefill_spans,
+            plan.note,
+            plan.load_ms,
+            state.size,
+            shared_tokens=shared,
+        )
+
+    def _read_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
+        """Warm: take the agent's blocks the pool already holds (by hash), read the others."""
+        t0 = time.perf_counter()
+        manifest, reuse = plan.manifest, plan.reuse
+        count = blocks_for(reuse)
+        if plan.share is not None:
+            count = min(count, plan.share.first_block + 1)
+        pool = self.pool.blocks
+        table = state.table
+        sources = self.store.block_sources(manifest, plan.agent_id, count)
+        held = [pool.lookup(s.hash) if s.hash is not None else None for s in sources]
+        for block in held:  # pinned before any allocation can evict them
+            if block is not None:
+                pool.acquire(block)
+        reads = []
+        try:
+            for i, (src, block) in enumerate(zip(sources, held)):
+                ids = manifest.tokens[i * BLOCK_TOKENS : i * BLOCK_TOKENS + src.tokens].tolist()
+                if block is not None and pool.records[block].tokens == ids:
+                    table.adopt(block)
+                    continue
+                fresh = pool.allocate(reserved=reservation.take())
+                table.attach(fresh, ids)
+                reads.append((src, fresh))
+            self.store.read_into(self.pool.arena, plan.agent_id, reads)
+        except CacheFormatError as exc:
+            state.release()
+            raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
+        finally:
+            for block in held:
+                if block is not None:
+                    pool.release(block)
+        table.seal_full()
+        table.trim(reuse)
+        state.tokens = manifest.tokens[:reuse].tolist()
+        state.spans = plan.own_spans
+        state.text = manifest.text[: int(manifest.spans[reuse - 1, 1])]
+        state.durable = reuse
+        state.messages = manifest.messages
+        state.saved_blocks = [
+            bytes.fromhex(b.hash) if b.hash else None
+            for b in manifest.blocks[: reuse // BLOCK_TOKENS]
+        ]
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _convert_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
+        """Warm, from another KV format: read the stored blocks, dequantize them and store
+        them in this engine's format (once; the next save writes the new format)."""
+        t0 = time.perf_counter()
+        manifest, reuse = plan.manifest, plan.reuse
+        try:
+            caches = self.store.load_caches(manifest, plan.agent_id, reuse)
+        except CacheFormatError as exc:
+            state.release()
+            raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
+        arena, quant = self.pool.arena, self.pool.quant
+        table = state.table
+        table.grow(reuse, arena.copy_rows, reservation)
+        rows = mx.array(arena.write_rows([table.blocks], [0], reuse))
+        for layer, cache in enumerate(caches):
+            keys, values = cache.keys_and_values()
+            k = _dequantize(keys, cache.quant.key_bits, cache.quant.group_size)
+            v = _dequantize(values, cache.quant.value_bits, cache.quant.group_size)
+            arena.write(
+                layer,
+                (*quant.quantize(k, quant.key_bits), *quant.quantize(v, quant.value_bits)),
+                rows,
+            )
+        arena.settle()
+        table.written(manifest.tokens[:reuse].tolist())
+        state.tokens = manifest.tokens[:reuse].tolist()
+        state.spans = plan.own_spans
+        state.text = manifest.text[: int(manifest.spans[reuse - 1, 1])]
+        state.messages = manifest.messages
+        state.durable = 0  # saved again, in this engine's format
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _reject_file(self, agent_id: str, exc: CacheFormatError) -> str:
+        """Move the file at fault aside: a shared block file alone (agents naming it resume
+        from the blocks before it), else the agent's whole directory. Returns the note."""
+        model_dir = str(self.store.model_dir)
+        path = str(exc.path)
+        name = path[len(model_dir) + 1 :] if path.startswith(model_dir + "/") else path
+        if is_shared_file(name):
+            moved = self.store.shared.quarantine(name, exc.reason)
+        else:
+            moved = self.store.quarantine(agent_id, str(exc))
+            self.writer.set_durable(agent_id, DurableState())
+        return f"stored state rejected ({exc.reason}); kept at {moved}"
+
+
+def _dequantize(parts: tuple, bits: int, group: int) -> mx.array:
+    if bits == 16:
+        return parts[0].astype(mx.float32)
+    w, scales, biases = parts
+    return mx.dequantize(
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+    )

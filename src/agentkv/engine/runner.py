@@ -1,0 +1,175 @@
+"""TurnRunner: what the scheduler drives — admitting turns by pool blocks, forward passes
+over jagged batches of block tables, and the end of a turn (residency, saving).
+
+The scheduler (``scheduler.py``) decides *when*; this decides *how*, and owns nothing but
+references to the model, the pool, residency, resume planning and the writer. Everything
+here runs on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from ..errors import InvalidRequestError
+from ..kv.blocks import BLOCK_TOKENS
+from ..kv.cache import window_start
+from ..model.load import LoadedModel
+from ..pool import KVPool
+from ..pool.step import PagedStep
+from ..store.agent_store import build_save_job
+from ..store.writer import BackgroundWriter
+from ..text.tokens import TokenText
+from .job import Job, Resumed
+from .residency import Residency
+from .resume import ReloadNeeded, Resumer
+from .state import AgentState
+
+log = logging.getLogger("agentkv.engine")
+
+RELOAD_ATTEMPTS = 3
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        *,
+        loaded: LoadedModel,
+        pool: KVPool,
+        residency: Residency,
+        resumer: Resumer,
+        writer: BackgroundWriter,
+        token_text: TokenText,
+        eos_ids: frozenset,
+        prefill_chunk: int,
+        agent_lock: Callable[[str], threading.Lock],
+    ):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.pool = pool
+        self.residency = residency
+        self.resumer = resumer
+        self.writer = writer
+        self.token_text = token_text
+        self.eos_ids = eos_ids
+        self.prefill_chunk = prefill_chunk
+        self.query_heads = loaded.query_heads
+        self.context_limit = loaded.context_limit
+        self.agent_lock = agent_lock
+
+    # -- admission --------------------------------------------------------------------------
+
+    def admit(self, job: Job, busy: set[str]) -> Resumed | None:
+        """Plan the turn, make room in the pool and reserve its blocks, then build its
+        state; None if the blocks are not there now (the turn waits, nothing changed)."""
+        max_new = job.params.max_tokens
+        if self.context_limit is not None:
+            max_new = min(max_new, self.context_limit)
+        rejected = None  # what a stored file that failed its checks left to say
+        for _ in range(RELOAD_ATTEMPTS):
+            plan = self.resumer.plan(job.agent_id, job.prompt, max_new=max_new, salt=job.salt)
+            need = plan.blocks_needed
+            if need > self.pool.capacity:
+                plan.cancel()
+                raise InvalidRequestError(
+                    f"this turn needs {need} KV blocks ({need * BLOCK_TOKENS} tokens of context "
+                    f"and reply) but the pool holds {self.pool.capacity}; give the engine more "
+                    "pool memory (pool_bytes / --pool-memory) or lower max_tokens"
+                )
+            if not self.residency.reclaim(need, busy=busy, lock_of=self.agent_lock):
+                plan.cancel()
+                return None
+            reservation = self.pool.reserve(need)
+            try:
+                resumed = plan.apply(reservation)
+            except ReloadNeeded as exc:
+                reservation.close()
+                rejected = str(exc)
+                log.warning("agentkv: agent %r: %s; planning its turn again", job.agent_id, exc)
+                continue
+            except BaseException:
+                reservation.close()
+                plan.cancel()
+                raise
+            job.reservation = reservation
+            if rejected is not None:
+                resumed.note = rejected + (f"; {resumed.note}" if resumed.note else "")
+            return resumed
+        raise RuntimeError(f"agent {job.agent_id!r}: stored files kept failing their checks")
+
+    # -- forward passes ---------------------------------------------------------------------
+
+    def forward(self, tables, ids: list[list[int]], *, reservations=None, logits: bool = True):
+        """Feed ``ids`` (as many per row) through the model on these block tables, growing
+        each from its reservation; the logits after each row's last token, or None
+        (``logits=False``: a prefill chunk that is not the last, whose output projection
+        is then never computed)."""
+        count = len(ids[0])
+        arena = self.pool.arena
+        for table, reservation in zip(tables, reservations or [None] * len(tables)):
+            table.grow(count, arena.copy_rows, reservation)
+        step = PagedStep(arena, self.loaded.spec, tables, count)
+        out = self.model(mx.array(ids), cache=step.caches)
+        last = out[:, -1, :] if logits else None
+        if last is not None:
+            mx.eval(last)
+        arena.settle()
+        for table, row in zip(tables, ids):
+            table.written(row)
+        return last
+
+    # -- the end of a turn --------------------------------------------------------------------
+
+    def finish(self, job: Job, *, failed: bool) -> None:
+        """Put the agent back (hot) and queue its save; a failed turn's agent is dropped
+        (its blocks may hold a partial step) and reloads from disk next time."""
+        if job.reservation is not None:
+            job.reservation.close()
+            job.reservation = None
+        state: AgentState | None = job.state
+        job.state = None  # handled once
+        if state is None:
+            return
+        if failed:
+            state.release()
+            return
+        state.table.trim(state.size)  # the last sampled token was never fed
+        self.save(state)
+        self._cap_window(state)
+        self.residency.put(state)
+
+    def save(self, state: AgentState) -> None:
+        """Queue the blocks that changed since the last save (packed now: one copy)."""
+        if state.size == 0 or state.durable == state.size:
+            return
+        agent_id = state.agent_id
+        if self.writer.take_failure(agent_id) is not None:
+            state.saved_blocks = []  # what is on disk is unknown: write every block again
+        keep = state.kept_blocks()
+        job = build_save_job(
+            self.pool.arena,
+            state.table,
+            agent_id=agent_id,
+            keep=keep,
+            tokens=state.tokens,
+            spans=state.spans,
+            text=state.text,
+            messages=state.messages,
+        )
+        self.writer.submit(job)
+        records = self.pool.blocks.records
+        state.saved_blocks = [records[b].hash for b in state.table.blocks]
+        if state.saved_blocks and state.saved_blocks[-1] is None:
+            state.saved_blocks.pop()
+        state.durable = state.size
+
+    def _cap_window(self, state: AgentState) -> None:
+        """Give back the sliding layers' rows no future token sees (never unsaved ones)."""
+        if self.pool.window is None:
+            return
+        upto = min(window_start(state.size, self.pool.window), state.durable) // BLOCK_TOKENS
+        state.table.release_window(upto)

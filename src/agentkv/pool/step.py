@@ -1,0 +1,109 @@
+"""PagedStep: one forward pass of a jagged batch over the pool, in mlx-lm's cache protocol.
+
+A step runs ``L`` new tokens for each of ``B`` block tables (a prefill chunk of one agent,
+or one decode token of many). It builds, once, the ``[B, max_blocks]`` table, the ``[B]``
+lengths after the step and the arena rows the new tokens go to; each layer gets a
+``PagedLayerCache`` that mlx-lm's model code drives like any cache:
+``update_and_fetch`` scatters the layer's new keys and values into the pool, and the
+attention dispatch (``mlx_adapter``) calls ``agentkv_attention``, which reads every row's
+keys and values through its block table. Rows are never padded or copied, so agents join
+and leave a running batch between steps by adding or dropping their table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..kv.attention import NOT_OURS, mask_window, paged_attention, remember_mask
+from ..kv.blocks import BLOCK_TOKENS, blocks_for
+from ..kv.quant import KVQuant
+from ..model.spec import ModelCacheSpec
+from .arena import KVArena
+from .tables import BlockTable
+
+
+class PagedStep:
+    def __init__(
+        self, arena: KVArena, spec: ModelCacheSpec, tables: Sequence[BlockTable], count: int
+    ):
+        if not tables or count < 1:
+            raise ValueError("a step needs at least one table and one token")
+        starts = [t.length for t in tables]
+        for t in tables:
+            if len(t.blocks) < blocks_for(t.length + count):
+                raise ValueError("grow every table before its step")
+        width = max(len(t.blocks) for t in tables)
+        table = np.full((len(tables), width), -1, dtype=np.int32)
+        for b, t in enumerate(tables):
+            table[b, : len(t.blocks)] = t.blocks
+        self.arena = arena
+        self.quant: KVQuant = arena.quant
+        self.count = count
+        self.tables = mx.array(table)
+        self.lengths = mx.array(np.asarray(starts, dtype=np.int32) + count)
+        self.rows = mx.array(arena.write_rows([t.blocks for t in tables], starts, count))
+        self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
+        self.caches = [
+            PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
+        ]
+
+
+class PagedLayerCache:
+    """One layer of a ``PagedStep`` (mlx-lm's cache protocol, for one forward pass)."""
+
+    def __init__(self, step: PagedStep, layer: int, window: int | None):
+        self.step = step
+        self.layer = layer
+        self.window = window
+
+    @property
+    def offset(self):
+        return self.step.offset
+
+    @property
+    def quant(self) -> KVQuant:
+        return self.step.quant
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        q = self.step.quant
+        parts = (*q.quantize(keys, q.key_bits), *q.quantize(values, q.value_bits))
+        arena = self.step.arena
+        arena.write(self.layer, parts, self.step.rows)
+        return arena.keys(self.layer), arena.values(self.layer)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
+        """The attention kernel masks from each row's length and the layer's window; what
+        the model gets is a marker it hands back unchanged."""
+        if not return_array:
+            return None if N == 1 else "causal"
+        return remember_mask(mx.array(True), window_size or self.window)
+
+    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+        if mask_window(mask, queries.shape[-2]) == NOT_OURS:
+            raise ValueError(
+                "this model builds its own attention mask; agentkv's paged cache masks "
+                "causally (with the layer's sliding window) and cannot honour it"
+            )
+        step = self.step
+        return paged_attention(
+            queries,
+            keys,
+            values,
+            tables=step.tables,
+            lengths=step.lengths,
+            kv_heads=step.arena.heads,
+            block_tokens=BLOCK_TOKENS,
+            scale=scale,
+            quant=step.quant,
+            window=self.window,
+            sinks=sinks,
+        )
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False

@@ -1,0 +1,219 @@
+"""BlockTable: one agent's KV cache as a list of pool blocks and a length.
+
+::
+
+    blocks  [ 17 | 4 | 230 | 9 ]      length 812: blocks 17, 4, 230 full, 9 holds 44 tokens
+              shared    private tail
+
+Appending fills the tail block, then takes fresh blocks: nothing already written moves.
+A tail held by another table (after ``fork``) or sealed is copied first (copy on write:
+at most one block). A block that fills up is sealed: indexed under its chain hash so
+other agents can share it; if the pool already had it, the table switches to that copy.
+
+Invariants: ``len(blocks) == blocks_for(length)`` (between ``grow`` and ``written`` it
+may hold the blocks for the tokens being written too); block ``i`` holds tokens
+``[256 i, 256 (i + 1))`` of the agent, so every block but the last is full; the table
+holds one reference on each of its blocks (``refs`` counts tables); on a model with
+sliding-window layers it also holds a window reference on ``blocks[window_from:]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..kv.blocks import BLOCK_TOKENS, blocks_for
+from .blocks import BlockPool, PoolExhaustedError, Reservation
+
+CopyRows = Callable[[int, int, int], None]  # (src block, dst block, tokens)
+
+
+class BlockTable:
+    def __init__(self, pool: BlockPool, seed: bytes, *, window: int | None = None):
+        self.pool = pool
+        self.seed = seed
+        self.window = window
+        self.blocks: list[int] = []
+        self.length = 0
+        self.window_from = 0
+
+    # -- reading ------------------------------------------------------------------------
+
+    def parent_of(self, index: int) -> bytes | None:
+        """The chain hash before block ``index`` (None if a block before it is unsealed)."""
+        if index == 0:
+            return self.seed
+        return self.pool.records[self.blocks[index - 1]].hash
+
+    def token_ids(self) -> list[int]:
+        return [t for b in self.blocks for t in self.pool.records[b].tokens]
+
+    def needs_copy(self) -> bool:
+        """Whether the next append must copy the tail block first."""
+        return (
+            bool(self.blocks)
+            and self.length % BLOCK_TOKENS != 0
+            and not self.pool.writable(self.blocks[-1])
+        )
+
+    def blocks_needed(self, tokens: int) -> int:
+        """Blocks ``grow(tokens)`` would take from the pool."""
+        return blocks_for(self.length + tokens) - len(self.blocks) + self.needs_copy()
+
+    # -- growing ------------------------------------------------------------------------
+
+    def grow(
+        self, tokens: int, copy_rows: CopyRows, reservation: Reservation | None = None
+    ) -> None:
+        """Make room for ``tokens`` more tokens (blocks taken, the tail copied if shared),
+        drawing on ``reservation`` while it lasts. Raises PoolExhaustedError, with the
+        table unchanged, if the pool cannot give them all."""
+        need = self.blocks_needed(tokens)
+        have = self.pool.available() + (reservation.left if reservation is not None else 0)
+        if need > have:
+            raise PoolExhaustedError(f"{need} blocks needed, {have} available")
+        if self.needs_copy():
+            self._copy_tail(copy_rows, reservation)
+        while len(self.blocks) < blocks_for(self.length + tokens):
+            block = self.pool.allocate(reserved=reservation is not None and reservation.take())
+            self.pool.set_parent(block, self.parent_of(len(self.blocks)))
+            self.blocks.append(block)
+            if self.window is not None:
+                self.pool.hold_window(block)
+
+    def written(self, ids: Sequence[int]) -> None:
+        """Record ``ids``, just written into the pool after ``length``; seal full blocks."""
+        at = 0
+        while at < len(ids):
+            index = self.length // BLOCK_TOKENS
+            block = self.blocks[index]
+            take = min(len(ids) - at, BLOCK_TOKENS - self.length % BLOCK_TOKENS)
+            self.pool.append_tokens(block, ids[at : at + take])
+            self.length += take
+            at += take
+            if self.length % BLOCK_TOKENS == 0:
+                self._seal(index)
+
+    def _seal(self, index: int) -> None:
+        block = self.blocks[index]
+        if self.pool.records[block].parent is None:  # an unsealed block before it
+            self.pool.set_parent(block, self.parent_of(index))
+        kept = self.pool.seal(block)
+        if kept != block:  # the pool already held these tokens: use that copy
+            self.blocks[index] = kept
+            if self.window is not None and index >= self.window_from:
+                self.pool.hold_window(kept)  # the released block took its window ref along
+        if index + 1 < len(self.blocks):
+            self.pool.set_parent(self.blocks[index + 1], self.pool.records[kept].hash)
+
+    def _copy_tail(self, copy_rows: CopyRows, reservation: Reservation | None) -> None:
+        old = self.blocks[-1]
+        keep = self.length % BLOCK_TOKENS
+        fresh = self.pool.allocate(reserved=reservation is not None and reservation.take())
+        copy_rows(old, fresh, keep)
+        self.pool.set_parent(fresh, self.parent_of(len(self.blocks) - 1))
+        self.pool.append_tokens(fresh, self.pool.records[old].tokens[:keep])
+        self.blocks[-1] = fresh
+        if self.window is not None and len(self.blocks) - 1 >= self.window_from:
+            self.pool.hold_window(fresh)
+            self.pool.drop_window(old)
+        self.pool.release(old)
+
+    # -- sharing ------------------------------------------------------------------------
+
+    def adopt(self, block: int) -> None:
+        """Append a complete, sealed block of the pool (a shared prefix) to a table whose
+        length is a multiple of the block size."""
+        record = self.pool.records[block]
+        if self.length % BLOCK_TOKENS or record.hash is None:
+            raise ValueError("only sealed blocks can be adopted, after full blocks")
+        if record.parent != self.parent_of(len(self.blocks)):
+            raise ValueError("the block does not follow this table's blocks")
+        self.pool.acquire(block)
+        self.blocks.append(block)
+        self.length += BLOCK_TOKENS
+        if self.window is not None:
+            self.pool.hold_window(block)
+
+    def attach(self, block: int, ids: Sequence[int]) -> None:
+        """Append a block just allocated for ``ids`` (about to be read from disk; sealed by
+        ``seal_full`` once its bytes are in)."""
+        if self.length % BLOCK_TOKENS:
+            raise ValueError("blocks attach after full blocks only")
+        self.pool.set_parent(block, self.parent_of(len(self.blocks)))
+        self.pool.append_tokens(block, ids)
+        self.blocks.append(block)
+        self.length += len(ids)
+        if self.window is not None:
+            self.pool.hold_window(block)
+
+    def seal_full(self) -> None:
+        """Seal every full block not sealed yet (after their bytes were read)."""
+        for index, block in enumerate(self.blocks):
+            record = self.pool.records[block]
+            if record.hash is None and record.full:
+                self._seal(index)
+
+    def fork(self) -> BlockTable:
+        """A second table over the same blocks (refcounts only; the tail is copied when
+        either appends)."""
+        twin = BlockTable(self.pool, self.seed, window=self.window)
+        twin.blocks = list(self.blocks)
+        twin.length = self.length
+        twin.window_from = self.window_from
+        for i, block in enumerate(self.blocks):
+            self.pool.acquire(block)
+            if self.window is not None and i >= self.window_from:
+                self.pool.hold_window(block)
+        return twin
+
+    # -- shrinking ----------------------------------------------------------------------
+
+    def trim(self, keep: int) -> None:
+        """Forget every token after the first ``keep``."""
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot keep {keep} of {self.length} tokens")
+        count = blocks_for(keep)
+        for index in range(len(self.blocks) - 1, count - 1, -1):
+            self._drop(index)
+        del self.blocks[count:]
+        self.window_from = min(self.window_from, count)
+        self.length = keep
+        tail = keep % BLOCK_TOKENS
+        if tail and self.pool.writable(self.blocks[-1]):
+            self.pool.truncate(self.blocks[-1], tail)
+        # A shared or sealed tail keeps its tokens: the next append copies what is kept.
+
+    def rehold_window(self, first: int) -> bool:
+        """Take window references again from block ``first`` on (after a trim moved the
+        window back); False if a block's sliding rows are gone (reload it instead)."""
+        first = max(0, min(first, len(self.blocks)))
+        if first >= self.window_from:
+            return True
+        blocks = self.blocks[first : self.window_from]
+        if not all(self.pool.records[b].window_rows for b in blocks):
+            return False
+        for block in blocks:
+            self.pool.hold_window(block)
+        self.window_from = first
+        return True
+
+    def release_window(self, upto: int) -> None:
+        """Give up the sliding layers' rows of blocks before ``upto`` (their window passed)."""
+        upto = min(upto, len(self.blocks))
+        for index in range(self.window_from, upto):
+            self.pool.drop_window(self.blocks[index])
+        self.window_from = max(self.window_from, upto)
+
+    def release(self) -> None:
+        """Give every block back (the table is empty afterwards)."""
+        for index in range(len(self.blocks) - 1, -1, -1):
+            self._drop(index)
+        self.blocks = []
+        self.length = 0
+        self.window_from = 0
+
+    def _drop(self, index: int) -> None:
+        block = self.blocks[index]
+        if self.window is not None and index >= self.window_from:
+            self.pool.drop_window(block)
+        self.pool.release(block)

@@ -1,0 +1,236 @@
+"""SharedBlocks: complete KV blocks stored once, by chain hash, for every agent of a model.
+
+::
+
+    <model_dir>/blocks/<hh>/<hash>.safetensors     header | region (layer-major) | token ids
+    <model_dir>/.blocks.lock                       flock(2): writers shared, the collector
+                                                   exclusive
+
+A block file is written once (temporary name, fsync, rename, fsync the directory) and never
+modified. Writers hold the lock *shared* from before they write or check a block file until
+their manifest naming it is switched; the collector holds it *exclusive* while it deletes
+the block files no manifest names. So a block file exists before any manifest names it, and
+is deleted only when no switched manifest names it — across processes too.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from .._faults import crash_point
+from ..errors import CacheFormatError
+from ..kv.blocks import BLOCK_TOKENS
+from ..kv.quant import KVQuant
+from ..model.spec import ModelCacheSpec
+from ..paths import FILE_MODE, atomic_write_text, fsync_dir, secure_mkdir
+from .format import (
+    BLOCK_FILE_RE,
+    StoredBlock,
+    block_file_name,
+    decode_block_file,
+    encode_block_header,
+    read_header,
+)
+
+log = logging.getLogger("agentkv.store")
+
+MAX_HEAD_BYTES = 1 << 20
+
+
+class SharedBlocks:
+    def __init__(self, model_dir: Path, spec: ModelCacheSpec, quant: KVQuant):
+        self.model_dir = Path(model_dir)
+        self.dir = self.model_dir / "blocks"
+        self.spec = spec
+        self.quant = quant
+        self.components = spec.components(quant)
+        self.region_bytes = spec.bytes_per_token(quant) * BLOCK_TOKENS
+        self._lock_path = self.model_dir / ".blocks.lock"
+
+    def path(self, name: str) -> Path:
+        return self.model_dir / name
+
+    # -- locking ------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self, mode: int) -> Iterator[None]:
+        secure_mkdir(self.model_dir)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    def writing(self):
+        """Held (shared) by a save from its first block file to its manifest switch."""
+        return self._locked(fcntl.LOCK_SH)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def find(self, digest: bytes) -> StoredBlock | None:
+        """The stored block with this hash, if there is a sound one (a damaged file is
+        moved to quarantine and reported as absent)."""
+        name = block_file_name(digest)
+        path = self.path(name)
+        length = self.region_bytes
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                prefix = fh.read(8)
+                if len(prefix) < 8:
+                    raise CacheFormatError(path, "file is shorter than a safetensors header")
+                header_len = int.from_bytes(prefix, "little")
+                if header_len > MAX_HEAD_BYTES:
+                    raise CacheFormatError(path, f"header length {header_len} is not sane")
+                head = prefix + fh.read(header_len)
+                _, data_start = read_header(head, path)
+                fh.seek(data_start + length)
+                tail = fh.read(4 * BLOCK_TOKENS)
+            return decode_block_file(
+                head,
+                tail,
+                path,
+                name=name,
+                size=size,
+                fingerprint=self.spec.fingerprint,
+                digest=digest,
+                length=length,
+            )
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("agentkv: cannot read block file %s: %s", path, exc)
+            return None
+        except CacheFormatError as exc:
+            self.quarantine(name, exc.reason)
+            return None
+
+    # -- writing ------------------------------------------------------------------------
+
+    def ensure(
+        self,
+        digest: bytes,
+        parent: bytes,
+        tokens,
+        region: memoryview,
+        checksum: int,
+    ) -> StoredBlock:
+        """The block file of ``digest``, written from ``region`` unless a sound one exists.
+
+        Call inside ``writing()``. The file is fsynced and renamed into place; its
+        directory is fsynced by ``sync_dirs`` before any manifest names it.
+        """
+        found = self.find(digest)
+        if found is not None:
+            return found
+        name = block_file_name(digest)
+        path = self.path(name)
+        secure_mkdir(path.parent)
+        header = encode_block_header(
+            fingerprint=self.spec.fingerprint,
+            digest=digest,
+            parent=parent,
+            layers=self.spec.num_layers,
+            components=self.components,
+            length=len(region),
+            checksum=checksum,
+        )
+        ids = np.ascontiguousarray(tokens, dtype="<i4")
+        if ids.shape != (BLOCK_TOKENS,):
+            raise ValueError("a block file holds exactly one complete block")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            for chunk in (memoryview(header), region, memoryview(ids).cast("B")):
+                while chunk:
+                    chunk = chunk[os.write(fd, chunk) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        crash_point("block-written")
+        os.replace(tmp, path)
+        crash_point("block-renamed")
+        found = self.find(digest)
+        if found is None:
+            raise OSError(f"{path} vanished right after it was written")
+        return found
+
+    def sync_dirs(self, names) -> None:
+        """fsync the directories of these block files (and ``blocks/`` itself)."""
+        dirs = {self.path(name).parent for name in names}
+        for directory in sorted(dirs):
+            fsync_dir(directory)
+        if dirs:
+            fsync_dir(self.dir)
+
+    # -- collecting ---------------------------------------------------------------------
+
+    def collect(self, referenced) -> int:
+        """Delete every block file (and leftover temporary file) that no manifest in
+        ``referenced()`` names; returns how many. ``referenced`` is called under the
+        exclusive lock, so no save can name a file between the mark and the sweep."""
+        if not self.dir.exists():
+            return 0
+        from .. import _ext
+
+        with self._locked(fcntl.LOCK_EX):
+            keep = set(referenced())
+            dead = []
+            for sub in self.dir.iterdir():
+                if not sub.is_dir():
+                    continue
+                for entry in sub.iterdir():
+                    name = f"blocks/{sub.name}/{entry.name}"
+                    if entry.name.endswith(".tmp") or (
+                        BLOCK_FILE_RE.match(name) and name not in keep
+                    ):
+                        dead.append(entry)
+            _ext.forget_mappings([str(p) for p in dead])
+            for entry in dead:
+                entry.unlink(missing_ok=True)
+                crash_point("block-collected")
+        return len(dead)
+
+    def quarantine(self, name: str, reason: str) -> Path | None:
+        """Move a damaged block file aside (kept, never deleted)."""
+        from .. import _ext
+
+        path = self.path(name)
+        if not path.exists():
+            return None
+        target_dir = self.model_dir / "quarantine" / "blocks"
+        secure_mkdir(target_dir)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        target = target_dir / f"{path.name}.{stamp}"
+        _ext.forget_mappings([str(path)])
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return None
+        atomic_write_text(target_dir / f"{target.name}.REASON.txt", reason + "\n")
+        log.warning("agentkv: quarantined block file %s to %s: %s", path, target, reason)
+        return target
+
+    def disk_bytes(self) -> int:
+        if not self.dir.exists():
+            return 0
+        total = 0
+        for sub in self.dir.iterdir():
+            for entry in sub.iterdir() if sub.is_dir() else ():
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+        return total
