@@ -167,3 +167,37 @@ def table_arrays(pool, table, tokens: int | None = None) -> list[np.ndarray]:
 def cache_arrays(caches: list[AgentKVCache]) -> list[np.ndarray]:
     """The same arrays from contiguous caches (``AgentStore.load_caches``)."""
     return [x[0] for c in caches for x in held_arrays(c)]
+
+
+def tiny_llama_dir(root: Path, *, seed: int = 3, layers: int = 2) -> Path:
+    """A tiny random-weight llama with the embedded model's tokenizer, as an mlx-lm directory."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from agentkv.model.load import ensure_embedded_model
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 2048,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    root.mkdir(parents=True)
+    mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (root / "config.json").write_text(json.dumps(config))
+    source = ensure_embedded_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, root / name)
+    return root

@@ -58,8 +58,9 @@ def test_importing_mlx_first_is_reported(python_env):
 @pytest.fixture
 def stored_agents(fresh_engine, tmp_path):
     eng = fresh_engine()
-    eng.chat("alpha", [{"role": "user", "content": "Name a fruit."}], max_tokens=6)
-    eng.chat("beta", [{"role": "user", "content": "Name a tree."}], max_tokens=6)
+    system = {"role": "system", "content": "You are a careful gardener. " * 60}  # > 256 tokens
+    eng.chat("alpha", [system, {"role": "user", "content": "Name a fruit."}], max_tokens=6)
+    eng.chat("beta", [system, {"role": "user", "content": "Name a tree."}], max_tokens=6)
     eng.close()
     return tmp_path / "kv"
 
@@ -70,9 +71,14 @@ def test_cache_ls_show_verify_rm(stored_agents, python_env):
     listed = json.loads(ls.stdout)
     assert sorted(a["agent"] for a in listed) == ["alpha", "beta"]
     assert all(a["problem"] is None and a["kv_format"] == "q4" and a["tokens"] > 10 for a in listed)
+    assert all(a["shared_blocks"] >= 1 for a in listed)  # the system prompt's blocks
+    table = agentkv("cache", "--cache-dir", root, "ls", env=python_env).stdout
+    assert "SHARED" in table and "shared block files" in table
     show = agentkv("cache", "--cache-dir", root, "show", "alpha", env=python_env)
     assert show.returncode == 0 and "generation" in show.stdout and "fruit" in show.stdout
     assert agentkv("cache", "--cache-dir", root, "verify", env=python_env).returncode == 0
+    blocks = sorted(stored_agents.glob("*/blocks/*/*.safetensors"))
+    assert blocks  # stored once for both
 
     segment = next((stored_agents).glob("*/agents/beta/seg-*.safetensors"))
     data = bytearray(segment.read_bytes())
@@ -86,6 +92,15 @@ def test_cache_ls_show_verify_rm(stored_agents, python_env):
 
     rm = agentkv("cache", "--cache-dir", root, "rm", "beta", env=python_env)
     assert rm.returncode == 0 and "removed beta" in rm.stdout
+    assert sorted(stored_agents.glob("*/blocks/*/*.safetensors")) == blocks  # alpha names them
+    block = blocks[0]
+    data = bytearray(block.read_bytes())
+    data[-2000] ^= 0x55
+    block.write_bytes(bytes(data))
+    verify = agentkv("cache", "--cache-dir", root, "verify", env=python_env)
+    assert verify.returncode == 1 and "alpha" in verify.stdout and str(block) in verify.stdout
+    assert agentkv("cache", "--cache-dir", root, "rm", "alpha", env=python_env).returncode == 0
+    assert not list(stored_agents.glob("*/blocks/*/*.safetensors"))  # named by none: collected
     assert agentkv("cache", "--cache-dir", root, "show", "beta", env=python_env).returncode == 1
     bad = agentkv("cache", "--cache-dir", root, "rm", "../alpha", env=python_env)
     assert bad.returncode == 2 and "invalid agent id" in bad.stderr

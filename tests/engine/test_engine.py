@@ -435,6 +435,41 @@ def test_a_missing_segment_is_quarantined_too(fresh_engine):
     assert r.stats.cache == "cold" and "No such file" in r.stats.reuse_note
 
 
+def test_a_damaged_shared_block_costs_only_the_blocks_from_it_on(fresh_engine):
+    eng = fresh_engine()
+    system = {"role": "system", "content": "You are a careful gardener. " * 130}  # 3+ blocks
+    talks = {
+        "gardener-a": [system, {"role": "user", "content": "Name a fruit."}],
+        "gardener-b": [system, {"role": "user", "content": "Name a tree."}],
+    }
+    replies = {agent: eng.chat(agent, m, max_tokens=4).text for agent, m in talks.items()}
+    eng.flush()
+    manifest, _ = eng.store.read_manifest("gardener-a")
+    shared = manifest.blocks[1]
+    assert shared.segment.startswith("blocks/")  # block 1 is stored once, for both
+    path = eng.store.model_dir / shared.segment
+    data = bytearray(path.read_bytes())
+    data[shared.offset + 100] ^= 0x20
+    path.write_bytes(bytes(data))
+    for agent in talks:
+        eng.evict(agent)
+    eng.drop_cached_blocks()  # nothing in memory: the next turns read the files
+    follow = {
+        agent: m
+        + [{"role": "assistant", "content": replies[agent]}, {"role": "user", "content": "Why?"}]
+        for agent, m in talks.items()
+    }
+    a = eng.chat("gardener-a", follow["gardener-a"], max_tokens=4)
+    assert a.stats.cache == "warm" and a.stats.reused_tokens == 256  # block 0 only
+    assert "rejected" in a.stats.reuse_note and "checksum" in a.stats.reuse_note
+    kept = list((eng.store.quarantine_dir / "blocks").iterdir())
+    assert any(p.name.startswith(path.name) for p in kept)
+    b = eng.chat("gardener-b", follow["gardener-b"], max_tokens=4)
+    assert b.stats.cache == "warm" and b.stats.reused_tokens >= 256  # not lost either
+    eng.flush()
+    assert path.exists()  # written again, from the re-prefilled block
+
+
 def test_normal_exit_flushes_without_close(tmp_path, python_env):
     code = (
         "import sys, agentkv\n"

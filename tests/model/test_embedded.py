@@ -4,18 +4,17 @@ and the error when nothing is reachable."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 import zipfile
 
-import mlx.core as mx
 import pytest
 from fake_hub import FakeHub
+from helpers import tiny_llama_dir
 
 from agentkv.model import embedded
-from agentkv.model.load import embedded_gguf_path, ensure_embedded_model
+from agentkv.model.load import embedded_gguf_path
 
 UNREACHABLE = "http://127.0.0.1:9"
 
@@ -125,30 +124,7 @@ def test_a_file_given_by_hand_is_checked_before_use(models_env, tmp_path):
 
 def _tiny_hub_repo(root):
     """A tiny random-weight llama with the embedded model's tokenizer, as a hub repo holds."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 49152,
-        "tie_word_embeddings": True,
-        "max_position_embeddings": 2048,
-    }
-    mx.random.seed(3)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    root.mkdir()
-    mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (root / "config.json").write_text(json.dumps(config))
-    source = ensure_embedded_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, root / name)
+    tiny_llama_dir(root)
     (root / "README.md").write_text("not fetched: only what HUB_FILES asks for")
     return {p.name: p for p in root.iterdir()}
 

@@ -51,6 +51,8 @@ def _entry_summary(e: inventory.AgentEntry) -> dict:
         "tokens": m.token_count if m else None,
         "kv_format": m.quant.label if m else None,
         "disk_bytes": e.disk_bytes,
+        "shared_blocks": inventory.shared_blocks(e),
+        "blocks": len(m.blocks) if m else None,
         "updated_at": m.updated_at if m else None,
         "problem": e.problem,
     }
@@ -85,6 +87,7 @@ def run_cache(args) -> int:
                 s["fingerprint"],
                 s["tokens"] if s["tokens"] is not None else "-",
                 s["kv_format"] or "-",
+                f"{s['shared_blocks']}/{s['blocks']}" if s["blocks"] is not None else "-",
                 human_bytes(s["disk_bytes"]),
                 s["updated_at"] or "-",
                 s["problem"] or "ok",
@@ -94,7 +97,27 @@ def run_cache(args) -> int:
         if not rows:
             print(f"no stored agents under {root}")
             return 0
-        table(["AGENT", "MODEL", "FINGERPRINT", "TOKENS", "KV", "DISK", "UPDATED", "STATUS"], rows)
+        table(
+            [
+                "AGENT",
+                "MODEL",
+                "FINGERPRINT",
+                "TOKENS",
+                "KV",
+                "SHARED",
+                "DISK",
+                "UPDATED",
+                "STATUS",
+            ],
+            rows,
+        )
+        for model_dir in sorted({e.model_dir for e in found}):
+            count, size = inventory.block_files(model_dir)
+            if count:
+                print(
+                    f"{model_dir.name}: {count} shared block files, {human_bytes(size)} "
+                    "(stored once, named by every agent whose prefix they hold)"
+                )
         return 0
     if action == "rm":
         found = [

@@ -13,13 +13,24 @@ from .. import __version__
 from ..errors import AgentKVError
 
 
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="mlx-lm model directory, .gguf file or Hugging Face id "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
+def _engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> None:
+    if many:
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="mlx-lm model directory, .gguf file, Hugging Face id, or `embedded` (default: "
+            "the embedded SmolLM2-135M-Instruct); repeat it to serve several models, one "
+            "loaded at a time: a request's `model` picks one, and a swap first saves every "
+            "agent of the other",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="mlx-lm model directory, .gguf file or Hugging Face id "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
     parser.add_argument(
         "--cache-dir", default=None, help="where agents' KV caches live (default: $AGENTKV_HOME/kv)"
     )
@@ -171,7 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         "message. SIGTERM (or Ctrl-C) finishes the requests in flight, saves every agent and "
         "exits.",
     )
-    _engine_options(serve)
+    _engine_options(serve, many=True)
+    serve.add_argument(
+        "--model-idle-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="unload the loaded model after this long without a request (default: 600 when "
+        "serving several models, never with one; 0: never)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=int, default=8080, help="default 8080")
     serve.add_argument(

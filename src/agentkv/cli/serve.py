@@ -36,26 +36,37 @@ def run_serve(args) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     ours = logging.getLogger("agentkv")
     ours.setLevel(min(level, ours.getEffectiveLevel()))
-    print("agentkv: loading the model...", file=sys.stderr, flush=True)
-    engine = Engine(
-        model=args.model,
-        cache_dir=args.cache_dir,
-        kv_bits=args.kv_bits,
-        key_bits=args.key_bits,
-        pool_bytes=args.pool_memory,
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        schedule=args.schedule,
-    )
+    from ..server.models import ModelRouter, describe
+
+    served = describe(args.model or [None])
+    ttl = args.model_idle_ttl
+    if ttl is None:
+        ttl = 600.0 if len(served) > 1 else 0.0
+
+    def make_engine(source):
+        return Engine(
+            model=source,
+            cache_dir=args.cache_dir,
+            kv_bits=args.kv_bits,
+            key_bits=args.key_bits,
+            pool_bytes=args.pool_memory,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            schedule=args.schedule,
+        )
+
+    router = ModelRouter(served, make_engine, idle_ttl=ttl or None)
+    names = ", ".join(m.name for m in served)
+    print(f"agentkv: loading {served[0].name}...", file=sys.stderr, flush=True)
     app = create_app(
-        engine,
+        router=router,
         api_key=api_key,
         max_body_bytes=args.max_body_mb << 20,
         default_max_tokens=args.default_max_tokens,
         close_engine=True,
     )
     print(
-        f"agentkv: serving {engine.loaded.name} on http://{args.host}:{args.port} "
+        f"agentkv: serving {names} on http://{args.host}:{args.port} "
         f"(OpenAI /v1/chat/completions, Anthropic /v1/messages, agents /v1/agents)",
         file=sys.stderr,
         flush=True,
@@ -69,5 +80,7 @@ def run_serve(args) -> int:
             timeout_graceful_shutdown=args.drain_timeout,
         )
     finally:
-        engine.close()  # no-op after the app's shutdown closed it
+        engine = router.engine
+        if engine is not None:  # the app's shutdown closed it, unless startup failed
+            engine.close()
     return 0

@@ -217,7 +217,7 @@ class Engine:
             )
         return self._run_all(jobs)
 
-    def generate_many(self, turns, **options) -> list[ChatResult]:
+    def generate_many(self, turns, *, cache_salt: str | None = None, **options) -> list[ChatResult]:
         """``generate`` for several agents as one batch: ``turns`` is ``[(agent_id, prompt)]``."""
         params = SamplingParams.create(**options)
         jobs = []
@@ -225,7 +225,9 @@ class Engine:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("every prompt must be a non-empty string")
             check_text(prompt, "prompt")
-            jobs.append(self._job(validate_agent_id(agent_id), prompt, params, None))
+            jobs.append(
+                self._job(validate_agent_id(agent_id), prompt, params, None, salt=cache_salt)
+            )
         return self._run_all(jobs)
 
     def _run_all(self, jobs: list[Job]) -> list[ChatResult]:

@@ -21,6 +21,7 @@ import mlx.core as mx
 from .. import kernels
 from ..kernels import RowSource
 from .attention import cache_attention, remember_mask
+from .base import CacheBase
 from .blocks import BLOCK_TOKENS
 from .quant import KVQuant
 
@@ -29,7 +30,7 @@ def _capacity(rows: int) -> int:
     return (rows + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS + BLOCK_TOKENS
 
 
-class BatchQuantizedKVCache:
+class BatchQuantizedKVCache(CacheBase):
     step = BLOCK_TOKENS
 
     def __init__(self, quant: KVQuant, left_padding: list[int], *, window: int | None = None):
@@ -206,9 +207,6 @@ class BatchQuantizedKVCache:
                 tuple(arrays[len(self.keys) :]),
             )
         return cache
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)

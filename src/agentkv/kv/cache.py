@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .attention import cache_attention, remember_mask
+from .base import CacheBase
 from .blocks import BLOCK_TOKENS
 from .quant import KVQuant
 
@@ -39,7 +40,7 @@ def window_start(tokens: int, window: int | None) -> int:
     return (tokens - window) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
-class AgentKVCache:
+class AgentKVCache(CacheBase):
     """One layer's KV cache in a ``KVQuant`` format (default: 4-bit, group 64)."""
 
     step = BLOCK_TOKENS
@@ -160,9 +161,6 @@ class AgentKVCache:
         self.keys = tuple(shift(x) for x in self.keys)
         self.values = tuple(shift(x) for x in self.values)
         self.start = token
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (never below ``start``); returns how many."""

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kv.attention import NOT_OURS, mask_window, paged_attention, remember_mask
+from ..kv.base import CacheBase
 from ..kv.blocks import BLOCK_TOKENS, blocks_for
 from ..kv.quant import KVQuant
 from ..model.spec import ModelCacheSpec
@@ -51,8 +52,10 @@ class PagedStep:
         ]
 
 
-class PagedLayerCache:
+class PagedLayerCache(CacheBase):
     """One layer of a ``PagedStep`` (mlx-lm's cache protocol, for one forward pass)."""
+
+    trimmable = False  # a step lives for one forward pass; agents trim their block tables
 
     def __init__(self, step: PagedStep, layer: int, window: int | None):
         self.step = step
@@ -101,9 +104,6 @@ class PagedLayerCache:
             window=self.window,
             sinks=sinks,
         )
-
-    def is_trimmable(self) -> bool:
-        return False
 
     def empty(self) -> bool:
         return False

@@ -40,6 +40,7 @@ from .direct import DirectDialect
 from .errors import APIError, bad_request
 from .identity import HEADER
 from .metrics import CONTENT_TYPE, Metrics
+from .models import ModelRouter
 from .turns import AsyncTurn
 
 log = logging.getLogger("agentkv.server")
@@ -67,17 +68,20 @@ async def _discard_body(request: Request, *, limit: int) -> None:
 
 
 def create_app(
-    engine,
+    engine=None,
     *,
+    router: ModelRouter | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     close_engine: bool = False,
 ) -> Starlette:
-    """An app serving ``engine``; ``close_engine``: close it when the app shuts down."""
+    """An app serving ``engine`` (one model), or the models of ``router`` (one loaded at a
+    time); ``close_engine``: close the engine(s) when the app shuts down."""
+    if router is None:
+        router = ModelRouter.around(engine)
     limits = ServerLimits(
-        model_id=engine.loaded.name,
-        context_limit=engine.context_limit or 1 << 20,
+        models={m.name: m.context_limit or 1 << 20 for m in router.models.values()},
         default_max_tokens=default_max_tokens,
     )
     openai, anthropic, direct = (
@@ -85,7 +89,7 @@ def create_app(
         AnthropicDialect(limits),
         DirectDialect(limits),
     )
-    metrics = Metrics(engine)
+    metrics = Metrics(router)
     started = time.time()
 
     def authorized(request: Request) -> bool:
@@ -168,6 +172,22 @@ def create_app(
 
     async def chat(request: Request, dialect, agent: str | None) -> Response:
         req = dialect.parse(await read_json(request), agent)
+        engine = await router.acquire(req.model)
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                router.release(req.model)
+
+        try:
+            return await run_turn(request, dialect, req, engine, release)
+        finally:
+            if not getattr(request.state, "streaming", False):
+                release()
+
+    async def run_turn(request: Request, dialect, req, engine, release) -> Response:
         turn = AsyncTurn(engine, req.agent_id, req.messages, req.sampling)
         # One watcher from here to the end of the response: a client that goes away at any
         # point (waiting for its turn, during prefill, mid-stream) cancels the turn.
@@ -207,10 +227,11 @@ def create_app(
                 finally:
                     turn.cancel()  # no-op once the turn has ended
                     await turn.unwatch()
+                    release()
 
             headers["cache-control"] = "no-cache"
             response = StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-            streaming = True
+            streaming = request.state.streaming = True
             return response
         except BaseException:
             turn.cancel()
@@ -230,21 +251,20 @@ def create_app(
     async def agent_chat(request):
         return await chat(request, direct, request.path_params["agent_id"])
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         return {
-            "id": limits.model_id,
+            "id": name,
             "object": "model",
             "created": int(started),
             "owned_by": "agentkv",
+            "loaded": router.loaded == name,
         }
 
     async def models(request):
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in router.models]})
 
     async def model(request):
-        name = request.path_params["model"]
-        limits.check_model(name)
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(limits.check_model(request.path_params["model"])))
 
     def agent_json(info) -> dict:
         return {
@@ -256,25 +276,40 @@ def create_app(
             "last_used": info.last_used,
         }
 
+    async def with_engine(request, work):
+        """Run ``work(engine)`` in a thread on the engine of ``?model=`` (default: the one
+        loaded, else the first)."""
+        asked = request.query_params.get("model")
+        name = limits.check_model(asked) if asked else router.loaded or router.default
+        engine = await router.acquire(name)
+        try:
+            return await anyio.to_thread.run_sync(work, engine)
+        finally:
+            router.release(name)
+
     async def agents(request):
-        infos = await anyio.to_thread.run_sync(engine.agents)
+        infos = await with_engine(request, lambda e: e.agents())
         return JSONResponse({"object": "list", "data": [agent_json(i) for i in infos]})
 
     async def agent(request):
         agent_id = validate_agent_id(request.path_params["agent_id"])
-        info = await anyio.to_thread.run_sync(engine.agent_info, agent_id)
+        info = await with_engine(request, lambda e: e.agent_info(agent_id))
         if info is None:
             raise APIError(404, "not_found", f"no agent {agent_id!r}")
         return JSONResponse(agent_json(info))
 
     async def delete_agent(request):
         agent_id = validate_agent_id(request.path_params["agent_id"])
-        if not await anyio.to_thread.run_sync(engine.delete_agent, agent_id):
+        if not await with_engine(request, lambda e: e.delete_agent(agent_id)):
             raise APIError(404, "not_found", f"no agent {agent_id!r}")
         return JSONResponse({"id": agent_id, "deleted": True})
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": limits.model_id, **engine.scheduler.load()})
+        engine = router.engine
+        load = engine.scheduler.load() if engine is not None else {"waiting": 0, "running": 0}
+        return JSONResponse(
+            {"status": "ok", "model": router.loaded, "models": list(router.models), **load}
+        )
 
     async def metrics_text(request):
         body = await anyio.to_thread.run_sync(metrics.render)
@@ -301,11 +336,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        await router.start()
         yield
         if close_engine:  # drained: finish what the engine holds and save every agent
-            await anyio.to_thread.run_sync(engine.close)
+            await router.close()
 
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
-    app.state.engine = engine
+    app.state.router = router
     app.state.metrics = metrics
     return app

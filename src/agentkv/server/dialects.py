@@ -31,27 +31,36 @@ MAX_STOPS = 16
 
 @dataclass(frozen=True)
 class ServerLimits:
-    model_id: str
-    context_limit: int
+    """The models served (id -> context length) and the reply length when none is asked."""
+
+    models: dict
     default_max_tokens: int
 
-    def check_model(self, name: str) -> None:
-        if name.lower() != self.model_id.lower():
-            raise APIError(
-                404,
-                "model_not_found",
-                f"model {name!r} is not served here; this server serves {self.model_id!r}",
-                param="model",
-            )
+    @property
+    def model_id(self) -> str:
+        """The default model (the first served)."""
+        return next(iter(self.models))
 
-    def check_max_tokens(self, value: int | None, param: str) -> int:
+    def check_model(self, name: str) -> str:
+        """The served model's id for ``name`` (case-insensitive); 404 if none."""
+        for known in self.models:
+            if known.lower() == name.lower():
+                return known
+        served = ", ".join(repr(m) for m in self.models)
+        raise APIError(
+            404,
+            "model_not_found",
+            f"model {name!r} is not served here; this server serves {served}",
+            param="model",
+        )
+
+    def check_max_tokens(self, value: int | None, param: str, model: str | None = None) -> int:
+        limit = self.models.get(model or self.model_id) or 1 << 20
         if value is None:
-            return min(self.default_max_tokens, self.context_limit)
-        if not 1 <= value <= self.context_limit:
+            return min(self.default_max_tokens, limit)
+        if not 1 <= value <= limit:
             raise bad_request(
-                f"{param} must be between 1 and {self.context_limit} (the model's context), "
-                f"got {value}",
-                param,
+                f"{param} must be between 1 and {limit} (the model's context), got {value}", param
             )
         return value
 
@@ -184,7 +193,7 @@ class OpenAIDialect:
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
         req: _OpenAIChat = parse_body(_OpenAIChat, body)
-        self.limits.check_model(req.model)
+        model = self.limits.check_model(req.model)
         if req.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
         if req.tools or req.functions:
@@ -205,8 +214,8 @@ class OpenAIDialect:
         return TurnRequest(
             agent_id=resolve_agent(agent_header, req.user, *first_texts(messages)),
             messages=messages,
-            model=self.limits.model_id,
-            max_tokens=self.limits.check_max_tokens(max_tokens, param),
+            model=model,
+            max_tokens=self.limits.check_max_tokens(max_tokens, param, model),
             temperature=temperature,
             top_p=top_p,
             stop=stop_list(req.stop, "stop"),
@@ -309,7 +318,7 @@ class AnthropicDialect:
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
         req: _AnthropicMessages = parse_body(_AnthropicMessages, body)
-        self.limits.check_model(req.model)
+        model = self.limits.check_model(req.model)
         if req.tools:
             raise bad_request("tool use is not supported by this server", "tools")
         messages = []
@@ -328,8 +337,8 @@ class AnthropicDialect:
         return TurnRequest(
             agent_id=resolve_agent(agent_header, user, *first_texts(messages)),
             messages=messages,
-            model=self.limits.model_id,
-            max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens"),
+            model=model,
+            max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens", model),
             temperature=temperature,
             top_p=top_p,
             stop=stop_list(req.stop_sequences, "stop_sequences"),

@@ -41,6 +41,7 @@ class _DirectChat(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     cache_salt: StrictStr | None = None
+    model: StrictStr | None = None  # default: the server's first model
 
 
 class DirectDialect:
@@ -54,11 +55,12 @@ class DirectDialect:
         agent_id = validate_agent_id(agent_id)
         req: _DirectChat = parse_body(_DirectChat, body)
         temperature, top_p = sampling(req.temperature, req.top_p, default_t=0.0, max_t=2.0)
+        model = self.limits.check_model(req.model) if req.model else self.limits.model_id
         return TurnRequest(
             agent_id=agent_id,
             messages=chat_messages(req.messages),
-            model=self.limits.model_id,
-            max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens"),
+            model=model,
+            max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens", model),
             temperature=temperature,
             top_p=top_p,
             stop=stop_list(req.stop, "stop"),

@@ -12,8 +12,19 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
-    def __init__(self, engine):
+    """Counters of the server's turns and gauges of the loaded model's engine (0 while no
+    model is loaded)."""
+
+    def __init__(self, router):
         self.registry = r = CollectorRegistry()
+
+        def of_engine(read, default=0):
+            def value():
+                engine = router.engine
+                return read(engine) if engine is not None else default
+
+            return value
+
         self.requests = Counter(
             "agentkv_requests", "HTTP requests answered", ["api", "status"], registry=r
         )
@@ -32,10 +43,10 @@ class Metrics:
         )
         Gauge(
             "agentkv_kv_resident_bytes", "KV cache bytes held in memory", registry=r
-        ).set_function(engine.resident_bytes)
+        ).set_function(of_engine(lambda e: e.resident_bytes()))
         Gauge(
             "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
-        ).set_function(engine.disk_bytes)
+        ).set_function(of_engine(lambda e: e.disk_bytes()))
         blocks = Gauge(
             "agentkv_pool_blocks",
             "KV pool blocks by state: capacity, used (held by agents), shared (by more than "
@@ -53,11 +64,14 @@ class Metrics:
         }
         for state, field in fields.items():
             blocks.labels(state).set_function(
-                lambda field=field: getattr(engine.pool_stats(), field)
+                of_engine(lambda e, field=field: getattr(e.pool_stats(), field))
             )
         Gauge(
             "agentkv_pool_block_bytes", "bytes of one pool block (every layer)", registry=r
-        ).set_function(lambda: engine.pool_stats().block_bytes)
+        ).set_function(of_engine(lambda e: e.pool_stats().block_bytes))
+        Gauge(
+            "agentkv_model_swaps", "models loaded since the server started", registry=r
+        ).set_function(lambda: router.swaps)
         calls = Gauge(
             "agentkv_attention_calls",
             "attention calls over agentkv caches by path (fused_cpu: agentkv's kernel, "
@@ -67,7 +81,11 @@ class Metrics:
         )
         for path in paths_used():
             calls.labels(path).set_function(lambda path=path: paths_used()[path])
-        load = engine.scheduler.load
+
+        def load():
+            engine = router.engine
+            return engine.scheduler.load() if engine is not None else {"waiting": 0, "running": 0}
+
         Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
             lambda: load()["waiting"]
         )

@@ -420,20 +420,7 @@ class AgentStore:
 
     def collect_blocks(self) -> int:
         """Delete shared block files that no manifest names (agents' and quarantined ones)."""
-        return self.shared.collect(self._named_block_files)
-
-    def _named_block_files(self) -> set[str]:
-        named = set()
-        manifests = list(self.agents_dir.glob(f"*/{MANIFEST_NAME}"))
-        if self.quarantine_dir.exists():
-            manifests += list(self.quarantine_dir.glob(f"*/{MANIFEST_NAME}"))
-        for path in manifests:
-            try:
-                manifest = decode_manifest(path.read_bytes(), path)
-            except (OSError, CacheFormatError):
-                continue  # unreadable: it names nothing loadable
-            named.update(name for name in manifest.segments if is_shared_file(name))
-        return named
+        return self.shared.collect()
 
     @staticmethod
     def _collect_garbage(directory: Path, live: dict) -> None:

@@ -53,26 +53,15 @@ class SharedBlocks:
         self.quant = quant
         self.components = spec.components(quant)
         self.region_bytes = spec.bytes_per_token(quant) * BLOCK_TOKENS
-        self._lock_path = self.model_dir / ".blocks.lock"
 
     def path(self, name: str) -> Path:
         return self.model_dir / name
 
     # -- locking ------------------------------------------------------------------------
 
-    @contextmanager
-    def _locked(self, mode: int) -> Iterator[None]:
-        secure_mkdir(self.model_dir)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)
-
     def writing(self):
         """Held (shared) by a save from its first block file to its manifest switch."""
-        return self._locked(fcntl.LOCK_SH)
+        return _locked(self.model_dir, fcntl.LOCK_SH)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -177,31 +166,9 @@ class SharedBlocks:
 
     # -- collecting ---------------------------------------------------------------------
 
-    def collect(self, referenced) -> int:
-        """Delete every block file (and leftover temporary file) that no manifest in
-        ``referenced()`` names; returns how many. ``referenced`` is called under the
-        exclusive lock, so no save can name a file between the mark and the sweep."""
-        if not self.dir.exists():
-            return 0
-        from .. import _ext
-
-        with self._locked(fcntl.LOCK_EX):
-            keep = set(referenced())
-            dead = []
-            for sub in self.dir.iterdir():
-                if not sub.is_dir():
-                    continue
-                for entry in sub.iterdir():
-                    name = f"blocks/{sub.name}/{entry.name}"
-                    if entry.name.endswith(".tmp") or (
-                        BLOCK_FILE_RE.match(name) and name not in keep
-                    ):
-                        dead.append(entry)
-            _ext.forget_mappings([str(p) for p in dead])
-            for entry in dead:
-                entry.unlink(missing_ok=True)
-                crash_point("block-collected")
-        return len(dead)
+    def collect(self) -> int:
+        """Delete the block files no manifest names (see ``collect_block_files``)."""
+        return collect_block_files(self.model_dir)
 
     def quarantine(self, name: str, reason: str) -> Path | None:
         """Move a damaged block file aside (kept, never deleted)."""
@@ -234,3 +201,56 @@ class SharedBlocks:
                 except FileNotFoundError:
                     continue
         return total
+
+
+@contextmanager
+def _locked(model_dir: Path, mode: int) -> Iterator[None]:
+    secure_mkdir(model_dir)
+    fd = os.open(model_dir / ".blocks.lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)
+
+
+def named_block_files(model_dir: Path) -> set[str]:
+    """The block files the manifests of a model's agents (quarantined ones too) name."""
+    from .format import MANIFEST_NAME, decode_manifest, is_shared_file
+
+    named = set()
+    manifests = list((model_dir / "agents").glob(f"*/{MANIFEST_NAME}"))
+    manifests += list((model_dir / "quarantine").glob(f"*/{MANIFEST_NAME}"))
+    for path in manifests:
+        try:
+            manifest = decode_manifest(path.read_bytes(), path)
+        except (OSError, CacheFormatError):
+            continue  # unreadable: it names nothing loadable
+        named.update(name for name in manifest.segments if is_shared_file(name))
+    return named
+
+
+def collect_block_files(model_dir: Path) -> int:
+    """Delete every block file (and leftover temporary file) of a model that no manifest
+    names; returns how many. The manifests are read under the exclusive lock, so no save
+    can name a file between the mark and the sweep."""
+    from .. import _ext
+
+    blocks = Path(model_dir) / "blocks"
+    if not blocks.exists():
+        return 0
+    with _locked(Path(model_dir), fcntl.LOCK_EX):
+        keep = named_block_files(Path(model_dir))
+        dead = []
+        for sub in blocks.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in sub.iterdir():
+                name = f"blocks/{sub.name}/{entry.name}"
+                if entry.name.endswith(".tmp") or (BLOCK_FILE_RE.match(name) and name not in keep):
+                    dead.append(entry)
+        _ext.forget_mappings([str(p) for p in dead])
+        for entry in dead:
+            entry.unlink(missing_ok=True)
+            crash_point("block-collected")
+    return len(dead)

@@ -1,4 +1,5 @@
-"""The KV store without a loaded model: list, show, verify and remove agents.
+"""The KV store without a loaded model: list, show, verify and remove agents, and the shared
+block files they name.
 
 Used by ``agentkv cache ...``: every check ``AgentStore`` makes on load runs
 here too (manifest record and arrays, segment headers parsed by the
@@ -15,7 +16,8 @@ from pathlib import Path
 from .. import _ext
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError
-from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest
+from .blocks import collect_block_files
+from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest, is_shared_file
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,16 @@ def verify(entry: AgentEntry) -> str | None:
     m = entry.manifest
     try:
         for name in m.segments:
-            with safe_open(entry.path / name, framework="numpy") as f:
+            with safe_open(file_path(entry, name), framework="numpy") as f:
                 f.keys()
     except (OSError, SafetensorError) as exc:
         return f"segment unreadable: {exc}"
     comps = m.components()
     names = sorted(m.segments)
     index = {n: i for i, n in enumerate(names)}
-    segments = [(str(entry.path / n), m.segments[n].size, m.segments[n].header_crc) for n in names]
+    segments = [
+        (str(file_path(entry, n)), m.segments[n].size, m.segments[n].header_crc) for n in names
+    ]
     blocks = [(index[b.segment], b.offset, b.length, b.checksum, b.tokens) for b in m.blocks]
     layers = int(m.geometry["num_layers"])
     capacity = len(m.blocks) * BLOCK_TOKENS
@@ -113,7 +117,34 @@ def verify(entry: AgentEntry) -> str | None:
     return None
 
 
-def remove(entry: AgentEntry) -> None:
+def file_path(entry: AgentEntry, name: str) -> Path:
+    """A file the manifest names: a shared block file (model dir) or a segment (agent dir)."""
+    return entry.model_dir / name if is_shared_file(name) else entry.path / name
+
+
+def shared_blocks(entry: AgentEntry) -> int:
+    """Blocks of the agent stored in shared block files (by chain hash)."""
+    if entry.manifest is None:
+        return 0
+    return sum(1 for b in entry.manifest.blocks if is_shared_file(b.segment))
+
+
+def block_files(model_dir: Path) -> tuple[int, int]:
+    """(count, bytes) of the shared block files of one model."""
+    count = total = 0
+    for path in (model_dir / "blocks").glob("*/*.safetensors"):
+        try:
+            total += path.stat().st_size
+            count += 1
+        except FileNotFoundError:
+            continue
+    return count, total
+
+
+def remove(entry: AgentEntry) -> int:
+    """Delete the agent's directory, then the shared block files no other agent names;
+    returns how many of those went."""
     validate_agent_id(entry.agent_id)
     _ext.forget_mappings([str(p) for p in entry.path.iterdir()])
     shutil.rmtree(entry.path)
+    return collect_block_files(entry.model_dir)

@@ -1,0 +1,114 @@
+"""Shared prefix blocks on the real model: what is shared, and that nothing else is.
+
+Isolation: 16 agents whose prompts share prefixes of random lengths run at once; every one
+gives exactly the tokens it gives alone (with nothing shared), and holds only blocks whose
+tokens are its own."""
+
+import random
+
+import pytest
+
+from agentkv.kv.blocks import BLOCK_TOKENS, GROUP_TOKENS
+
+BRIEF = (
+    "The team builds csvjson, a command line tool that converts CSV files to JSON. "
+    "It must handle quoted fields, embedded newlines, other delimiters and files larger "
+    "than memory, and its errors must name the line that failed. "
+)
+
+
+def brief(words: int) -> str:
+    text = BRIEF * 40
+    return " ".join(text.split()[:words])
+
+
+def test_a_second_agent_shares_the_first_ones_system_prompt(fresh_engine):
+    eng = fresh_engine()
+    system = {"role": "system", "content": brief(420)}
+    a = eng.chat("share-a", [system, {"role": "user", "content": "Who parses?"}], max_tokens=4)
+    b = eng.chat("share-b", [system, {"role": "user", "content": "Who writes?"}], max_tokens=4)
+    assert a.stats.shared_tokens == 0 and a.stats.cache == "cold"
+    s = b.stats
+    assert s.cache == "cold" and s.shared_tokens >= 2 * BLOCK_TOKENS
+    assert s.shared_tokens % GROUP_TOKENS == 0 and s.reused_tokens == s.shared_tokens
+    assert s.prefill_tokens < GROUP_TOKENS + 20  # its own question, and under 64 more
+    stats = eng.pool_stats()
+    assert stats.shared_blocks >= 2 and stats.arena_copies == 0
+    # The same tokens as without sharing (a tenant salt keeps it apart).
+    apart = eng.chat(
+        "share-c",
+        [system, {"role": "user", "content": "Who writes?"}],
+        max_tokens=4,
+        cache_salt="tenant-c",
+    )
+    assert apart.stats.shared_tokens == 0 and apart.tokens == b.tokens
+
+
+def test_shared_blocks_are_found_on_disk_after_a_restart(fresh_engine, tmp_path):
+    eng = fresh_engine()
+    system = {"role": "system", "content": brief(420)}
+    eng.chat("first", [system, {"role": "user", "content": "Hi."}], max_tokens=2)
+    eng.close()
+    again = fresh_engine()
+    r = again.chat("newcomer", [system, {"role": "user", "content": "Hello."}], max_tokens=2)
+    assert r.stats.cache == "cold" and r.stats.shared_tokens >= 2 * BLOCK_TOKENS
+    assert again.disk_bytes() > 0
+
+
+def test_forked_agents_share_every_block_until_one_writes(fresh_engine):
+    eng = fresh_engine()
+    messages = [{"role": "system", "content": brief(300)}, {"role": "user", "content": "Go."}]
+    eng.chat("trunk", messages, max_tokens=4)
+    used = eng.pool_stats().used_blocks
+    eng.fork_agent("trunk", "branch")
+    assert eng.pool_stats().used_blocks == used  # refcounts, no block copied
+    info = eng.agent_info("branch")
+    assert info.tier == "hot" and info.shared_blocks == len(
+        eng.residency.get("branch").table.blocks
+    )
+    history = eng.history("trunk")
+    r = eng.chat("branch", history + [{"role": "user", "content": "And then?"}], max_tokens=4)
+    assert r.stats.cache == "hot"
+    assert eng.pool_stats().used_blocks <= used + 2  # its own tail (copied once) and growth
+
+
+@pytest.mark.slow
+def test_sixteen_agents_with_random_shared_prefixes_equal_their_solo_runs(fresh_engine):
+    rng = random.Random(20261123)
+    base = brief(700)
+    prompts = []
+    for i in range(16):
+        cut = rng.randint(0, len(base))
+        prompts.append(base[:cut] + f" Agent {i}: summarise it in one line.")
+    alone = fresh_engine()
+    solo = [
+        alone.generate(f"solo-{i}", p, max_tokens=6, cache_salt=f"solo-{i}").tokens
+        for i, p in enumerate(prompts)
+    ]
+    eng = fresh_engine(max_batch=8)
+    results = eng.generate_many([(f"agent-{i}", p) for i, p in enumerate(prompts)], max_tokens=6)
+    assert [r.tokens for r in results] == solo
+    assert sum(r.stats.shared_tokens for r in results) > 0  # sharing did happen
+    records = eng.pool.blocks.records
+    for i in range(len(results)):
+        state = eng.residency.get(f"agent-{i}")
+        # Every block it holds carries exactly its own tokens at that place.
+        assert state.table.token_ids()[: state.table.length] == state.tokens
+        for index, block in enumerate(state.table.blocks):
+            start = index * BLOCK_TOKENS
+            held = records[block].tokens[: min(BLOCK_TOKENS, state.size - start)]
+            assert held == state.tokens[start : start + len(held)]
+    eng.pool.blocks.check()
+
+
+def test_more_agents_than_the_pool_holds_all_complete_and_resume_warm(fresh_engine):
+    block = 6_480 * BLOCK_TOKENS  # one block of the embedded model, 4-bit
+    eng = fresh_engine(pool_bytes=block * 6, max_batch=4)
+    prompts = [(f"crowd-{i}", f"Agent {i} reports: " + brief(260 + 7 * i)) for i in range(6)]
+    first = eng.generate_many(prompts, max_tokens=4)
+    assert all(r.stats.cache == "cold" and r.tokens for r in first)
+    stats = eng.pool_stats()
+    assert stats.reserved_blocks == 0 and stats.used_blocks <= 6
+    assert eng.residency.evicted > 0  # idle agents gave their blocks back
+    again = [eng.generate(agent, text + " And?", max_tokens=2) for agent, text in prompts]
+    assert all(r.stats.cache in ("hot", "warm") and r.stats.reused_tokens > 100 for r in again)
