@@ -332,8 +332,16 @@ def test_a_prompt_over_the_context_is_rejected(engine):
     too_long = "word " * (engine.context_limit + 10)
     with pytest.raises(InvalidRequestError, match="context"):
         engine.chat("toolong", [{"role": "user", "content": too_long}], max_tokens=4)
-    r = engine.chat("toolong", [{"role": "user", "content": "Hi."}], max_tokens=4)
+    first = convo("Hi.")
+    r = engine.chat("toolong", first, max_tokens=4)
     assert r.stats.cache == "cold" and r.tokens
+    # A rejected prompt leaves a hot agent as it was: the next turn still finds it in memory.
+    held = engine.pool_stats().used_blocks
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.chat("toolong", convo("Hi.", too_long, replies=[r.text]), max_tokens=4)
+    assert engine.pool_stats().used_blocks == held
+    r = engine.chat("toolong", convo("Hi.", "Go on.", replies=[r.text]), max_tokens=4)
+    assert r.stats.cache == "hot"
 
 
 def test_one_agent_serializes_and_agents_run_in_parallel(engine):

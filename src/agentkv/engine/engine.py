@@ -396,7 +396,8 @@ class Engine:
         validate_agent_id(dst)
         if src == dst:
             raise InvalidRequestError("an agent cannot be forked onto itself")
-        with self._agent_lock(src), self._agent_lock(dst):
+        first, second = sorted((src, dst))  # one order for every caller: no deadlock
+        with self._agent_lock(first), self._agent_lock(second):
             if dst in self.residency or self.store.manifest_path(dst).exists():
                 raise InvalidRequestError(f"agent {dst!r} already exists")
             forked = self.scheduler.call(lambda: self._fork_hot(src, dst))

@@ -99,9 +99,19 @@ class Resumer:
     # -- planning -------------------------------------------------------------------------
 
     def plan(self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None) -> ResumePlan:
-        """Match the agent's state (memory, then disk) with ``prompt``; count the blocks."""
+        """Match the agent's state (memory, then disk) with ``prompt``; count the blocks.
+        Nothing changes if it raises (a hot agent stays hot)."""
         fresh_seed = self.pool.seed(salt) if salt else self.default_seed
-        state = self.residency.take(agent_id)
+        held = [self.residency.take(agent_id)]  # emptied once the state is given up
+        try:
+            return self._plan_from(agent_id, prompt, max_new, fresh_seed, held)
+        except BaseException:
+            if held[0] is not None:
+                self.residency.put(held[0])
+            raise
+
+    def _plan_from(self, agent_id, prompt, max_new, fresh_seed, held: list) -> ResumePlan:
+        state = held[0]
         if state is not None:
             m = match_prefix(
                 state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse
@@ -113,11 +123,14 @@ class Resumer:
                     agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans
                 )
             else:  # the sliding layers' rows of its window are gone: read them again
+                held[0] = None
                 self.residency.put(state)
                 self.residency.drop(agent_id)
                 return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
             plan.hot = state
-            return self._count(plan, max_new)
+            plan = self._count(plan, max_new)
+            held[0] = None  # the plan holds it now (apply or cancel)
+            return plan
         return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
 
     def _window_rows_held(self, state: AgentState, reuse: int) -> bool:
@@ -270,9 +283,20 @@ class Resumer:
     # -- applying ---------------------------------------------------------------------------
 
     def apply(self, plan: ResumePlan, reservation: Reservation) -> Resumed:
-        """Build the agent's state as planned, reading and sharing under ``reservation``."""
+        """Build the agent's state as planned, reading and sharing under ``reservation``. If
+        it raises, the blocks it took are back in the pool (the agent resumes from disk)."""
+        taken = []
+        try:
+            return self._apply(plan, reservation, taken)
+        except BaseException:
+            for state in taken:
+                state.release()
+            raise
+
+    def _apply(self, plan: ResumePlan, reservation: Reservation, taken: list) -> Resumed:
         if plan.tier == "hot":
             state, plan.hot = plan.hot, None
+            taken.append(state)
             state.trim(plan.reuse)
             if self.pool.window is not None:
                 first = window_start(plan.reuse, self.pool.window) // BLOCK_TOKENS
@@ -282,6 +306,7 @@ class Resumer:
                 plan.hot.release()
                 plan.hot = None
             state = AgentState(plan.agent_id, self.pool.quant, self.pool.new_table(plan.seed))
+            taken.append(state)
             if plan.tier == "warm" and plan.manifest.quant != self.pool.quant:
                 self._convert_own(plan, state, reservation)
             elif plan.tier == "warm":
@@ -293,7 +318,6 @@ class Resumer:
             try:
                 apply_sharing(self.pool, self.store, state.table, plan.share, reservation)
             except CacheFormatError as exc:
-                state.release()
                 raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
             shared = state.table.length - before
             spans = plan.prefill_spans[:shared]
@@ -343,7 +367,6 @@ class Resumer:
                 reads.append((src, fresh))
             self.store.read_into(self.pool.arena, plan.agent_id, reads)
         except CacheFormatError as exc:
-            state.release()
             raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
         finally:
             for block in held:
@@ -370,7 +393,6 @@ class Resumer:
         try:
             caches = self.store.load_caches(manifest, plan.agent_id, reuse)
         except CacheFormatError as exc:
-            state.release()
             raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
         arena, quant = self.pool.arena, self.pool.quant
         table = state.table

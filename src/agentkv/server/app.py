@@ -272,6 +272,7 @@ def create_app(
             "tokens": info.tokens,
             "tier": info.tier,
             "memory_bytes": info.memory_bytes,
+            "shared_blocks": info.shared_blocks,
             "disk_bytes": info.disk_bytes,
             "last_used": info.last_used,
         }
