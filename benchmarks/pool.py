@@ -323,7 +323,7 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
             elapsed = time.perf_counter() - start
             stats = eng.pool_stats()
     ttfts = sorted(r.stats.ttft_ms for r in results)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     return {
         "agents": agents,
         "prompt_tokens": round(median(r.stats.prompt_tokens for r in results)) if results else 0,
@@ -351,6 +351,19 @@ def _percentile(values: list[float], q: float) -> float:
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak RSS. Not ``getrusage``'s ``ru_maxrss``: Linux carries that across
+    ``execve``, so a child spawned by a large parent reports the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes
 
 
 def ops(*, blocks: int = 4096, repeats: int = 5) -> dict:
