@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|quality``."""
+"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|quality|kv-candidates``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def run_bench(args) -> int:
         if args.turns < 2:
             raise SystemExit("agentkv: error: --turns must be at least 2 (a restart in the middle)")
         run(args.paragraphs, args.clients, args.turns, args.max_tokens, as_json=args.json)
+    elif name == "kv-candidates":
+        from .kv_candidates import run
+
+        contexts = _counts(args.context, "--context")
+        if args.scored >= min(contexts):
+            raise SystemExit("agentkv: error: --scored must be below every --context")
+        run(
+            context=contexts,
+            segments=args.segments,
+            scored=args.scored,
+            as_json=args.json,
+            model=args.model,
+        )
     else:
         from .quality import FORMATS, run
 
