@@ -81,7 +81,15 @@ def run_bench(args) -> int:
             raise SystemExit(
                 f"agentkv: error: --formats takes {','.join(FORMATS)}, not {args.formats!r}"
             )
-        if not 0 < args.stride <= args.window:
-            raise SystemExit("agentkv: error: need 0 < --stride <= --window")
-        run(args.tokens, args.window, args.stride, formats, as_json=args.json, model=args.model)
+        contexts = _counts(args.contexts, "--contexts") if args.contexts else None
+        if contexts and any(c < 4 or c % 2 for c in contexts):
+            raise SystemExit("agentkv: error: --contexts must be even numbers of at least 4")
+        run(
+            args.tokens,
+            contexts,
+            formats,
+            quick=args.quick,
+            as_json=args.json,
+            model=args.model,
+        )
     return 0

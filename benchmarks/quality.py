@@ -1,22 +1,25 @@
-"""Quality: what quantizing the KV cache costs the embedded model.
+"""Quality: what quantizing the KV cache costs the model, against an fp16 cache.
 
-Text: Python's own documentation as installed with it (``pydoc_data.topics``,
-the help() topics, keys in sorted order, joined by blank lines): English prose
-with code, offline on every machine that runs agentkv.
+Texts (installed with Python, offline everywhere): Python's help() topics (``pydoc_data``,
+keys in sorted order: English prose with code) and six standard-library modules (code); see
+``kv_candidates.texts``.
 
-* perplexity: the first ``tokens`` tokens in windows of ``window`` tokens,
-  ``stride`` apart. Each window is run through the model in 512-token chunks
-  over an agentkv cache of the format measured (so every key and value a
-  prediction sees went through that format), and only its last ``stride``
-  predictions are scored (the first window: all of them), each with at least
-  ``window - stride`` tokens of context.
-* greedy agreement: 20 passages from further on in the same text (512 tokens
-  each) are continued greedily for 200 tokens by ``Engine.generate_many`` with
-  the cache in each format; agreement is the share of the 200 tokens before
-  the continuation first differs from the float16 one, averaged over prompts
-  (``same_position_pct``: the share of positions holding the same token).
+* per context length C (default 2,048 and 8,192): the first ``tokens`` tokens of each text in
+  windows of C tokens, C/2 apart. Each window (a *segment*) runs through the model in
+  512-token chunks over an agentkv cache of each format (so every key and value a prediction
+  sees went through the format), and its last C/2 predictions are scored (the first window:
+  all of them), each with at least C/2 tokens of context. Reported per format: perplexity,
+  its change against fp16 (and the spread over segments), mean KL divergence of the
+  next-token distribution from fp16's and top-1 agreement with fp16.
+* greedy agreement (not with ``--quick``): 20 passages of the first text after the scored
+  tokens (512 tokens each) continued greedily for 200 tokens by ``Engine.generate_many``;
+  agreement is the share of the 200 tokens before the continuation first differs from the
+  fp16 one (``same_position_pct``: positions holding the same token).
+* decode attention: one query token per agent, batch 4, over 4,096 cached tokens of the
+  embedded geometry, through the attention agentkv runs for the format (median ms).
 
-Formats: fp16, 8-bit, 4-bit, keys 8-bit/values 4-bit (group size 64).
+Formats: fp16, q8, q4, k8v4, and the ablations k4v16 (only keys 4-bit) and k16v4 (only values).
+``--quick``: the first text, 4,096 tokens, 2,048-token context, no greedy runs (minutes).
 """
 
 from __future__ import annotations
@@ -26,17 +29,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import emit, progress
+from .common import emit, median_ms, progress, timed
+from .kv_candidates import texts
 
-FORMATS = {"fp16": (16, 16), "q8": (8, 8), "q4": (4, 4), "k8v4": (8, 4)}
+FORMATS = {
+    "fp16": (16, 16),
+    "q8": (8, 8),
+    "q4": (4, 4),
+    "k8v4": (8, 4),
+    "k4v16": (4, 16),
+    "k16v4": (16, 4),
+}
 CHUNK = 512
 PROMPTS, PROMPT_TOKENS, CONTINUATION = 20, 512, 200
-
-
-def source_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k].strip() for k in sorted(topics))
+QUICK = {"tokens": 4096, "contexts": [2048], "texts": 1}
 
 
 def _windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -50,27 +56,68 @@ def _windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]
         start += stride
 
 
-def perplexity(model, ids: list[int], quant, window: int, stride: int) -> tuple[float, int]:
+def window_logprobs(model, ids: list[int], quant, first: int):
+    """Log-probabilities of the targets ``ids[first:]`` ([n, vocab]), the window run in
+    chunks over agentkv caches of ``quant``."""
     import mlx.core as mx
-    import mlx.nn as nn
 
     from agentkv.kv.cache import AgentKVCache
 
-    nll, scored = 0.0, 0
-    for start, end, first in _windows(len(ids), window, stride):
-        caches = [AgentKVCache(quant) for _ in model.layers]
-        for c0 in range(start, end - 1, CHUNK):
-            c1 = min(c0 + CHUNK, end - 1)
-            logits = model(mx.array([ids[c0:c1]]), cache=caches)
-            lo = max(first - 1, c0)  # the input position whose next token is `first`
-            if lo >= c1:
-                mx.eval([c.components for c in caches])
-                continue
-            targets = mx.array(ids[lo + 1 : c1 + 1])
-            losses = nn.losses.cross_entropy(logits[0, lo - c0 :].astype(mx.float32), targets)
-            nll += float(losses.sum())
-            scored += c1 - lo
-    return math.exp(nll / scored), scored
+    caches = [AgentKVCache(quant) for _ in model.layers]
+    out = []
+    for c0 in range(0, len(ids) - 1, CHUNK):
+        c1 = min(c0 + CHUNK, len(ids) - 1)
+        logits = model(mx.array([ids[c0:c1]]), cache=caches)
+        lo = max(first - 1, c0)  # the input position whose next token is `first`
+        if lo < c1:
+            part = logits[0, lo - c0 :].astype(mx.float32)
+            out.append(part - mx.logsumexp(part, axis=-1, keepdims=True))
+        mx.eval(out, [c.components for c in caches])
+    return mx.concatenate(out, axis=0)
+
+
+def compare(lp, ref, targets) -> tuple[float, float, float]:
+    """(summed negative log-likelihood, summed KL from ``ref``, summed top-1 matches)."""
+    import mlx.core as mx
+
+    nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).sum()
+    kl = (mx.exp(ref) * (ref - lp)).sum()
+    top1 = (mx.argmax(lp, -1) == mx.argmax(ref, -1)).sum()
+    return float(nll), float(kl), float(top1)
+
+
+def decode_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: int = 20):
+    """One decode step's attention over ``tokens`` cached tokens per agent (embedded geometry:
+    3 KV heads, 9 query heads, head dim 64), through ``cache_attention``."""
+    import mlx.core as mx
+
+    from agentkv.kv.attention import cache_attention
+
+    heads, q_heads, dim = 3, 9, 64
+    k = mx.random.normal((batch, heads, tokens, dim))
+    v = mx.random.normal((batch, heads, tokens, dim))
+    keys, values = quant.quantize(k, quant.key_bits), quant.quantize(v, quant.value_bits)
+    q = mx.random.normal((batch, q_heads, 1, dim))
+    mx.eval(keys, values, q)
+
+    def step():
+        out = cache_attention(q, keys, values, scale=dim**-0.5, mask=None, quant=quant)
+        mx.eval(out)
+
+    step()
+    return median_ms([timed(step)[0] for _ in range(repeats)])
+
+
+def _greedy(model, fmt: str, prompts: list[str]) -> list[list[int]]:
+    from agentkv import Engine
+
+    kb, vb = FORMATS[fmt]
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-quality-") as tmp:
+        with Engine(model=model, cache_dir=Path(tmp), key_bits=kb, value_bits=vb) as eng:
+            results = eng.generate_many(
+                [(f"q{i}", p) for i, p in enumerate(prompts)], max_tokens=CONTINUATION
+            )
+    return [r.tokens for r in results]
 
 
 def _agreement(ours: list[int], ref: list[int]) -> tuple[float, float]:
@@ -87,59 +134,103 @@ def _agreement(ours: list[int], ref: list[int]) -> tuple[float, float]:
 
 def run(
     tokens: int = 20480,
-    window: int = 2048,
-    stride: int = 1024,
+    contexts: list[int] | None = None,
     formats: list[str] | None = None,
+    *,
+    quick: bool = False,
     as_json: bool = False,
     model: str | None = None,
 ) -> list[dict]:
-    from agentkv import Engine
-    from agentkv.kv.quant import KVQuant
+    import mlx.core as mx
 
-    if not 0 < stride <= window or window < 2:
-        raise ValueError("need 0 < stride <= window and window >= 2")
-    names = formats or list(FORMATS)
-    if "fp16" not in names:
-        names = ["fp16", *names]
-    rows, reference = [], {}
-    with tempfile.TemporaryDirectory(prefix="agentkv-bench-quality-") as tmp:
-        for name in names:
-            kb, vb = FORMATS[name]
-            with Engine(model=model, cache_dir=Path(tmp) / name, key_bits=kb, value_bits=vb) as eng:
-                text = source_text()
-                all_ids = [int(t) for t in eng.token_text.encode(text).ids]
-                need = tokens + PROMPTS * PROMPT_TOKENS
-                if len(all_ids) < need:
-                    raise ValueError(f"the source text has {len(all_ids)} tokens, need {need}")
-                ids = all_ids[:tokens]
-                progress(f"quality: {name}: perplexity over {len(ids)} tokens...")
-                began = time.perf_counter()
-                ppl, scored = perplexity(eng.loaded.model, ids, KVQuant(kb, vb), window, stride)
-                ppl_s = time.perf_counter() - began
-                progress(f"quality: {name}: perplexity {ppl:.4f} ({ppl_s:.0f} s)")
-                prompts = []
-                for i in range(PROMPTS):
-                    begin = tokens + i * PROMPT_TOKENS
-                    prompts.append(
-                        eng.loaded.tokenizer.decode(all_ids[begin : begin + PROMPT_TOKENS])
-                    )
-                progress(f"quality: {name}: {PROMPTS} greedy continuations...")
-                results = eng.generate_many(
-                    [(f"q{i}", p) for i, p in enumerate(prompts)], max_tokens=CONTINUATION
+    from agentkv.kv.quant import KVQuant
+    from agentkv.model.load import load_model
+
+    contexts = contexts or ([2048] if quick else [2048, 8192])
+    if quick:
+        tokens = min(tokens, QUICK["tokens"])
+    if any(c < 4 or c % 2 for c in contexts):
+        raise ValueError("context lengths must be even and at least 4")
+    names = [n for n in (formats or list(FORMATS)) if n != "fp16"]
+    names = ["fp16", *names]
+    loaded = load_model(model)
+    spec = loaded.spec
+    sources = list(texts().items())[: QUICK["texts"] if quick else None]
+    greedy_prompts: list[str] = []
+    rows = []
+    began_all = time.perf_counter()
+    for text_name, text in sources:
+        all_ids = loaded.tokenizer.encode(text)
+        need = tokens + (0 if quick or greedy_prompts else PROMPTS * PROMPT_TOKENS)
+        if len(all_ids) < need:
+            raise ValueError(f"{text_name}: {len(all_ids)} tokens, need {need}")
+        if not quick and not greedy_prompts:
+            greedy_prompts = [
+                loaded.tokenizer.decode(all_ids[b : b + PROMPT_TOKENS])
+                for b in range(tokens, tokens + PROMPTS * PROMPT_TOKENS, PROMPT_TOKENS)
+            ]
+        ids = all_ids[:tokens]
+        for context in contexts:
+            windows = _windows(len(ids), context, context // 2)
+            # per format: [(nll, kl, top1, scored)] per window
+            per: dict[str, list[tuple[float, float, float, int]]] = {n: [] for n in names}
+            for w, (start, end, first) in enumerate(windows):
+                progress(
+                    f"quality: {text_name}, context {context}: segment {w + 1} of {len(windows)}"
                 )
-                continuations = [r.tokens for r in results]
-            if name == "fp16":
-                reference = {"ppl": ppl, "continuations": continuations}
-            pairs = [_agreement(c, r) for c, r in zip(continuations, reference["continuations"])]
-            rows.append(
+                window = ids[start:end]
+                skip = first - start  # targets before it are not scored
+                targets = mx.array(window[skip:])
+                ref = None
+                for name in names:
+                    lp = window_logprobs(loaded.model, window, KVQuant(*FORMATS[name]), skip)
+                    ref = lp if ref is None else ref
+                    per[name].append((*compare(lp, ref, targets), len(window) - skip))
+                del ref
+            base = per["fp16"]
+            for name in names:
+                nll = sum(x[0] for x in per[name])
+                scored = sum(x[3] for x in per[name])
+                deltas = [
+                    100 * (math.exp((a[0] - b[0]) / a[3]) - 1) for a, b in zip(per[name], base)
+                ]
+                rows.append(
+                    {
+                        "text": text_name,
+                        "context": context,
+                        "kv": name,
+                        "bytes_per_token": spec.bytes_per_token(KVQuant(*FORMATS[name])),
+                        "perplexity": round(math.exp(nll / scored), 4),
+                        "ppl_delta_pct": round(
+                            100 * (math.exp((nll - sum(x[0] for x in base)) / scored) - 1), 3
+                        ),
+                        "ppl_delta_min_pct": round(min(deltas), 2),
+                        "ppl_delta_max_pct": round(max(deltas), 2),
+                        "kl_mean": round(sum(x[1] for x in per[name]) / scored, 5),
+                        "top1_agreement": round(sum(x[2] for x in per[name]) / scored, 4),
+                        "segments": len(windows),
+                        "scored_tokens": scored,
+                    }
+                )
+    progress("quality: decode attention (batch 4 x 4,096 tokens)...")
+    attention = {n: round(decode_attention_ms(KVQuant(*FORMATS[n])), 3) for n in names}
+    for row in rows:
+        row["decode_attention_ms"] = attention[row["kv"]]
+    greedy = None
+    if greedy_prompts:
+        continuations = {}
+        for name in names:
+            progress(f"quality: {name}: {PROMPTS} greedy continuations...")
+            continuations[name] = _greedy(model, name, greedy_prompts)
+        greedy = {"text": sources[0][0], "prompts": PROMPTS, "prompt_tokens": PROMPT_TOKENS,
+                  "continuation_tokens": CONTINUATION, "rows": []}  # fmt: skip
+        for name in names:
+            pairs = [_agreement(c, r) for c, r in zip(continuations[name], continuations["fp16"])]
+            greedy["rows"].append(
                 {
                     "kv": name,
-                    "perplexity": round(ppl, 4),
-                    "ppl_delta_pct": round((ppl / reference["ppl"] - 1) * 100, 3),
                     "greedy_agreement": round(sum(p for p, _ in pairs) / len(pairs), 4),
                     "same_position_pct": round(100 * sum(s for _, s in pairs) / len(pairs), 2),
-                    "scored_tokens": scored,
-                    "seconds": round(ppl_s, 1),
                 }
             )
     emit(
@@ -147,13 +238,12 @@ def run(
         rows,
         as_json,
         {
-            "source": "pydoc_data.topics (Python's help() topics, sorted keys)",
-            "tokens": tokens,
-            "window": window,
-            "stride": stride,
-            "prompts": PROMPTS,
-            "prompt_tokens": PROMPT_TOKENS,
-            "continuation_tokens": CONTINUATION,
+            "texts": [name for name, _ in sources],
+            "tokens_per_text": tokens,
+            "contexts": contexts,
+            "quick": quick,
+            "greedy": greedy,
+            "seconds": round(time.perf_counter() - began_all, 1),
         },
     )
     return rows

@@ -226,6 +226,8 @@ def test_bench_kernels_and_serve_emit_their_json(python_env):
     assert load["post_restart_first_turn"] == {"warm": 2}
     bad = agentkv("bench", "quality", "--formats", "q5", env=python_env)
     assert bad.returncode != 0 and "--formats" in bad.stderr
+    bad = agentkv("bench", "quality", "--contexts", "2047", env=python_env)
+    assert bad.returncode != 0 and "--contexts" in bad.stderr
     bad = agentkv("bench", "kv-candidates", "--context", "1k", env=python_env)
     assert bad.returncode != 0 and "--context" in bad.stderr
     bad = agentkv("bench", "kv-candidates", "--context", "512", "--scored", "512", env=python_env)

@@ -1,5 +1,7 @@
 """The candidate KV formats of ``bench kv-candidates``: each simulation stores what it claims."""
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -70,3 +72,54 @@ def test_bytes_per_token_of_each_candidate(cand):
         assert per_token == (6840 if cand.keys.group == 32 else 6480)
     else:  # more bits somewhere: more bytes than the 4-bit default, fewer than fp16
         assert 6480 < per_token < 23040
+
+
+def test_the_simulation_stores_and_attends_like_the_real_cache():
+    """Today's formats simulated == the same formats in agentkv's real cache (the same
+    values read back, the same attention), so a candidate's figures are the format's."""
+    from agentkv.kv.attention import cache_attention
+    from agentkv.kv.cache import AgentKVCache
+    from agentkv.kv.quant import KVQuant
+
+    by_name = {c.name: c for c in CANDIDATES}
+    k = keys_with_outlier_channels(tokens=100, seed=4)
+    v = keys_with_outlier_channels(tokens=100, seed=5) / 10
+    q = mx.random.normal((1, 6, 100, 64), key=mx.random.key(6))
+    for name, quant in (("q4 (today)", KVQuant(4, 4)), ("k8v4 (today)", KVQuant(8, 4))):
+        sim_k, sim_v = SimulatedCache(by_name[name]).update_and_fetch(k, v)
+        real = AgentKVCache(quant)
+        real_k, real_v = real.update_and_fetch(k, v)
+        for stored, simulated, bits in ((real_k, sim_k, quant.key_bits), (real_v, sim_v, 4)):
+            w, scales, biases = stored
+            read = mx.dequantize(
+                w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=64, bits=bits
+            )[:, :, :100]
+            assert mx.array_equal(read, simulated), name
+        ours = cache_attention(q, real_k, real_v, scale=0.125, mask="causal", quant=quant)
+        theirs = mx.fast.scaled_dot_product_attention(q, sim_k, sim_v, scale=0.125, mask="causal")
+        assert mx.allclose(ours, theirs, atol=1e-4), name
+
+
+def test_quality_measures_on_the_real_model(engine):
+    """fp16 simulated == the real fp16 cache through the model; KL and top-1 of a format
+    against itself are 0 and all. (Through 30 layers, 4-bit formats are chaotic: a 1e-6
+    difference in summation order flips a rounding and moves logits by ~1, so only fp16 is
+    compared end to end.)"""
+    from agentkv.benchmarks.kv_candidates import _segment_logprobs
+    from agentkv.benchmarks.quality import compare, window_logprobs
+
+    from agentkv.kv.quant import KVQuant
+
+    model = engine.loaded.model
+    ids = engine.loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 30)[:600]
+    scored = 64
+    targets = mx.array(ids[len(ids) - scored :])
+    ref = window_logprobs(model, ids, KVQuant(16, 16), len(ids) - scored)
+    simulated = _segment_logprobs(model, ids, CANDIDATES[0], scored)
+    assert simulated.shape == ref.shape == (scored, ref.shape[-1])
+    assert float(mx.abs(ref - simulated).max()) < 0.05
+    _, kl_same, top1_same = compare(ref, ref, targets)
+    assert kl_same == 0 and top1_same == scored
+    q4 = window_logprobs(model, ids, KVQuant(4, 4), len(ids) - scored)
+    nll, kl, top1 = compare(q4, ref, targets)
+    assert kl > 0 and 0 < top1 <= scored and math.isfinite(nll)

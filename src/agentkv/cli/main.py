@@ -388,19 +388,27 @@ def build_parser() -> argparse.ArgumentParser:
     candidates.add_argument("--model", default=None, help=argparse.SUPPRESS)
     quality = bench_sub.add_parser(
         "quality",
-        help="perplexity and greedy agreement with the KV cache in fp16 / 8 / 4 / k8v4 bits",
-        description="Perplexity of the model over Python's own help() topics "
-        "(pydoc_data, installed with Python) with the KV cache in each format, and "
-        "greedy agreement with fp16 over 200-token continuations of 20 prompts. "
-        "Takes about an hour on 2 CPU cores with the defaults.",
+        help="perplexity, KL and top-1 vs an fp16 cache for each KV format",
+        description="Scores the model over Python's help() topics and six standard-library "
+        "modules (both installed with Python) with the KV cache in each format, against an "
+        "fp16 cache: perplexity (and its spread over segments), mean KL divergence, top-1 "
+        "agreement, at each context length; greedy agreement over 200-token continuations "
+        "of 20 prompts; decode-attention time per format. The defaults take hours on 2 CPU "
+        "cores; --quick (one text, 4,096 tokens, 2K context, no greedy runs) takes minutes.",
     )
     quality.add_argument(
-        "--tokens", type=_positive_int, default=20480, help="tokens scored (default 20480)"
+        "--tokens", type=_positive_int, default=20480, help="tokens scored per text (default 20480)"
     )
-    quality.add_argument("--window", type=_positive_int, default=2048)
-    quality.add_argument("--stride", type=_positive_int, default=1024)
     quality.add_argument(
-        "--formats", default="fp16,q8,q4,k8v4", help="comma-separated: fp16,q8,q4,k8v4"
+        "--contexts", default=None, help="comma-separated context lengths (default 2048,8192)"
+    )
+    quality.add_argument(
+        "--formats",
+        default="fp16,q8,q4,k8v4,k4v16,k16v4",
+        help="comma-separated: fp16,q8,q4,k8v4,k4v16 (keys only),k16v4 (values only)",
+    )
+    quality.add_argument(
+        "--quick", action="store_true", help="one text, 4,096 tokens, 2K context, no greedy runs"
     )
     quality.add_argument("--json", action="store_true")
     quality.add_argument("--model", default=None, help=argparse.SUPPRESS)
