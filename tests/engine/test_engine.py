@@ -11,6 +11,7 @@ import pytest
 from helpers import SCRIPTS
 
 from agentkv import InvalidAgentIdError, InvalidRequestError
+from agentkv.kv.blocks import BLOCK_TOKENS
 from agentkv.model.spec import LayerKind
 
 SYSTEM = (
@@ -581,3 +582,52 @@ def test_chat_many_runs_turns_of_one_agent_in_order(engine):
     assert results[0].stats.cache == "cold"
     assert results[1].stats.stored_tokens > results[0].stats.prompt_tokens
     assert results[0].tokens == results[1].tokens
+
+
+def test_an_edited_last_message_reuses_the_agent_s_own_tail(engine):
+    """A short agent (under one block) whose last message is edited diverges: its turn starts
+    cold but copies the matching 64-token groups of its own old tail block, which the turn
+    releases meanwhile; the reply is what an agent computing everything itself gives."""
+    base = "You are a careful assistant who answers questions about the standard library. " * 8
+    engine.generate("edited", base + "Question: what does os.path.join do?", max_tokens=4)
+    used = engine.pool_stats().used_blocks
+    edited = base + "Question: what does shutil.copy do exactly?"
+    r = engine.generate("edited", edited, max_tokens=8)
+    assert r.stats.cache == "cold" and r.stats.shared_tokens == 64
+    assert engine.pool_stats().used_blocks == used  # the old tail went, the new one came
+    alone = engine.generate("edited-alone", edited, max_tokens=8, cache_salt="edited-alone")
+    assert alone.stats.shared_tokens == 0 and r.tokens == alone.tokens
+
+
+def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fresh_engine):
+    """Decode fills (and seals) the prompt's last block, then the turn is cancelled: the
+    block is trimmed back to the prompt, and saved as the agent's own partial block, not
+    under the full block's hash; after a restart the agent resumes warm, same tokens."""
+    eng = fresh_engine()
+    words = ["Plan", "the", "release."]
+    while True:
+        messages = convo(" ".join(words))
+        count = len(eng.token_text.encode(eng.render_chat(messages)).ids)
+        if count % BLOCK_TOKENS >= BLOCK_TOKENS - 8:  # its last block is 8 tokens short
+            break
+        words.append("step")
+    with eng.scheduler._cond:
+        job = eng.submit_chat("boundary", messages, max_tokens=24, temperature=0)
+        take = job.take
+
+        def cancel_later(token):
+            done = take(token)
+            if len(job.generated) == 16:  # past the boundary: the block is full and sealed
+                job.cancelled = True
+            return done
+
+        job.take = cancel_later
+    r = job.wait()
+    assert r.finish_reason == "cancelled"
+    eng.flush()
+    assert eng.writer.take_failure("boundary") is None
+    reference = eng.chat("boundary-ref", messages, max_tokens=6, cache_salt="ref").tokens
+    eng.close()
+    again = fresh_engine()
+    r = again.chat("boundary", messages, max_tokens=6)
+    assert r.stats.cache == "warm" and r.tokens == reference

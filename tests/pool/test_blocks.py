@@ -188,6 +188,22 @@ def test_a_shared_tail_is_copied_before_it_is_written():
     assert a.token_ids() == list(range(100)) and b.token_ids() == list(range(100)) + [7]
 
 
+def test_a_tail_trimmed_while_shared_is_cut_before_its_last_holder_writes():
+    """(Found by the state machine.) A trim keeps a shared tail's tokens; once the other
+    table lets go, the trimmed one writes into it, after the tokens it kept."""
+    pool = BlockPool(4)
+    copies = Copies()
+    a = BlockTable(pool, SEED)
+    a.grow(2, copies)
+    a.written([2, 2])
+    b = a.fork()
+    a.trim(1)  # shared: the block keeps both tokens
+    b.release()
+    a.grow(1, copies)
+    a.written([1])
+    assert a.token_ids() == [2, 1] and copies.calls == []  # its own now: no copy
+
+
 def test_a_salt_keeps_prefixes_apart():
     pool = BlockPool(4)
     ids = [5] * BLOCK_TOKENS

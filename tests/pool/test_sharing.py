@@ -55,6 +55,31 @@ def test_shared_blocks_are_found_on_disk_after_a_restart(fresh_engine, tmp_path)
     assert again.disk_bytes() > 0
 
 
+def test_an_agent_continues_only_under_the_salt_its_cache_was_built_with(fresh_engine):
+    """A turn under another salt starts over under its own salt (in memory and from disk):
+    it neither continues nor shares into the other tenant's blocks."""
+    eng = fresh_engine()
+    system = {"role": "system", "content": brief(300)}
+    first = [system, {"role": "user", "content": "Who parses?"}]
+    r = eng.chat("salted", first, max_tokens=4, cache_salt="tenant-a")
+    turn = first + [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Go."}]
+    other = eng.chat("salted", turn, max_tokens=4, cache_salt="tenant-b")
+    assert other.stats.cache == "cold" and other.stats.reused_tokens == 0
+    assert "cache_salt" in (other.stats.reuse_note or "")
+    turn = turn + [{"role": "assistant", "content": other.text}, {"role": "user", "content": "On."}]
+    again = eng.chat("salted", turn, max_tokens=4, cache_salt="tenant-b")
+    assert again.stats.cache == "hot"
+    eng.close()
+    restarted = fresh_engine()
+    turn = turn + [
+        {"role": "assistant", "content": again.text},
+        {"role": "user", "content": "Yes."},
+    ]
+    back = restarted.chat("salted", turn, max_tokens=4, cache_salt="tenant-a")
+    assert back.stats.cache == "cold"  # (it may share tenant-a blocks still on disk)
+    assert "cache_salt" in (back.stats.reuse_note or "")
+
+
 def test_forked_agents_share_every_block_until_one_writes(fresh_engine):
     eng = fresh_engine()
     messages = [{"role": "system", "content": brief(300)}, {"role": "user", "content": "Go."}]

@@ -206,6 +206,22 @@ def test_a_second_writer_is_refused_not_overwritten(store, pool):
     assert (store.agent_dir("a1") / MANIFEST_NAME).read_bytes() == before
 
 
+def test_a_save_does_not_build_on_blocks_an_earlier_failed_save_did_not_replace(store, pool):
+    """The disk holds blocks [A, B]; a turn diverged after A, so save 1 (keep 1) would write
+    B'; save 2 (keep 2) builds on [A, B']. Save 1 fails: save 2 must not name B with the new
+    tokens. It is refused and the disk keeps [A, B]."""
+    from agentkv.store.agent_store import StoreConflictError
+
+    old = fill_table(pool, 2 * BLOCK_TOKENS + 10, seed=1)
+    _, durable = save(store, pool, "diverged", old)
+    new = fill_table(pool, 2 * BLOCK_TOKENS + 10, seed=2, ids=text_for(2 * BLOCK_TOKENS + 10, 2)[0])
+    assert new.blocks[0] != old.blocks[0]  # other tokens: other blocks
+    before = store.manifest_path("diverged").read_bytes()
+    with pytest.raises(StoreConflictError, match="earlier save failed"):
+        save(store, pool, "diverged", new, durable=durable, keep=2)
+    assert store.manifest_path("diverged").read_bytes() == before
+
+
 @pytest.mark.parametrize(
     "agent_id",
     ["", ".", "..", "a/b", "../etc", "a" * 129, "über", "a b", "a\x00b", 5, None, "x\n"],

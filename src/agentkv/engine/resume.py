@@ -26,6 +26,7 @@ from ..errors import CacheFormatError, InvalidRequestError
 from ..kv.blocks import BLOCK_TOKENS, blocks_for
 from ..kv.cache import window_start
 from ..pool import KVPool, Reservation
+from ..pool.hashing import chain_seed
 from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
 from ..store.agent_store import AgentStore, DurableState
 from ..store.format import Manifest, is_shared_file
@@ -35,6 +36,13 @@ from ..text.tokens import TokenText
 from .job import Resumed
 from .residency import Residency
 from .state import AgentState
+
+# An agent's blocks are named under the salt its cache was built with; a turn under another
+# salt must not continue (or share into) that namespace.
+SALT_CHANGED = (
+    "this turn's cache_salt differs from the one the agent's cache was built under; "
+    "its context is prefilled again"
+)
 
 
 class ReloadNeeded(Exception):
@@ -61,13 +69,23 @@ class ResumePlan:
     manifest: Manifest | None = None
     share: SharePlan | None = None
     blocks_needed: int = 0
+    # Pool blocks the plan counts on (shared, copied from, or the agent's own found by hash),
+    # held from planning until the plan is applied or cancelled: nothing the turn does before
+    # it takes them (releasing a diverged state, reclaiming idle agents) can free or reuse
+    # them, and the cached ones among them are out of ``available()`` when it reserves.
+    pinned: list[int] = field(default_factory=list)
     resumer: Resumer | None = field(default=None, repr=False)
 
     def cancel(self) -> None:
         """The turn waits: give a hot agent back as it was."""
+        self.unpin()
         if self.hot is not None:
             self.resumer.residency.put(self.hot)
             self.hot = None
+
+    def unpin(self) -> None:
+        pinned, self.pinned = self.pinned, []
+        self.resumer.pool.blocks.release_all(pinned)
 
     def apply(self, reservation: Reservation) -> Resumed:
         return self.resumer.apply(self, reservation)
@@ -101,16 +119,16 @@ class Resumer:
     def plan(self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None) -> ResumePlan:
         """Match the agent's state (memory, then disk) with ``prompt``; count the blocks.
         Nothing changes if it raises (a hot agent stays hot)."""
-        fresh_seed = self.pool.seed(salt) if salt else self.default_seed
         held = [self.residency.take(agent_id)]  # emptied once the state is given up
         try:
-            return self._plan_from(agent_id, prompt, max_new, fresh_seed, held)
+            return self._plan_from(agent_id, prompt, max_new, salt, held)
         except BaseException:
             if held[0] is not None:
                 self.residency.put(held[0])
             raise
 
-    def _plan_from(self, agent_id, prompt, max_new, fresh_seed, held: list) -> ResumePlan:
+    def _plan_from(self, agent_id, prompt, max_new, salt, held: list) -> ResumePlan:
+        fresh_seed = self.pool.seed(salt) if salt else self.default_seed
         state = held[0]
         if state is not None:
             m = match_prefix(
@@ -118,6 +136,10 @@ class Resumer:
             )
             if m.kind is MatchKind.DIVERGE:
                 plan = self._plan(agent_id, "cold", m, state.size, prompt, fresh_seed)
+            elif state.table.seed != fresh_seed:
+                plan = self._plan(
+                    agent_id, "cold", m, state.size, prompt, fresh_seed, note=SALT_CHANGED
+                )
             elif self._window_rows_held(state, m.reuse):
                 plan = self._plan(
                     agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans
@@ -126,12 +148,12 @@ class Resumer:
                 held[0] = None
                 self.residency.put(state)
                 self.residency.drop(agent_id)
-                return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
+                return self._count(self._plan_from_disk(agent_id, prompt, salt), max_new)
             plan.hot = state
             plan = self._count(plan, max_new)
             held[0] = None  # the plan holds it now (apply or cancel)
             return plan
-        return self._count(self._plan_from_disk(agent_id, prompt, fresh_seed), max_new)
+        return self._count(self._plan_from_disk(agent_id, prompt, salt), max_new)
 
     def _window_rows_held(self, state: AgentState, reuse: int) -> bool:
         if self.pool.window is None:
@@ -140,7 +162,8 @@ class Resumer:
         records = self.pool.blocks.records
         return all(records[b].window_rows for b in state.table.blocks[first : blocks_for(reuse)])
 
-    def _plan_from_disk(self, agent_id: str, prompt: bytes, fresh_seed: bytes) -> ResumePlan:
+    def _plan_from_disk(self, agent_id: str, prompt: bytes, salt: str | None) -> ResumePlan:
+        fresh_seed = self.pool.seed(salt) if salt else self.default_seed
         self.writer.flush(agent_id)
         t0 = time.perf_counter()
         try:
@@ -173,9 +196,15 @@ class Resumer:
             manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=self.min_reuse
         )
         seed = bytes.fromhex(manifest.chain_seed) if manifest.chain_seed else self.default_seed
+        if manifest.chain_seed and seed != chain_seed(
+            self.pool.spec.fingerprint, manifest.quant.label, salt
+        ):
+            return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
+        if convert:  # every block is written again, in this format: named under its chain
+            seed = fresh_seed
         m = self._readable_prefix(manifest, m)
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
-            plan = self._plan(agent_id, "cold", m, stored, prompt, seed)
+            plan = self._plan(agent_id, "cold", m, stored, prompt, fresh_seed)
         else:
             plan = self._plan(agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans)
             plan.manifest = manifest
@@ -275,7 +304,22 @@ class Resumer:
         taken = plan.share.blocks_to_take if plan.share is not None else 0
         growth = blocks_for(len(context) + max_new) - blocks_for(reused) + 1  # +1: a copied tail
         plan.blocks_needed = reads + taken + growth
+        self._pin(plan)
         return plan
+
+    def _pin(self, plan: ResumePlan) -> None:
+        pool = self.pool.blocks
+        pins = []
+        if plan.share is not None:
+            pins += [b for b in (*plan.share.whole, plan.share.copy_from) if isinstance(b, int)]
+        if plan.manifest is not None and plan.manifest.quant == self.pool.quant:
+            for stored in plan.manifest.blocks[: blocks_for(plan.reuse)]:
+                held = pool.lookup(bytes.fromhex(stored.hash)) if stored.hash else None
+                if held is not None:
+                    pins.append(held)
+        for block in pins:
+            pool.acquire(block)
+        plan.pinned = pins
 
     def _in_pool(self, digest: str | None) -> bool:
         return digest is not None and self.pool.blocks.lookup(bytes.fromhex(digest)) is not None
@@ -292,6 +336,8 @@ class Resumer:
             for state in taken:
                 state.release()
             raise
+        finally:
+            plan.unpin()  # what the state took, it holds by its own references
 
     def _apply(self, plan: ResumePlan, reservation: Reservation, taken: list) -> Resumed:
         if plan.tier == "hot":

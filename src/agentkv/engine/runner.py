@@ -137,9 +137,13 @@ class TurnRunner:
         if failed:
             state.release()
             return
-        state.table.trim(state.size)  # the last sampled token was never fed
-        self.save(state)
-        self._cap_window(state)
+        try:
+            state.table.trim(state.size)  # the last sampled token was never fed
+            self.save(state)
+            self._cap_window(state)
+        except BaseException:  # e.g. no memory to pack the save: drop it, reload from disk
+            state.release()
+            raise
         self.residency.put(state)
 
     def save(self, state: AgentState) -> None:
@@ -162,9 +166,8 @@ class TurnRunner:
         )
         self.writer.submit(job)
         records = self.pool.blocks.records
-        state.saved_blocks = [records[b].hash for b in state.table.blocks]
-        if state.saved_blocks and state.saved_blocks[-1] is None:
-            state.saved_blocks.pop()
+        full = state.table.length // BLOCK_TOKENS  # a partial last block is saved as the agent's
+        state.saved_blocks = [records[b].hash for b in state.table.blocks[:full]]
         state.durable = state.size
 
     def _cap_window(self, state: AgentState) -> None:

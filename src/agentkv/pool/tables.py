@@ -73,6 +73,12 @@ class BlockTable:
             raise PoolExhaustedError(f"{need} blocks needed, {have} available")
         if self.needs_copy():
             self._copy_tail(copy_rows, reservation)
+        elif self.length % BLOCK_TOKENS:
+            # A tail kept whole by a trim while it was shared may be this table's alone now,
+            # still holding the other table's tokens past this one's: forget them first.
+            tail, keep = self.blocks[-1], self.length % BLOCK_TOKENS
+            if len(self.pool.records[tail].tokens) > keep:
+                self.pool.truncate(tail, keep)
         while len(self.blocks) < blocks_for(self.length + tokens):
             block = self.pool.allocate(reserved=reservation is not None and reservation.take())
             self.pool.set_parent(block, self.parent_of(len(self.blocks)))

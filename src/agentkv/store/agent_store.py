@@ -88,6 +88,9 @@ class SaveJob:
     spans: np.ndarray
     text: bytes
     messages: list | None
+    # The hex chain hashes the engine believes the first ``keep`` durable blocks have: a save
+    # queued behind one that failed must not build on blocks that were never replaced.
+    kept_hashes: tuple[str | None, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -335,6 +338,11 @@ class AgentStore:
             base = durable.blocks[: job.keep]
             if len(base) != job.keep:
                 raise StoreConflictError(f"{path}: blocks before {job.keep} are not durable")
+            if job.kept_hashes and tuple(b.hash for b in base) != job.kept_hashes:
+                raise StoreConflictError(
+                    f"{path}: the stored blocks before {job.keep} are not the ones this save "
+                    "builds on (an earlier save failed); the next save writes them all"
+                )
             generation = durable.generation + 1
             segments = {b.segment: durable.segments[b.segment] for b in base}
             blocks = list(base)
@@ -419,8 +427,13 @@ class AgentStore:
         return report, new_state
 
     def collect_blocks(self) -> int:
-        """Delete shared block files that no manifest names (agents' and quarantined ones)."""
-        return self.shared.collect()
+        """Delete shared block files that no manifest names (agents' and quarantined ones);
+        nothing if a manifest cannot be read (it may name files still needed)."""
+        try:
+            return self.shared.collect()
+        except OSError as exc:
+            log.warning("agentkv: not collecting unused block files this time: %s", exc)
+            return 0
 
     @staticmethod
     def _collect_garbage(directory: Path, live: dict) -> None:
@@ -543,14 +556,16 @@ def build_save_job(
     regions = []
     for slot, (_, offset, length, checksum, count) in zip(slots, records):
         record = pool.records[slot]
-        hashed = record.hash is not None
+        # A sealed block the table holds only part of (a turn trimmed back into it) is
+        # stored as the agent's own partial block, never under the full block's hash.
+        hashed = record.hash is not None and count == BLOCK_TOKENS
         regions.append(
             NewRegion(
                 offset,
                 length,
                 checksum,
                 count,
-                record.hash,
+                record.hash if hashed else None,
                 record.parent if hashed else None,
                 np.asarray(record.tokens, dtype=np.int32) if hashed else None,
             )
@@ -566,6 +581,10 @@ def build_save_job(
         np.asarray(spans, dtype=np.int32),
         bytes(text),
         messages,
+        tuple(
+            pool.records[b].hash.hex() if pool.records[b].hash else None
+            for b in table.blocks[:keep]
+        ),
     )
 
 

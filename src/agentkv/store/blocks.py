@@ -219,14 +219,16 @@ def named_block_files(model_dir: Path) -> set[str]:
     from .format import MANIFEST_NAME, decode_manifest, is_shared_file
 
     named = set()
-    manifests = list((model_dir / "agents").glob(f"*/{MANIFEST_NAME}"))
-    manifests += list((model_dir / "quarantine").glob(f"*/{MANIFEST_NAME}"))
-    for path in manifests:
-        try:
-            manifest = decode_manifest(path.read_bytes(), path)
-        except (OSError, CacheFormatError):
-            continue  # unreadable: it names nothing loadable
-        named.update(name for name in manifest.segments if is_shared_file(name))
+    # Agents first, then quarantine: an agent directory moved aside after the first glob
+    # is found by the second. A manifest that cannot be read for another reason than its
+    # format (or its move) stops the collection: it may name files still needed.
+    for folder in ("agents", "quarantine"):
+        for path in (model_dir / folder).glob(f"*/{MANIFEST_NAME}"):
+            try:
+                manifest = decode_manifest(path.read_bytes(), path)
+            except (FileNotFoundError, CacheFormatError):
+                continue  # moved aside (seen in quarantine), or names nothing loadable
+            named.update(name for name in manifest.segments if is_shared_file(name))
     return named
 
 
