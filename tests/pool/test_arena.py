@@ -92,3 +92,29 @@ def test_writes_happen_in_place():
     mx.eval(stray)
     fill_table(pool, 10, seed=9)
     assert pool.arena.copies == 1  # and the copy is counted, not silent
+
+
+def test_a_block_that_gave_back_its_sliding_rows_gets_them_again_when_sealed_anew():
+    """Agent A has moved past a shared block's window (its sliding rows were handed back);
+    agent W computes the same block again: sealing finds A's copy and restores its sliding
+    rows from W's, so W attends over real rows; the full layers' rows stay A's."""
+    spec = synthetic_spec(layers=2, heads=2, windows=[None, 128])
+    pool = KVPool(spec, KVQuant(), pool_bytes=spec.bytes_per_token(KVQuant()) * 256 * 8)
+    a = fill_table(pool, 300, seed=1)
+    first = a.blocks[0]
+    a.release_window(1)  # block 0 left A's window: its sliding rows go back
+    assert not pool.blocks.records[first].window_rows
+    before = table_arrays(pool, a, 256)
+    ids = pool.blocks.records[first].tokens
+    alone = KVPool(spec, KVQuant(), pool_bytes=spec.bytes_per_token(KVQuant()) * 256 * 8)
+    computed = table_arrays(alone, fill_table(alone, 256, seed=2, ids=ids))  # W's own rows
+    w = fill_table(pool, 256, seed=2, ids=ids)  # sealed once full: A's copy is kept
+    assert w.blocks == [first] and pool.blocks.records[first].window_rows
+    after = table_arrays(pool, w, 256)
+    components = len(pool.arena.components)
+    for i, (old, new, mine) in enumerate(zip(before, after, computed)):
+        if i < components:  # layer 0 (full attention): A's rows, untouched
+            assert np.array_equal(new, old)
+        else:  # layer 1 (sliding): W's rows, restored into the kept block
+            assert np.array_equal(new, mine)
+    assert pool.arena.copies == 0

@@ -322,7 +322,12 @@ class Resumer:
         plan.pinned = pins
 
     def _in_pool(self, digest: str | None) -> bool:
-        return digest is not None and self.pool.blocks.lookup(bytes.fromhex(digest)) is not None
+        """Whether the pool holds a stored block ready to adopt (with its sliding rows)."""
+        held = self.pool.blocks.lookup(bytes.fromhex(digest)) if digest is not None else None
+        return held is not None and self._has_window_rows(held)
+
+    def _has_window_rows(self, block: int) -> bool:
+        return self.pool.window is None or self.pool.blocks.records[block].window_rows
 
     # -- applying ---------------------------------------------------------------------------
 
@@ -346,7 +351,8 @@ class Resumer:
             state.trim(plan.reuse)
             if self.pool.window is not None:
                 first = window_start(plan.reuse, self.pool.window) // BLOCK_TOKENS
-                state.table.rehold_window(first)
+                if not state.table.rehold_window(first):  # handed back since the plan
+                    raise ReloadNeeded("the sliding rows of its window are gone; reloading it")
         else:
             if plan.hot is not None:  # its text diverged: the old state goes
                 plan.hot.release()
@@ -405,7 +411,11 @@ class Resumer:
         try:
             for i, (src, block) in enumerate(zip(sources, held)):
                 ids = manifest.tokens[i * BLOCK_TOKENS : i * BLOCK_TOKENS + src.tokens].tolist()
-                if block is not None and pool.records[block].tokens == ids:
+                if (
+                    block is not None
+                    and pool.records[block].tokens == ids
+                    and self._has_window_rows(block)  # else read: sealing restores its rows
+                ):
                     table.adopt(block)
                     continue
                 fresh = pool.allocate(reserved=reservation.take())

@@ -92,6 +92,7 @@ class KVPool:
             capacity,
             on_free=self.arena.release,
             on_window_free=self.arena.release_window,
+            on_window_restore=self.arena.copy_window_rows,
             keep_committed=release_slack_bytes // self.block_bytes,
         )
         windows = [layer.window for layer in spec.layers if layer.kind is LayerKind.SLIDING]

@@ -119,6 +119,18 @@ class KVArena:
     def copy_rows(self, src: int, dst: int, tokens: int) -> None:
         _ext.copy_slot_rows(self._flat(), *self._layout, self.capacity, src, dst, tokens)
 
+    def copy_window_rows(self, src: int, dst: int) -> None:
+        """Copy a block's rows in the sliding-window layers into another block (whose rows
+        there were handed back), in place."""
+        sliding = [a for layer, s in zip(self.arrays, self._sliding) if s for a in layer]
+        if self._addresses is None or not sliding:
+            return
+        _, block_tokens, components = self._layout
+        layers = sum(self._sliding)
+        _ext.copy_slot_rows(
+            sliding, layers, block_tokens, components, self.capacity, src, dst, BLOCK_TOKENS
+        )
+
     def release(self, block: int) -> None:
         """Hand a free block's pages back (CPU)."""
         self._release(block, [1] * self.spec.num_layers)

@@ -92,6 +92,7 @@ class BlockPool:
         *,
         on_free: Callable[[int], None] | None = None,
         on_window_free: Callable[[int], None] | None = None,
+        on_window_restore: Callable[[int, int], None] | None = None,
         keep_committed: int = 0,
     ):
         if capacity < 1:
@@ -111,6 +112,7 @@ class BlockPool:
         self._tick = 0
         self._on_free = on_free or (lambda block: None)
         self._on_window_free = on_window_free or (lambda block: None)
+        self._on_window_restore = on_window_restore or (lambda src, dst: None)
         self.evictions = 0  # cached blocks given up to make room (stat)
 
     # -- counts -------------------------------------------------------------------------
@@ -277,6 +279,11 @@ class BlockPool:
         digest = block_hash(record.parent, record.tokens)
         twin = self.by_hash.get(digest)
         if twin is not None:
+            if record.window_rows and not self.records[twin].window_rows:
+                # The kept copy handed its sliding-window rows back; this one has them (the
+                # same tokens after the same prefix): they go back into it before it serves.
+                self._on_window_restore(block, twin)
+                self.records[twin].window_rows = True
             self.acquire(twin)
             self.release(block)
             return twin
