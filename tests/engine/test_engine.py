@@ -136,6 +136,7 @@ def test_agents_are_isolated(engine):
     assert mixed_a == alone_a and mixed_b == alone_b
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_equals_continuing(fresh_engine, tmp_path, python_env):
     eng = fresh_engine()
     turn1 = convo("Plan the CSV tool in three steps.")
@@ -444,6 +445,7 @@ def test_a_missing_segment_is_quarantined_too(fresh_engine):
     assert r.stats.cache == "cold" and "No such file" in r.stats.reuse_note
 
 
+@pytest.mark.slow
 def test_a_damaged_shared_block_costs_only_the_blocks_from_it_on(fresh_engine):
     eng = fresh_engine()
     system = {"role": "system", "content": "You are a careful gardener. " * 130}  # 3+ blocks
@@ -599,6 +601,7 @@ def test_an_edited_last_message_reuses_the_agent_s_own_tail(engine):
     assert alone.stats.shared_tokens == 0 and r.tokens == alone.tokens
 
 
+@pytest.mark.slow
 def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fresh_engine):
     """Decode fills (and seals) the prompt's last block, then the turn is cancelled: the
     block is trimmed back to the prompt, and saved as the agent's own partial block, not

@@ -41,7 +41,9 @@ def solo_tokens(model, tok, caches, follow, steps=32):
     return [int(t) for (t, _), _ in zip(stream, range(steps))]
 
 
-@pytest.mark.parametrize("agents", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "agents", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_batch_generator_equals_each_agent_alone(model_and_caches, agents):
     model, tok, caches = model_and_caches
     assert len({c[0].offset for c in caches[:agents]}) == agents  # unequal lengths

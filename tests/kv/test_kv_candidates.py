@@ -100,6 +100,7 @@ def test_the_simulation_stores_and_attends_like_the_real_cache():
         assert mx.allclose(ours, theirs, atol=1e-4), name
 
 
+@pytest.mark.slow
 def test_quality_measures_on_the_real_model(engine):
     """fp16 simulated == the real fp16 cache through the model; KL and top-1 of a format
     against itself are 0 and all. (Through 30 layers, 4-bit formats are chaotic: a 1e-6

@@ -55,6 +55,7 @@ def test_shared_blocks_are_found_on_disk_after_a_restart(fresh_engine, tmp_path)
     assert again.disk_bytes() > 0
 
 
+@pytest.mark.slow
 def test_an_agent_continues_only_under_the_salt_its_cache_was_built_with(fresh_engine):
     """A turn under another salt starts over under its own salt (in memory and from disk):
     it neither continues nor shares into the other tenant's blocks."""
@@ -126,6 +127,7 @@ def test_sixteen_agents_with_random_shared_prefixes_equal_their_solo_runs(fresh_
     eng.pool.blocks.check()
 
 
+@pytest.mark.slow
 def test_more_agents_than_the_pool_holds_all_complete_and_resume_warm(fresh_engine):
     block = 6_480 * BLOCK_TOKENS  # one block of the embedded model, 4-bit
     eng = fresh_engine(pool_bytes=block * 6, max_batch=4)
