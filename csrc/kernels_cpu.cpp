@@ -11,37 +11,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/half.h"
 #include "core/thread_pool.h"
 #include "kernels/shim.h"
 
 namespace agentkv::kernels {
 namespace {
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F;
-  uint32_t mantissa = h & 0x3FFu;
-  uint32_t bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {
-      exponent = 127 - 15 + 1;
-      while ((mantissa & 0x400u) == 0) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // One grid point of each kernel: the kernel body, verbatim, as a function body.
 // The chunk is the whole span (grid x = 1): each call copies whole planes.

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "half.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,32 +21,6 @@ namespace {
 constexpr int kTile = 64;     // tokens per tile
 constexpr int kMaxDim = 256;  // largest head dimension
 constexpr int kQueryBlock = 32;
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1F;
-  uint32_t mantissa = h & 0x3FFu;
-  uint32_t bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {  // subnormal: normalize
-      exponent = 127 - 15 + 1;
-      while ((mantissa & 0x400u) == 0) {
-        mantissa <<= 1;
-        --exponent;
-      }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
-    }
-  } else if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 // exp(x) for x <= 0 (arguments here are score - max): Cephes' polynomial, in one
 // fixed sequence of fused multiply-adds so every implementation rounds alike.

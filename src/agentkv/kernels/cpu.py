@@ -14,30 +14,13 @@ THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-    B, q_heads, L, dim = queries.shape
-    dim_v = paged.values[0].shape[-1] * 32 // paged.value_bits
-    dims = (
-        B,
-        q_heads,
-        paged.kv_heads,
-        L,
-        dim,
-        dim_v,
-        paged.tables.shape[1],
-        paged.block_tokens,
-        paged.key_bits,
-        paged.value_bits,
-        paged.group,
-        paged.window,
-        int(paged.sinks is not None),
-    )
     return _ext.kernel_paged_attention(
         queries,
         list(paged.keys),
         list(paged.values),
         paged.tables,
         paged.lengths,
-        dims,
+        paged.dims(queries),
         paged.sinks,
         scale,
         THREADS,

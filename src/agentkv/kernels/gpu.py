@@ -117,26 +117,8 @@ def _run(backend, name, inputs, grid, shape, dtype, sources=0):
 
 def for_backend(backend: str) -> SimpleNamespace:
     def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-        B, q_heads, L, dim = queries.shape
-        dim_v = paged.values[0].shape[-1] * 32 // paged.value_bits
-        dims = mx.array(
-            [
-                B,
-                q_heads,
-                paged.kv_heads,
-                L,
-                dim,
-                dim_v,
-                paged.tables.shape[1],
-                paged.block_tokens,
-                paged.key_bits,
-                paged.value_bits,
-                paged.group,
-                paged.window,
-                int(paged.sinks is not None),
-            ],
-            dtype=mx.int32,
-        )
+        dims = paged.dims(queries)
+        B, q_heads, L, dim_v = dims[0], dims[1], dims[3], dims[5]
         sinks = paged.sinks if paged.sinks is not None else mx.zeros((q_heads,), mx.float32)
         kernel = _kernel(backend, "paged_attention")
         return kernel(
@@ -146,7 +128,7 @@ def for_backend(backend: str) -> SimpleNamespace:
                 *paged.values,
                 paged.tables.astype(mx.int32),
                 paged.lengths.astype(mx.int32),
-                dims,
+                mx.array(dims, dtype=mx.int32),
                 sinks.astype(mx.float32),
                 mx.array([scale], dtype=mx.float32),
             ],

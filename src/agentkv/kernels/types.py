@@ -23,6 +23,26 @@ class PagedQuery(NamedTuple):
     window: int  # 0: none
     sinks: mx.array | None
 
+    def dims(self, queries: mx.array) -> tuple[int, ...]:
+        """The kernel's dims, in the order paged_attention.metal reads them."""
+        B, q_heads, L, dim = queries.shape
+        dim_v = self.values[0].shape[-1] * 32 // self.value_bits
+        return (
+            B,
+            q_heads,
+            self.kv_heads,
+            L,
+            dim,
+            dim_v,
+            self.tables.shape[1],
+            self.block_tokens,
+            self.key_bits,
+            self.value_bits,
+            self.group,
+            self.window,
+            int(self.sinks is not None),
+        )
+
 
 class RowSource(NamedTuple):
     """``length`` token rows starting at ``first`` of row ``row`` of ``arrays``.

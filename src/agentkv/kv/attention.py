@@ -56,15 +56,8 @@ def mask_window(mask, n_queries: int) -> int:
 
 
 def fused_available(quant: KVQuant, queries: mx.array, mask) -> bool:
-    return (
-        os.environ.get(ENV) != "reference"
-        and mx.default_device() == mx.cpu
-        and queries.dtype == mx.float32
-        and quant.key_bits in FUSED_BITS
-        and quant.value_bits in FUSED_BITS
-        and queries.shape[-1] % 8 == 0
-        and queries.shape[-1] <= 256
-        and mask_window(mask, queries.shape[-2]) != NOT_OURS
+    return paged_fused_available(quant, queries) and (
+        mask_window(mask, queries.shape[-2]) != NOT_OURS
     )
 
 
