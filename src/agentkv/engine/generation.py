@@ -18,6 +18,9 @@ import mlx.core as mx
 from ..errors import InvalidRequestError
 
 MAX_TOKENS_LIMIT = 1 << 20
+# The sampling bounds every API checks against (the server's APIs import these):
+# temperature in [0, MAX_TEMPERATURE] (OpenAI's range), top_p in (0, 1].
+MAX_TEMPERATURE = 2.0
 LAST_CHUNK_MAX = 64
 SCORES_BUDGET_BYTES = 256 << 20
 
@@ -34,10 +37,7 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise InvalidRequestError(f"max_tokens must be an integer in [1, {MAX_TOKENS_LIMIT}]")
-        if not 0.0 <= float(self.temperature) <= 10.0:
-            raise InvalidRequestError("temperature must be in [0, 10]")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise InvalidRequestError("top_p must be in (0, 1]")
+        check_sampling(self.temperature, self.top_p)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
 
@@ -54,6 +54,14 @@ class SamplingParams:
 
         sample = make_sampler(temp=self.temperature, top_p=self.top_p)
         return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Raise ``InvalidRequestError`` unless temperature and top_p are within the bounds."""
+    if not 0.0 <= float(temperature) <= MAX_TEMPERATURE:
+        raise InvalidRequestError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise InvalidRequestError("top_p must be in (0, 1]")
 
 
 def plan_chunks(n: int, offset: int, *, max_chunk: int, query_heads: int) -> list[int]:

@@ -35,12 +35,14 @@ from starlette.routing import Route
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, EngineBusyError, InvalidAgentIdError, InvalidRequestError
-from .dialects import AnthropicDialect, OpenAIDialect, ServerLimits, usage_counts
+from .anthropic_messages import AnthropicDialect
+from .common import ServerLimits, usage_counts
 from .direct import DirectDialect
 from .errors import APIError, bad_request
 from .identity import HEADER
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelRouter
+from .openai_chat import OpenAIDialect
 from .turns import AsyncTurn
 
 log = logging.getLogger("agentkv.server")

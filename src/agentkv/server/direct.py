@@ -9,20 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..agent_id import validate_agent_id
 from ..engine.results import ChatResult
-from .dialects import (
+from .common import (
     HEARTBEAT,
     ServerLimits,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    chat_messages,
     parse_body,
     sampling,
     sse,
     stop_list,
 )
 from .errors import openai_error_body
+from .messages import from_openai
 from .requests import TurnRequest
 
 
@@ -54,11 +54,11 @@ class DirectDialect:
     def parse(self, body, agent_id: str) -> TurnRequest:
         agent_id = validate_agent_id(agent_id)
         req: _DirectChat = parse_body(_DirectChat, body)
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=0.0, max_t=2.0)
+        temperature, top_p = sampling(req.temperature, req.top_p, default_t=0.0)
         model = self.limits.check_model(req.model) if req.model else self.limits.model_id
         return TurnRequest(
             agent_id=agent_id,
-            messages=chat_messages(req.messages),
+            messages=from_openai(req.messages),
             model=model,
             max_tokens=self.limits.check_max_tokens(req.max_tokens, "max_tokens", model),
             temperature=temperature,

@@ -1,0 +1,102 @@
+"""What every wire protocol shares: the served models' limits, body parsing, stop lists,
+sampling bounds (the engine's), SSE framing and usage counts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from ..engine.generation import MAX_TEMPERATURE, check_sampling
+from ..errors import InvalidRequestError
+from .errors import APIError, bad_request, from_validation
+
+StrictInt = Annotated[int, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True)]
+StrictStr = Annotated[str, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+MAX_STOPS = 16
+HEARTBEAT = ": keep-alive\n\n"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The models served (id -> context length) and the reply length when none is asked."""
+
+    models: dict
+    default_max_tokens: int
+
+    @property
+    def model_id(self) -> str:
+        """The default model (the first served)."""
+        return next(iter(self.models))
+
+    def check_model(self, name: str) -> str:
+        """The served model's id for ``name`` (case-insensitive); 404 if none."""
+        for known in self.models:
+            if known.lower() == name.lower():
+                return known
+        served = ", ".join(repr(m) for m in self.models)
+        raise APIError(
+            404,
+            "model_not_found",
+            f"model {name!r} is not served here; this server serves {served}",
+            param="model",
+        )
+
+    def check_max_tokens(self, value: int | None, param: str, model: str | None = None) -> int:
+        limit = self.models.get(model or self.model_id) or 1 << 20
+        if value is None:
+            return min(self.default_max_tokens, limit)
+        if not 1 <= value <= limit:
+            raise bad_request(
+                f"{param} must be between 1 and {limit} (the model's context), got {value}", param
+            )
+        return value
+
+
+def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def stop_list(value, param: str) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOPS:
+        raise bad_request(f"{param}: at most {MAX_STOPS} stop sequences", param)
+    if any(not s for s in stops):
+        raise bad_request(f"{param}: stop sequences must be non-empty strings", param)
+    return stops
+
+
+def sampling(temperature: float | None, top_p: float | None, *, default_t: float):
+    """(temperature, top_p) with the API's defaults, checked against the engine's bounds
+    (temperature 0 to ``MAX_TEMPERATURE``, top_p in (0, 1]) for every API alike."""
+    temperature = default_t if temperature is None else temperature
+    top_p = 1.0 if top_p is None else top_p
+    try:
+        check_sampling(temperature, top_p)
+    except InvalidRequestError as exc:
+        param = "temperature" if not 0.0 <= temperature <= MAX_TEMPERATURE else "top_p"
+        raise bad_request(str(exc), param) from None
+    return temperature, top_p
+
+
+def sse(data: dict | str, event: str | None = None) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+def usage_counts(resumed) -> dict:
+    """prompt / reused / prefilled token counts of a turn, as its start planned them."""
+    return {
+        "prompt": resumed.prompt_tokens,
+        "reused": resumed.reused_tokens,
+        "prefill": len(resumed.prefill_ids),
+    }
