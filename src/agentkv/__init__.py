@@ -9,7 +9,7 @@ from . import _quiet  # noqa: F401  (drops known third-party noise before it is 
 
 import mlx.core  # noqa: F401
 
-from .engine import AgentInfo, ChatResult, ChatStream, Engine, TurnStats
+from .engine import AgentInfo, ChatResult, ChatStream, Constraint, Engine, ToolSpec, TurnStats
 from .errors import (
     AgentKVError,
     CacheFormatError,
@@ -31,12 +31,14 @@ __all__ = [
     "CacheFormatError",
     "ChatResult",
     "ChatStream",
+    "Constraint",
     "Engine",
     "EngineBusyError",
     "InvalidAgentIdError",
     "InvalidRequestError",
     "KVQuant",
     "ModelImportError",
+    "ToolSpec",
     "TurnStats",
     "__version__",
     "load_prompt_cache",

@@ -42,6 +42,7 @@ from ..store.agent_store import AgentStore, DurableState
 from ..store.writer import BackgroundWriter
 from ..text.matcher import DEFAULT_MIN_REUSE
 from ..text.tokens import TokenText
+from .constraints import Constraint, GrammarCompiler
 from .generation import SamplingParams
 from .job import DONE, Job
 from .messages import check_salt, check_text, validate_messages
@@ -123,6 +124,7 @@ class Engine:
             hf_tokenizer = self.loaded.tokenizer._tokenizer
             self.token_text = TokenText.for_tokenizer(hf_tokenizer)
             self.eos_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
+            self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids)
             bos = getattr(hf_tokenizer, "add_bos_token", False)
             self.bos_id = hf_tokenizer.bos_token_id if bos else None
             root = Path(cache_dir) if cache_dir else kv_dir()
@@ -190,22 +192,38 @@ class Engine:
         top_p: float = 1.0,
         stop=None,
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> ChatStream:
-        """Like ``chat``, yielding text pieces as they are generated."""
+        """Like ``chat``, yielding text pieces as they are generated. ``constraint`` (an
+        ``agentkv.Constraint``): the reply must match it (a JSON schema, a tool call...)."""
         messages = validate_messages(messages)
         prompt = self.render_chat(messages)
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
         job = self._job(
-            validate_agent_id(agent_id), prompt, params, messages, stream=True, salt=cache_salt
+            validate_agent_id(agent_id),
+            prompt,
+            params,
+            messages,
+            stream=True,
+            salt=cache_salt,
+            constraint=constraint,
         )
         return self._stream(job)
 
-    def chat_many(self, turns, *, cache_salt: str | None = None, **options) -> list[ChatResult]:
+    def chat_many(
+        self,
+        turns,
+        *,
+        cache_salt: str | None = None,
+        constraint: Constraint | None = None,
+        **options,
+    ) -> list[ChatResult]:
         """Run several agents' turns as one batch: ``turns`` is ``[(agent_id, messages), ...]``.
 
         Each agent's cache is resumed and prefilled on its own, then all decode together
         in one batch; results come back in order. Same tokens as running each turn alone;
-        turns of the same agent run one after another.
+        turns of the same agent run one after another. ``constraint`` applies to every turn,
+        each with its own grammar state (``submit_chat`` gives turns different ones).
         """
         params = SamplingParams.create(**options)
         jobs = []
@@ -213,11 +231,25 @@ class Engine:
             messages = validate_messages(messages)
             prompt = self.render_chat(messages)
             jobs.append(
-                self._job(validate_agent_id(agent_id), prompt, params, messages, salt=cache_salt)
+                self._job(
+                    validate_agent_id(agent_id),
+                    prompt,
+                    params,
+                    messages,
+                    salt=cache_salt,
+                    constraint=constraint,
+                )
             )
         return self._run_all(jobs)
 
-    def generate_many(self, turns, *, cache_salt: str | None = None, **options) -> list[ChatResult]:
+    def generate_many(
+        self,
+        turns,
+        *,
+        cache_salt: str | None = None,
+        constraint: Constraint | None = None,
+        **options,
+    ) -> list[ChatResult]:
         """``generate`` for several agents as one batch: ``turns`` is ``[(agent_id, prompt)]``."""
         params = SamplingParams.create(**options)
         jobs = []
@@ -226,7 +258,14 @@ class Engine:
                 raise InvalidRequestError("every prompt must be a non-empty string")
             check_text(prompt, "prompt")
             jobs.append(
-                self._job(validate_agent_id(agent_id), prompt, params, None, salt=cache_salt)
+                self._job(
+                    validate_agent_id(agent_id),
+                    prompt,
+                    params,
+                    None,
+                    salt=cache_salt,
+                    constraint=constraint,
+                )
             )
         return self._run_all(jobs)
 
@@ -247,6 +286,7 @@ class Engine:
         top_p: float = 1.0,
         stop=None,
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> Job:
         """Queue a chat turn and return at once (for servers and event loops).
 
@@ -256,7 +296,8 @@ class Engine:
         ``("end", None)`` at the end. The returned job has ``wait()`` (the
         ``ChatResult``, or raises the turn's error), ``result``/``error`` once
         ended, and ``cancel()``: a cancelled turn saves no reply. Raises
-        ``EngineBusyError`` when ``max_queue`` turns are already waiting.
+        ``EngineBusyError`` when ``max_queue`` turns are already waiting. With ``constraint``
+        the reply must match it; a bad one raises ``InvalidRequestError`` here.
         """
         self._check_open()
         messages = validate_messages(messages)
@@ -269,15 +310,35 @@ class Engine:
             messages,
             listener=listener,
             salt=cache_salt,
+            constraint=constraint,
         )
         self.scheduler.submit(job)
         return job
 
     def _job(
-        self, agent_id, prompt: str, params, messages, *, stream=False, listener=None, salt=None
+        self,
+        agent_id,
+        prompt: str,
+        params,
+        messages,
+        *,
+        stream=False,
+        listener=None,
+        salt=None,
+        constraint: Constraint | None = None,
+        reply_prefix: str = "",
     ) -> Job:
+        grammar = None
+        if constraint is not None:
+            grammar = self.grammars.start(constraint, prefix=reply_prefix)
         job = Job(
-            agent_id, prompt.encode("utf-8"), params, messages, stream=stream, listener=listener
+            agent_id,
+            prompt.encode("utf-8"),
+            params,
+            messages,
+            stream=stream,
+            listener=listener,
+            grammar=grammar,
         )
         job.salt = check_salt(salt)
         return job
@@ -299,13 +360,20 @@ class Engine:
         top_p: float = 1.0,
         stop=None,
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> ChatStream:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string")
         check_text(prompt, "prompt")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
         job = self._job(
-            validate_agent_id(agent_id), prompt, params, None, stream=True, salt=cache_salt
+            validate_agent_id(agent_id),
+            prompt,
+            params,
+            None,
+            stream=True,
+            salt=cache_salt,
+            constraint=constraint,
         )
         return self._stream(job)
 

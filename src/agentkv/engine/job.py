@@ -10,6 +10,9 @@ A cancelled job (its caller went away) saves no reply: the agent keeps the
 part of the prompt already prefilled (a valid prefix of the conversation, so
 a retry does not redo it) and drops every generated token.
 
+A constrained job (``grammar``, see ``constraints.py``) masks its own row of logits before
+sampling and stops when its grammar is complete; other rows of the same batch are untouched.
+
 A job reports to an optional ``listener(event, value)``, called on the
 scheduler's thread: ``("start", Resumed)`` once the agent's state is found,
 ``("piece", str)`` for each piece of text, ``("end", None)`` when it is over
@@ -70,6 +73,7 @@ class Job:
         *,
         stream: bool,
         listener=None,
+        grammar=None,
     ):
         self.agent_id = agent_id
         self.prompt = prompt
@@ -79,6 +83,7 @@ class Job:
         self.phase = Phase.PENDING
         self.pieces: queue.SimpleQueue | None = queue.SimpleQueue() if stream else None
         self.listener = listener
+        self.grammar = grammar  # a TokenGrammar for a constrained turn, else None
         self.salt: str | None = None  # tenant salt for shared prefixes (None: default)
         self.reservation = None  # the pool blocks promised to this turn (once started)
         self.done = threading.Event()
@@ -163,6 +168,8 @@ class Job:
     # -- tokens -----------------------------------------------------------------
 
     def sample(self, logits: mx.array) -> mx.array:
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         return self._sample(logits)
 
     def take(self, token: int) -> bool:
@@ -175,9 +182,11 @@ class Job:
         if token in self._eos:
             self.finish_reason = "stop"
             return True
+        if self.grammar is not None:
+            self.grammar.advance(token)
         self._detok.add_token(token)
         self._emit(self._scanner.feed(self._detok.last_segment))
-        if self._scanner.stopped:
+        if self._scanner.stopped or (self.grammar is not None and self.grammar.done):
             self.finish_reason = "stop"
             return True
         if self.cancelled:

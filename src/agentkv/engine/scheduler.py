@@ -263,11 +263,11 @@ class Scheduler:
                 self._prefilling.append(job)
                 return
             job.prefill_finished()
-            token = job.sample(logits).item()
+            over = job.take(job.sample(logits).item())
         except Exception as exc:
             self._fail(job, exc)
             return
-        if job.take(token):
+        if over:
             self._finish(job)
             return
         job.phase = Phase.DECODE
@@ -285,7 +285,9 @@ class Scheduler:
         return pick
 
     def _decode_all(self) -> None:
-        """One token for every decoding agent: one forward pass over their block tables."""
+        """One token for every decoding agent: one forward pass over their block tables,
+        then each row sampled on its own (a constrained row masks its logits with its own
+        grammar first), so a row whose grammar fails ends only its own turn."""
         jobs = self._decoding
         if not jobs:
             return
@@ -295,18 +297,32 @@ class Scheduler:
                 [[j.last_token] for j in jobs],
                 reservations=[j.reservation for j in jobs],
             )
-            sampled = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
-            mx.eval(sampled)
         except Exception as exc:
             self._decoding = []
             for job in jobs:
                 self._fail(job, exc)
             return
-        done = [j for j, t in zip(jobs, sampled) if j.take(t.item())]
-        if done:
-            self._decoding = [j for j in jobs if j not in done]
-            for job in done:
-                self._finish(job)
+        sampled, ended = {}, []
+        for i, job in enumerate(jobs):
+            try:
+                sampled[job] = job.sample(logits[i : i + 1])
+            except Exception as exc:
+                ended.append((job, exc))
+        mx.eval(list(sampled.values()))
+        for job, token in sampled.items():
+            try:
+                if job.take(token.item()):
+                    ended.append((job, None))
+            except Exception as exc:
+                ended.append((job, exc))
+        if ended:
+            gone = {job for job, _ in ended}
+            self._decoding = [j for j in jobs if j not in gone]
+            for job, exc in ended:
+                if exc is None:
+                    self._finish(job)
+                else:
+                    self._fail(job, exc)
 
     # -- ends ---------------------------------------------------------------------
 
