@@ -34,6 +34,7 @@ import mlx.core as mx
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
 from ..kv.quant import KVQuant
+from ..model.kv_format import choose_kv_quant
 from ..model.load import LoadedModel, load_model
 from ..paths import kv_dir
 from ..pool import KVPool, PoolStats, default_pool_bytes
@@ -94,7 +95,7 @@ class Engine:
         *,
         key_bits: int | None = None,
         value_bits: int | None = None,
-        group_size: int = 64,
+        group_size: int | None = None,
         pool_bytes: int | None = None,
         min_reuse_tokens: int = DEFAULT_MIN_REUSE,
         prefill_chunk: int = 512,
@@ -103,8 +104,12 @@ class Engine:
         schedule: str = "interleave",
         warmup: bool = True,
     ):
-        self.quant = KVQuant.from_bits(
-            kv_bits, key_bits=key_bits, value_bits=value_bits, group_size=group_size
+        # Checked before the model loads; the group size is fitted to its head dims after.
+        wanted = KVQuant.from_bits(
+            kv_bits,
+            key_bits=key_bits,
+            value_bits=value_bits,
+            group_size=64 if group_size is None else group_size,
         )
         if min_reuse_tokens < 0 or prefill_chunk < 64:
             raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
@@ -118,7 +123,12 @@ class Engine:
             self.loaded: LoadedModel = load_model(model)
             bar.advance()
             spec = self.loaded.spec
-            self.quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
+            self.quant = choose_kv_quant(
+                spec,
+                key_bits=wanted.key_bits,
+                value_bits=wanted.value_bits,
+                group_size=group_size,
+            )
             self.pool = KVPool(spec, self.quant, pool_bytes=pool_bytes or default_pool_bytes())
             self.context_limit = self.loaded.context_limit
             hf_tokenizer = self.loaded.tokenizer._tokenizer

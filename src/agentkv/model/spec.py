@@ -93,8 +93,9 @@ class ModelCacheSpec:
     @classmethod
     def from_model(cls, model, *, weights_id: str, model_type: str | None = None) -> ModelCacheSpec:
         """Inspect ``model``: its cache classes, and one probe token through it."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+        model_type = model_type or getattr(model, "model_type", type(model).__module__)
         caches = make_prompt_cache(model)
         layers = []
         for i, cache in enumerate(caches):
@@ -103,9 +104,11 @@ class ModelCacheSpec:
             elif isinstance(cache, KVCache):
                 layers.append(LayerSpec(LayerKind.FULL))
             else:
+                what = ", a recurrent state (state-space or convolution layer)"
                 raise ModelImportError(
-                    f"layer {i} uses {type(cache).__name__}; agentkv supports attention "
-                    "layers with KVCache or RotatingKVCache only"
+                    f"model {model_type!r}: layer {i} uses {type(cache).__name__}"
+                    f"{what if isinstance(cache, ArraysCache) else ''}; agentkv caches "
+                    "attention layers only (mlx-lm's KVCache or RotatingKVCache)"
                 )
         model(mx.array([[0]]), cache=caches)
         shapes = {(c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]) for c in caches}
@@ -118,7 +121,7 @@ class ModelCacheSpec:
         )
         dtype = caches[0].keys.dtype
         return cls(
-            model_type=model_type or getattr(model, "model_type", type(model).__module__),
+            model_type=model_type,
             num_layers=len(caches),
             kv_heads=int(heads),
             key_head_dim=int(key_dim),

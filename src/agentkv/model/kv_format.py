@@ -1,0 +1,52 @@
+"""The KV format an engine uses for one model: the caller's bits, and a group size that
+splits the model's head dims.
+
+MLX quantizes in groups of 32, 64 or 128 values along the head dimension, so a group
+must divide the head dim: head dim 64 or 128 takes the default group of 64, head dim 32
+only 32, head dim 96 only 32. A group size the caller names is used as given (or
+refused); left unset, the first of ``AUTO_GROUP_SIZES`` that fits is chosen.
+"""
+
+from __future__ import annotations
+
+from ..errors import InvalidRequestError
+from ..kv.quant import KVQuant
+from .spec import ModelCacheSpec
+
+# The default first (the format agentkv is measured in); then the smaller group, which
+# costs more scales but keeps precision; the larger last.
+AUTO_GROUP_SIZES = (64, 32, 128)
+
+
+def fits(quant: KVQuant, key_dim: int, value_dim: int) -> bool:
+    """Whether ``quant``'s groups split keys of ``key_dim`` and values of ``value_dim``."""
+    try:
+        quant.check_head_dims(key_dim, value_dim)
+    except InvalidRequestError:
+        return False
+    return True
+
+
+def choose_kv_quant(
+    spec: ModelCacheSpec, *, key_bits: int, value_bits: int, group_size: int | None
+) -> KVQuant:
+    """The KV format for ``spec``'s model: ``group_size`` if given (refused with the head
+    dim named if it does not fit), else the first of ``AUTO_GROUP_SIZES`` that fits."""
+    if group_size is not None:
+        quant = KVQuant(key_bits, value_bits, group_size)
+        quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
+        return quant
+    for size in AUTO_GROUP_SIZES:
+        quant = KVQuant(key_bits, value_bits, size)
+        if fits(quant, spec.key_head_dim, spec.value_head_dim):
+            return quant
+    dims = (
+        f"head dim {spec.key_head_dim}"
+        if spec.key_head_dim == spec.value_head_dim
+        else f"key head dim {spec.key_head_dim} / value head dim {spec.value_head_dim}"
+    )
+    raise InvalidRequestError(
+        f"model {spec.model_type!r}: {dims} splits into none of the KV group sizes "
+        f"{', '.join(map(str, AUTO_GROUP_SIZES))} at {key_bits}/{value_bits} bits "
+        "(keys/values); store the KV in float16 (kv_bits=16 / --kv-bits 16)"
+    )

@@ -1,0 +1,301 @@
+"""Every supported architecture, on tiny random-weight models built here with mlx-lm's own
+model classes and the embedded model's real tokenizer: hot == warm after a restart, a batch
+== each agent alone, and the KV read back from disk == the KV that was saved.
+
+The weights of the attention and MLP projections are scaled up (x3) so the continuation
+depends on the whole context, not only on the last token: a wrong key or value anywhere
+changes the tokens (a model at mlx-lm's initial scale repeats one token whatever it reads).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import table_arrays
+from mlx.utils import tree_flatten, tree_map_with_path
+
+from agentkv import Engine
+from agentkv.cli.main import main as agentkv_main
+from agentkv.errors import InvalidRequestError, ModelImportError
+from agentkv.kv.blocks import BLOCK_TOKENS
+from agentkv.model.kv_format import AUTO_GROUP_SIZES, choose_kv_quant
+from agentkv.model.load import ensure_embedded_model
+from agentkv.model.spec import LayerKind
+
+WINDOW = 128
+COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 49152,  # the embedded tokenizer's
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+ARCHITECTURES = {
+    "llama": {"head_dim": 64},
+    # head dim 64 / 2 = 32: the KV group size must drop to 32
+    "qwen2": {"num_key_value_heads": 2},
+    "qwen3": {"head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "gemma3_text": {
+        "head_dim": 64,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 64,
+        "tie_word_embeddings": True,
+    },
+    "gpt_oss": {
+        "head_dim": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+    },
+}
+# What each model's spec must say: (layer kinds, attention sinks, head dim, group size).
+SLIDING_FULL = [LayerKind.SLIDING, LayerKind.FULL] * 2
+EXPECTED = {
+    "llama": ([LayerKind.FULL] * 4, False, 64, 64),
+    "qwen2": ([LayerKind.FULL] * 4, False, 32, 32),
+    "qwen3": ([LayerKind.FULL] * 4, False, 128, 64),
+    "gemma3_text": (SLIDING_FULL, False, 64, 64),
+    "gpt_oss": (SLIDING_FULL, True, 64, 64),
+}
+GAIN = 3.0
+POOL_BYTES = 16 << 20
+
+
+def build_model_dir(root: Path, config: dict, *, seed: int = 5, gain: float = GAIN) -> Path:
+    """An mlx-lm model directory: ``config``'s architecture with random weights (projections
+    scaled by ``gain``; attention sinks random, not zero) and the embedded tokenizer."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+
+    def scale(path, w):
+        return w * gain if "proj" in path and path.endswith(".weight") else w
+
+    model.update(tree_map_with_path(scale, model.parameters()))
+    for layer in getattr(model, "layers", []):
+        attn = getattr(layer, "self_attn", None)
+        if getattr(attn, "sinks", None) is not None:
+            attn.sinks = mx.random.normal(attn.sinks.shape)
+    root.mkdir(parents=True)
+    mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (root / "config.json").write_text(json.dumps(config))
+    source = ensure_embedded_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, root / name)
+    return root
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def arch(request, tmp_path_factory):
+    """(architecture name, its model directory)."""
+    name = request.param
+    config = {"model_type": name, **COMMON, **ARCHITECTURES[name]}
+    if name == "qwen3":
+        config["rope_theta"] = 1_000_000
+    return name, build_model_dir(tmp_path_factory.mktemp(name) / "model", config)
+
+
+def engine_on(model: Path, cache_dir: Path) -> Engine:
+    return Engine(model=str(model), cache_dir=cache_dir, pool_bytes=POOL_BYTES, warmup=False)
+
+
+def log_prompt(topic: str, lines: int = 36) -> list[dict]:
+    """A user message of ~16 tokens a line: 36 lines span more than two 256-token blocks and
+    more than a sliding window plus a block, so sliding layers drop their first block."""
+    text = "".join(f"Line {k} of the {topic} log: step {k * 7 % 13} passed. " for k in range(lines))
+    return [{"role": "user", "content": text}]
+
+
+def follow_up(messages: list[dict], reply: str, question: str) -> list[dict]:
+    return messages + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": question},
+    ]
+
+
+def held_kv(eng: Engine, agent: str, tokens: int) -> tuple[list[np.ndarray], int]:
+    """The agent's KV in the pool for tokens [0, tokens), every (layer, component) as
+    [heads, n, width]; and the first token its sliding layers still hold (the rows of the
+    blocks before it were handed back when the window passed them)."""
+    table = eng.residency.get(agent).table
+    return table_arrays(eng.pool, table, tokens), table.window_from * BLOCK_TOKENS
+
+
+def kept_rows(eng: Engine, arrays: list[np.ndarray], first: int) -> list[np.ndarray]:
+    """``arrays`` with the sliding layers' rows before ``first`` cut."""
+    per_layer = len(arrays) // eng.spec.num_layers
+    sliding = [layer.kind is LayerKind.SLIDING for layer in eng.spec.layers]
+    return [a[:, first:] if sliding[i // per_layer] else a for i, a in enumerate(arrays)]
+
+
+def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
+    name, model = arch
+    kinds, sinks, head_dim, group = EXPECTED[name]
+    with engine_on(model, tmp_path / "kv") as eng:
+        spec = eng.spec
+        assert spec.model_type == name
+        assert [layer.kind for layer in spec.layers] == kinds
+        sliding = [layer.window for layer in spec.layers if layer.kind is LayerKind.SLIDING]
+        assert sliding == [WINDOW] * kinds.count(LayerKind.SLIDING)
+        assert spec.attention_sinks is sinks
+        assert (spec.key_head_dim, spec.value_head_dim) == (head_dim, head_dim)
+        assert eng.quant.group_size == group and eng.quant.label == "q4"
+        r = eng.chat("smoke", [{"role": "user", "content": "Count the steps."}], max_tokens=4)
+        assert r.stats.cache == "cold" and len(r.tokens) == 4
+
+
+@pytest.mark.slow
+def test_hot_equals_warm_after_a_restart(arch, tmp_path):
+    """Agent "x" is resumed from disk by a new Engine on the same store; "twin" (the same
+    conversation under its own salt: nothing shared) ran the same turn hot before it."""
+    _, model = arch
+    first = log_prompt("build")
+    with engine_on(model, tmp_path / "kv") as eng:
+        r1 = eng.chat("x", first, max_tokens=12)
+        t1 = eng.chat("twin", first, max_tokens=12, cache_salt="twin")
+        assert r1.tokens == t1.tokens and r1.stats.cache == t1.stats.cache == "cold"
+        second = follow_up(first, r1.text, "Which step failed?")
+        hot = eng.chat("twin", second, max_tokens=16, cache_salt="twin")
+        assert hot.stats.cache == "hot" and hot.stats.reused_tokens > 2 * BLOCK_TOKENS
+    with engine_on(model, tmp_path / "kv") as eng:
+        warm = eng.chat("x", second, max_tokens=16)
+    assert warm.stats.cache == "warm"
+    assert warm.stats.reused_tokens == hot.stats.reused_tokens
+    assert warm.stats.prefill_tokens == hot.stats.prefill_tokens
+    assert len(set(warm.tokens)) > 3  # the model does not just repeat itself
+    assert warm.tokens == hot.tokens
+
+
+@pytest.mark.slow
+def test_a_batch_equals_each_agent_alone(arch, tmp_path):
+    _, model = arch
+    turns = [
+        ("a", log_prompt("build", 36)),
+        ("b", log_prompt("deploy", 9)),
+        ("c", [{"role": "user", "content": "Count the steps."}]),
+    ]
+    with engine_on(model, tmp_path / "kv") as eng:
+        batched = eng.chat_many(turns, max_tokens=12)
+        alone = [
+            eng.chat(f"{agent}-alone", messages, max_tokens=12, cache_salt="alone")
+            for agent, messages in turns
+        ]
+    assert [r.stats.cache for r in alone] == ["cold"] * 3
+    assert len({tuple(r.tokens) for r in alone}) == 3  # the contexts matter
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
+@pytest.mark.slow
+def test_saved_kv_reloads_identically(arch, tmp_path):
+    """The KV a new Engine reads back from disk (a warm turn on the same store) equals,
+    array for array, what the first Engine held when it saved. Raw text turns, the second
+    extending exactly the text the agent stored (its prompt and the reply tokens fed back)."""
+    _, model = arch
+    prompt = log_prompt("test", 40)[0]["content"]
+    with engine_on(model, tmp_path / "kv") as eng:
+        eng.generate("r", prompt, max_tokens=4)
+        state = eng.residency.get("r")
+        size, stored = state.size, state.text.decode()
+        assert size > 2 * BLOCK_TOKENS
+        before, first_before = held_kv(eng, "r", size)
+        eng.flush()
+    with engine_on(model, tmp_path / "kv") as eng:
+        warm = eng.generate("r", stored + " And then?", max_tokens=1)
+        assert warm.stats.cache == "warm" and warm.stats.reused_tokens == size
+        after, first_after = held_kv(eng, "r", size)
+        first = max(first_before, first_after)
+        assert first < size
+        before, after = kept_rows(eng, before, first), kept_rows(eng, after, first)
+    assert len(before) == len(after) == eng.spec.num_layers * len(eng.pool.arena.components)
+    for i, (want, got) in enumerate(zip(before, after)):
+        assert mx.array_equal(mx.array(got), mx.array(want)), f"array {i}"
+
+
+# -- the KV group size follows the head dim ------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2"], indirect=True)
+def test_the_group_size_fits_the_head_dim(arch, tmp_path):
+    """Head dim 32 takes group 32 on its own (any bits); a group size named that does not
+    fit is refused with the head dim named."""
+    _, model = arch
+    with pytest.raises(InvalidRequestError, match="head dim 32 does not split into groups of 64"):
+        Engine(model=str(model), cache_dir=tmp_path / "kv", group_size=64, warmup=False)
+    with Engine(model=str(model), cache_dir=tmp_path / "kv", kv_bits=8, warmup=False) as eng:
+        assert (eng.quant.group_size, eng.quant.label) == (32, "q8")
+
+
+def test_no_group_size_fits_an_odd_head_dim_and_the_error_says_so():
+    from helpers import synthetic_spec
+
+    spec = synthetic_spec(dim=80)
+    with pytest.raises(InvalidRequestError) as info:
+        choose_kv_quant(spec, key_bits=4, value_bits=4, group_size=None)
+    message = str(info.value)
+    assert "head dim 80" in message and "64, 32, 128" in message and "16" in message
+    assert AUTO_GROUP_SIZES[0] == 64  # the default stays first
+    fp16 = choose_kv_quant(spec, key_bits=16, value_bits=16, group_size=None)
+    assert fp16.label == "fp16"
+
+
+# -- layers agentkv cannot cache -----------------------------------------------------------
+
+HYBRIDS = {
+    # A conv + attention hybrid (LFM2): attention at layers 0 and 2, a short convolution
+    # with recurrent state (mlx-lm's ArraysCache) at layer 1.
+    "lfm2": {
+        "model_type": "lfm2",
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "block_ff_dim": 128,
+        "full_attn_idxs": [0, 2],
+    },
+    # A state-space model (Mamba): every layer keeps a recurrent state.
+    "mamba": {
+        "model_type": "mamba",
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "state_size": 8,
+        "num_hidden_layers": 2,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+    },
+}
+
+
+@pytest.mark.parametrize(("name", "layer"), [("lfm2", 1), ("mamba", 0)])
+def test_a_layer_with_recurrent_state_is_refused_by_name(name, layer, tmp_path, capsys):
+    model = build_model_dir(tmp_path / name, HYBRIDS[name], gain=1.0)
+    with pytest.raises(ModelImportError) as info:
+        Engine(model=str(model), cache_dir=tmp_path / "kv", warmup=False)
+    message = str(info.value)
+    assert f"model {name!r}: layer {layer} uses ArraysCache" in message
+    assert agentkv_main(["chat", "--agent", "a", "--model", str(model)]) == 2
+    assert f"layer {layer} uses ArraysCache" in capsys.readouterr().err
