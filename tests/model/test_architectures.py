@@ -44,7 +44,12 @@ ARCHITECTURES = {
     "llama": {"head_dim": 64},
     # head dim 64 / 2 = 32: the KV group size must drop to 32
     "qwen2": {"num_key_value_heads": 2},
-    "qwen3": {"head_dim": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen3": {
+        "head_dim": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 1_000_000,  # qwen3's config must name it
+    },
     "gemma3_text": {
         "head_dim": 64,
         "sliding_window": WINDOW,
@@ -103,8 +108,6 @@ def arch(request, tmp_path_factory):
     """(architecture name, its model directory)."""
     name = request.param
     config = {"model_type": name, **COMMON, **ARCHITECTURES[name]}
-    if name == "qwen3":
-        config["rope_theta"] = 1_000_000
     return name, build_model_dir(tmp_path_factory.mktemp(name) / "model", config)
 
 
