@@ -24,7 +24,6 @@ from agentkv import Engine
 from agentkv.cli.main import main as agentkv_main
 from agentkv.errors import InvalidRequestError, ModelImportError
 from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.model.kv_format import AUTO_GROUP_SIZES, choose_kv_quant
 from agentkv.model.load import ensure_embedded_model
 from agentkv.model.spec import LayerKind
 
@@ -270,19 +269,6 @@ def test_engines_with_other_group_sizes_leave_each_other_s_blocks_alone(arch, tm
         again = eng.chat("a", follow_up(prompt, first.text, "And then?"), max_tokens=1)
     assert list((tmp_path / "kv").glob("*/quarantine/blocks/*")) == []
     assert again.stats.cache == "warm" and again.stats.reused_tokens > 2 * BLOCK_TOKENS
-
-
-def test_no_group_size_fits_an_odd_head_dim_and_the_error_says_so():
-    from helpers import synthetic_spec
-
-    spec = synthetic_spec(dim=80)
-    with pytest.raises(InvalidRequestError) as info:
-        choose_kv_quant(spec, key_bits=4, value_bits=4, group_size=None)
-    message = str(info.value)
-    assert "head dim 80" in message and "64, 32, 128" in message and "16" in message
-    assert AUTO_GROUP_SIZES[0] == 64  # the default stays first
-    fp16 = choose_kv_quant(spec, key_bits=16, value_bits=16, group_size=None)
-    assert fp16.label == "fp16"
 
 
 # -- layers agentkv cannot cache -----------------------------------------------------------
