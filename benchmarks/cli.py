@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|quality|kv-candidates``."""
+"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|constrained|quality|kv-candidates``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,19 @@ def run_bench(args) -> int:
         if args.turns < 2:
             raise SystemExit("agentkv: error: --turns must be at least 2 (a restart in the middle)")
         run(args.paragraphs, args.clients, args.turns, args.max_tokens, as_json=args.json)
+    elif name == "constrained":
+        from .constrained import run, run_engines
+
+        if args.engines:
+            run_engines(as_json=args.json, model=args.model)
+        else:
+            run(
+                _counts(args.agents, "--agents"),
+                max_tokens=args.max_tokens,
+                repeats=args.repeats,
+                as_json=args.json,
+                model=args.model,
+            )
     elif name == "kv-candidates":
         from .kv_candidates import run
 

@@ -252,3 +252,23 @@ def test_bench_pool_emits_its_json(python_env):
     overload = result["overload"]
     assert (overload["completed"], overload["errors"]) == (4, 0)
     assert overload["ttft_p99_ms"] >= overload["ttft_p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_bench_constrained_emits_its_json(python_env):
+    out = agentkv(
+        "bench", "constrained", "--agents", "2", "--max-tokens", "6", "--repeats", "1",
+        "--json", env=python_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    kinds = [row["constraint"] for row in rows]
+    assert kinds == ["none", "json_object", "json_schema", "tool_calls", "mixed"]
+    assert all(row["agents"] == 2 and row["tokens"] == 12 for row in rows)
+    bound = rows[1:4]
+    assert all(row["grammar_us"] > 0 and 0 < row["step_ratio"] < 1 for row in bound)
+    engines = json.loads(
+        agentkv("bench", "constrained", "--engines", "--json", env=python_env).stdout
+    )
+    assert engines["rows"][0]["engine"].startswith("llguidance")
+    assert engines["rows"][0]["schema_mask_us"] > 0

@@ -368,6 +368,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--turns", type=_positive_int, default=10)
     serve_bench.add_argument("--max-tokens", type=_positive_int, default=24)
     serve_bench.add_argument("--json", action="store_true")
+    constrained = bench_sub.add_parser(
+        "constrained",
+        help="decode tokens/s with an output grammar (JSON schema, tool calls) vs without",
+        description="The same chat turn free and under each constraint (json_object, a JSON "
+        "schema, tool calls), alone and as a batch of agents (also half free, half "
+        "constrained), in alternating rounds: each turn's decode rate and its ratio to the "
+        "free turns'. --engines instead times the grammar engines on the model's tokenizer "
+        "(llguidance, and xgrammar / outlines-core if installed).",
+    )
+    constrained.add_argument("--agents", default="1,4", help="comma-separated batch sizes")
+    constrained.add_argument("--max-tokens", type=_positive_int, default=64)
+    constrained.add_argument("--repeats", type=_positive_int, default=3)
+    constrained.add_argument(
+        "--engines", action="store_true", help="time the grammar engines instead"
+    )
+    constrained.add_argument("--json", action="store_true")
+    constrained.add_argument("--model", default=None, help=argparse.SUPPRESS)
     candidates = bench_sub.add_parser(
         "kv-candidates",
         help="candidate 4-bit KV formats side by side: perplexity, KL and top-1 vs fp16",
