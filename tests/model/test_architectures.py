@@ -155,6 +155,8 @@ def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
         assert spec.attention_sinks is sinks
         assert (spec.key_head_dim, spec.value_head_dim) == (head_dim, head_dim)
         assert eng.quant.group_size == group and eng.quant.label == "q4"
+        config = {**COMMON, **ARCHITECTURES[name]}
+        assert eng.loaded.query_heads == config["num_attention_heads"]  # sizes prefill chunks
         r = eng.chat("smoke", [{"role": "user", "content": "Count the steps."}], max_tokens=4)
         assert r.stats.cache == "cold" and len(r.tokens) == 4
 

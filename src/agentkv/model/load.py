@@ -37,9 +37,19 @@ class LoadedModel:
 
     @property
     def query_heads(self) -> int:
+        """Attention heads of the queries (sizes prefill chunks): the config's, else the
+        first layer's attention module's (mlx-lm names it ``n_heads``, ``num_heads`` or
+        ``num_attention_heads`` by architecture), else the KV heads."""
+        heads = getattr(getattr(self.model, "args", None), "num_attention_heads", None)
+        if isinstance(heads, int) and heads > 0:
+            return heads
         layers = getattr(self.model, "layers", None) or []
         attn = getattr(layers[0], "self_attn", None) if layers else None
-        return int(getattr(attn, "n_heads", self.spec.kv_heads))
+        for name in ("n_heads", "num_heads", "num_attention_heads"):
+            heads = getattr(attn, name, None)
+            if isinstance(heads, int) and heads > 0:
+                return heads
+        return self.spec.kv_heads
 
     @property
     def context_limit(self) -> int | None:
