@@ -157,6 +157,7 @@ def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
         assert eng.quant.group_size == group and eng.quant.label == "q4"
         config = {**COMMON, **ARCHITECTURES[name]}
         assert eng.loaded.query_heads == config["num_attention_heads"]  # sizes prefill chunks
+        assert eng.context_limit == config["max_position_embeddings"]
         r = eng.chat("smoke", [{"role": "user", "content": "Count the steps."}], max_tokens=4)
         assert r.stats.cache == "cold" and len(r.tokens) == 4
 

@@ -12,7 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,6 +34,7 @@ class LoadedModel:
     spec: ModelCacheSpec
     name: str
     path: Path
+    config: dict = field(default_factory=dict)  # config.json, as the model directory has it
 
     @property
     def query_heads(self) -> int:
@@ -53,9 +54,12 @@ class LoadedModel:
 
     @property
     def context_limit(self) -> int | None:
-        """The model's context length (max_position_embeddings), if its config says."""
+        """The model's context length (max_position_embeddings), if its config says (some
+        mlx-lm architectures, e.g. gpt_oss, drop it from their model args)."""
         args = getattr(self.model, "args", None)
         limit = getattr(args, "max_position_embeddings", None)
+        if limit is None:
+            limit = self.config.get("max_position_embeddings")
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
@@ -170,4 +174,4 @@ def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
     spec = ModelCacheSpec.from_model(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
     )
-    return LoadedModel(mlx_model, tokenizer, spec, name, path)
+    return LoadedModel(mlx_model, tokenizer, spec, name, path, config)
