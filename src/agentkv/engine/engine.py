@@ -43,6 +43,8 @@ from ..store.agent_store import AgentStore, DurableState
 from ..store.writer import BackgroundWriter
 from ..text.matcher import DEFAULT_MIN_REUSE
 from ..text.tokens import TokenText
+from ..tools import ToolFormat, tool_format
+from ..tools.render import render_prompt
 from .constraints import Constraint, GrammarCompiler
 from .generation import SamplingParams
 from .job import DONE, Job
@@ -144,6 +146,7 @@ class Engine:
             self.writer = BackgroundWriter(self.store)
             self._registry = threading.Lock()
             self._agent_locks: dict[str, threading.Lock] = {}
+            self._tool_format: ToolFormat | None = None
             self._closed = False
             self.residency = Residency(self.pool)
             resumer = Resumer(
@@ -296,9 +299,16 @@ class Engine:
         top_p: float = 1.0,
         stop=None,
         cache_salt: str | None = None,
+        tools: list[dict] | None = None,
+        reply_prefix: str = "",
         constraint: Constraint | None = None,
     ) -> Job:
         """Queue a chat turn and return at once (for servers and event loops).
+
+        ``tools`` (OpenAI function tools) are rendered into the prompt through the chat
+        template (see ``agentkv.tools``); ``reply_prefix`` is text the reply starts with,
+        appended to the prompt (a forced tool call's opening): it is part of the reply
+        the agent's history keeps, not of the generated text.
 
         ``listener(event, value)`` is called on the engine's thread with
         ``("start", resumed)`` when the agent's state is found (``resumed.tier``
@@ -311,7 +321,7 @@ class Engine:
         """
         self._check_open()
         messages = validate_messages(messages)
-        prompt = self.render_chat(messages)
+        prompt = self.render_chat(messages, tools=tools) + check_text(reply_prefix, "prefix")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
         job = self._job(
             validate_agent_id(agent_id),
@@ -321,7 +331,9 @@ class Engine:
             listener=listener,
             salt=cache_salt,
             constraint=constraint,
+            reply_prefix=reply_prefix,
         )
+        job.reply_prefix = reply_prefix
         self.scheduler.submit(job)
         return job
 
@@ -387,11 +399,20 @@ class Engine:
         )
         return self._stream(job)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> str:
+        """The prompt of ``messages`` (and ``tools``) through the model's chat template."""
         tokenizer = self.loaded.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use generate()")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_prompt(tokenizer, self.tool_format, messages, tools)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (its family, markers, whether its template
+        renders tools itself)."""
+        if self._tool_format is None:
+            self._tool_format = tool_format(self.loaded.tokenizer)
+        return self._tool_format
 
     def history(self, agent_id: str) -> list[dict] | None:
         """The chat messages of the agent's last chat turn (with the reply), if stored."""

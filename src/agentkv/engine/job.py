@@ -85,6 +85,7 @@ class Job:
         self.listener = listener
         self.grammar = grammar  # a TokenGrammar for a constrained turn, else None
         self.salt: str | None = None  # tenant salt for shared prefixes (None: default)
+        self.reply_prefix = ""  # the reply's opening, already in the prompt (history keeps it)
         self.reservation = None  # the pool blocks promised to this turn (once started)
         self.done = threading.Event()
         self.cancelled = False
@@ -234,7 +235,8 @@ class Job:
             ends = np.cumsum(lengths) + len(self.state.text)
             self.state.append(fed, np.stack([ends - lengths, ends], axis=1), b"".join(pieces))
         if self.messages is not None:
-            self.state.messages = [*self.messages, {"role": "assistant", "content": self.text}]
+            reply = self.reply_prefix + self.text
+            self.state.messages = [*self.messages, {"role": "assistant", "content": reply}]
 
     def finish(self, eos_ids) -> ChatResult:
         r = self.resumed

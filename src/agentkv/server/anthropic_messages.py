@@ -1,4 +1,11 @@
-"""Anthropic Messages: ``POST /v1/messages`` (stream or not)."""
+"""Anthropic Messages: ``POST /v1/messages`` (stream or not), with tool use.
+
+Tools are ``{name, description, input_schema}``; calls come back as ``tool_use`` content
+blocks with ``stop_reason: "tool_use"`` and results go in as ``tool_result`` blocks of a
+user message. Streamed, a call is a ``tool_use`` ``content_block_start`` followed by
+``input_json_delta`` pieces of its input, once the model has written all of it. Reasoning
+(thinking models) is a ``thinking`` block before the text.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.results import ChatResult
+from ..tools import ToolCall
 from .common import (
     ServerLimits,
     StrictBool,
@@ -24,6 +32,10 @@ from .errors import anthropic_error_body, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import from_anthropic
 from .requests import TurnRequest
+from .tooling import ToolChoice, check_choice, check_function, check_unique
+
+INPUT_PIECE = 16  # characters of a tool call's input per streamed delta
+CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
 class _AnthropicMessage(BaseModel):
@@ -50,7 +62,46 @@ class _AnthropicMessages(BaseModel):
     stream: StrictBool | None = False
     metadata: _Metadata | None = None
     tools: list | None = None
+    tool_choice: dict | None = None
     cache_salt: StrictStr | None = None
+
+
+def _tools(req) -> tuple[list[dict] | None, ToolChoice | None]:
+    tools = None
+    if req.tools:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            where = f"tools[{i}]"
+            if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+                raise bad_request(
+                    f"{where}: only client tools ({{name, description, input_schema}}) are "
+                    "supported",
+                    where,
+                )
+            if not isinstance(tool.get("input_schema"), dict):
+                raise bad_request(f"{where}.input_schema must be a JSON schema object", where)
+            tools.append(
+                check_function(
+                    tool.get("name"), tool.get("description"), tool["input_schema"], where
+                )
+            )
+        check_unique(tools, "tools")
+    choice = req.tool_choice
+    if choice is None:
+        return tools, check_choice(ToolChoice("auto" if tools else "none"), tools, "tool_choice")
+    mode = CHOICE_MODES.get(choice.get("type"))
+    if mode is None:
+        raise bad_request("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    name = choice.get("name")
+    if mode == "named" and not isinstance(name, str):
+        raise bad_request("tool_choice of type 'tool' needs a name", "tool_choice.name")
+    parallel = choice.get("disable_parallel_tool_use") is not True
+    return tools, check_choice(ToolChoice(mode, name, parallel), tools, "tool_choice")
+
+
+def _tool_use(call: ToolCall) -> dict:
+    call_id = "toolu_" + call.id.removeprefix("call_")
+    return {"type": "tool_use", "id": call_id, "name": call.name, "input": call.arguments}
 
 
 class AnthropicDialect:
@@ -65,8 +116,7 @@ class AnthropicDialect:
     def parse(self, body, agent_header: str | None) -> TurnRequest:
         req: _AnthropicMessages = parse_body(_AnthropicMessages, body)
         model = self.limits.check_model(req.model)
-        if req.tools:
-            raise bad_request("tool use is not supported by this server", "tools")
+        tools, choice = _tools(req)
         messages = from_anthropic(req.system, req.messages)
         temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
         user = req.metadata.user_id if req.metadata else None
@@ -80,10 +130,14 @@ class AnthropicDialect:
             stop=stop_list(req.stop_sequences, "stop_sequences"),
             stream=bool(req.stream),
             cache_salt=req.cache_salt,
+            tools=tools,
+            tool_choice=choice,
         )
 
     @staticmethod
-    def _stop(result: ChatResult) -> tuple[str, str | None]:
+    def _stop(result: ChatResult, calls) -> tuple[str, str | None]:
+        if calls:
+            return "tool_use", None
         if result.stop_sequence is not None:
             return "stop_sequence", result.stop_sequence
         if result.finish_reason == "length":
@@ -99,21 +153,39 @@ class AnthropicDialect:
             "output_tokens": generated,
         }
 
-    def response(self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict) -> dict:
-        reason, sequence = self._stop(result)
+    @staticmethod
+    def _calls(req: TurnRequest, calls: list[ToolCall]) -> list[ToolCall]:
+        parallel = req.tool_choice is None or req.tool_choice.parallel
+        return calls if parallel else calls[:1]
+
+    def response(
+        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser
+    ) -> dict:
+        parser.feed(result.text)
+        parser.finish()
+        calls = self._calls(req, parser.calls)
+        content = []
+        if parser.reasoning:
+            content.append({"type": "thinking", "thinking": parser.reasoning, "signature": ""})
+        if parser.content.strip() or not calls:
+            content.append({"type": "text", "text": parser.content})
+        content += [_tool_use(c) for c in calls]
+        reason, sequence = self._stop(result, calls)
         return {
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
             "role": "assistant",
             "model": req.model,
-            "content": [{"type": "text", "text": result.text}],
+            "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
             "usage": self._usage(counts, result.stats.generated_tokens),
             "agentkv": agentkv,
         }
 
-    async def stream(self, req: TurnRequest, turn, counts: dict, finish) -> AsyncIterator[str]:
+    async def stream(
+        self, req: TurnRequest, turn, counts: dict, finish, parser
+    ) -> AsyncIterator[str]:
         message = {
             "id": f"msg_{uuid.uuid4().hex}",
             "type": "message",
@@ -125,22 +197,34 @@ class AnthropicDialect:
             "usage": self._usage(counts, 0),
         }
         yield sse({"type": "message_start", "message": message}, "message_start")
-        block = {
-            "type": "content_block_start",
-            "index": 0,
-            "content_block": {"type": "text", "text": ""},
-        }
-        yield sse(block, "content_block_start")
+        blocks = _Blocks()
+        calls: list[ToolCall] = []
+        parallel = req.tool_choice is None or req.tool_choice.parallel
+
+        def events(evs) -> list[str]:
+            out = []
+            for ev in evs:
+                if ev.kind == "call":
+                    if calls and not parallel:
+                        continue
+                    calls.append(ev.call)
+                    out += blocks.tool_use(ev.call)
+                else:
+                    out += blocks.text(ev.kind, ev.text)
+            return out
+
         async for piece in turn.pieces():
             if piece is None:
                 yield sse({"type": "ping"}, "ping")
                 continue
-            delta = {"type": "content_block_delta", "index": 0}
-            delta["delta"] = {"type": "text_delta", "text": piece}
-            yield sse(delta, "content_block_delta")
+            for event in events(parser.feed(piece)):
+                yield event
         result, agentkv = await finish()
-        yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-        reason, sequence = self._stop(result)
+        for event in events(parser.finish()):
+            yield event
+        for event in blocks.close(empty_text=not calls):
+            yield event
+        reason, sequence = self._stop(result, calls)
         yield sse(
             {
                 "type": "message_delta",
@@ -151,3 +235,53 @@ class AnthropicDialect:
             "message_delta",
         )
         yield sse({"type": "message_stop"}, "message_stop")
+
+
+class _Blocks:
+    """The content blocks of a streamed message: one open at a time, indexed in order."""
+
+    def __init__(self):
+        self.index = -1
+        self.open: str | None = None  # the kind of the open block
+
+    def _start(self, block: dict) -> list[str]:
+        out = self._stop()
+        self.index += 1
+        self.open = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*out, sse(start, "content_block_start")]
+
+    def _stop(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def _delta(self, delta: dict) -> str:
+        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse(body, "content_block_delta")
+
+    def text(self, kind: str, text: str) -> list[str]:
+        out = []
+        if kind == "reasoning":
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            return [*out, self._delta({"type": "thinking_delta", "thinking": text})]
+        if self.open != "text":
+            out += self._start({"type": "text", "text": ""})
+        return [*out, self._delta({"type": "text_delta", "text": text})]
+
+    def tool_use(self, call: ToolCall) -> list[str]:
+        out = self._start({**_tool_use(call), "input": {}})
+        data = call.arguments_json
+        for at in range(0, len(data), INPUT_PIECE):
+            piece = data[at : at + INPUT_PIECE]
+            out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
+        return [*out, *self._stop()]
+
+    def close(self, *, empty_text: bool) -> list[str]:
+        """Stop the open block; a message with no block at all gets an empty text block."""
+        out = []
+        if self.index < 0 and empty_text:
+            out += self._start({"type": "text", "text": ""})
+        return out + self._stop()

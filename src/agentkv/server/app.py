@@ -43,6 +43,7 @@ from .identity import HEADER
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelRouter
 from .openai_chat import OpenAIDialect
+from .tooling import prepare as prepare_tools
 from .turns import AsyncTurn
 
 log = logging.getLogger("agentkv.server")
@@ -190,7 +191,8 @@ def create_app(
                 release()
 
     async def run_turn(request: Request, dialect, req, engine, release) -> Response:
-        turn = AsyncTurn(engine, req.agent_id, req.messages, req.sampling)
+        plan = await prepare_tools(engine, req.agent_id, req.messages, req.tools, req.tool_choice)
+        turn = AsyncTurn(engine, req.agent_id, plan.messages, {**req.sampling, **plan.options})
         # One watcher from here to the end of the response: a client that goes away at any
         # point (waiting for its turn, during prefill, mid-stream) cancels the turn.
         turn.watch(request.receive)
@@ -215,11 +217,12 @@ def create_app(
 
             if not req.stream:
                 result, agentkv = await finish()
-                return JSONResponse(dialect.response(req, result, counts, agentkv), headers=headers)
+                body = dialect.response(req, result, counts, agentkv, plan.parser)
+                return JSONResponse(body, headers=headers)
 
             async def events():
                 try:
-                    async for event in dialect.stream(req, turn, counts, finish):
+                    async for event in dialect.stream(req, turn, counts, finish, plan.parser):
                         yield event
                 except Exception as exc:  # headers are sent: report in the stream, then end
                     if not isinstance(exc, AgentKVError):

@@ -68,7 +68,9 @@ class DirectDialect:
             cache_salt=req.cache_salt,
         )
 
-    def response(self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict) -> dict:
+    def response(
+        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser=None
+    ) -> dict:
         return {
             "agent_id": req.agent_id,
             "model": req.model,
@@ -79,7 +81,9 @@ class DirectDialect:
             "stats": agentkv,
         }
 
-    async def stream(self, req: TurnRequest, turn, counts: dict, finish) -> AsyncIterator[str]:
+    async def stream(
+        self, req: TurnRequest, turn, counts: dict, finish, parser=None
+    ) -> AsyncIterator[str]:
         r = turn.resumed
         start = {
             "agent_id": req.agent_id,

@@ -1,4 +1,11 @@
-"""OpenAI Chat Completions: ``POST /v1/chat/completions`` (stream or not)."""
+"""OpenAI Chat Completions: ``POST /v1/chat/completions`` (stream or not), with tools.
+
+Tool calls come back as ``message.tool_calls`` (arguments a JSON string) with
+``finish_reason: "tool_calls"``; streamed, each call is one ``delta.tool_calls`` chunk with
+its index, id and name (arguments ``""``), then chunks of its arguments, as the OpenAI SDK
+assembles them. A call is streamed once the model has written all of it. Reasoning
+(thinking models) is ``reasoning_content``, apart from ``content``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.results import ChatResult
+from ..tools import ReplyParser, ToolCall
 from .common import (
     HEARTBEAT,
     ServerLimits,
@@ -26,12 +34,17 @@ from .errors import bad_request, openai_error_body
 from .identity import first_texts, resolve_agent
 from .messages import from_openai
 from .requests import TurnRequest
+from .tooling import CHOICES, ToolChoice, check_choice, check_function, check_unique
+
+ARGUMENT_PIECE = 16  # characters of arguments per streamed chunk
 
 
 class _OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: StrictStr
     content: StrictStr | list[dict] | None = None
+    tool_calls: list | None = None
+    tool_call_id: StrictStr | None = None
 
 
 class _StreamOptions(BaseModel):
@@ -53,10 +66,73 @@ class _OpenAIChat(BaseModel):
     user: StrictStr | None = None
     n: StrictInt | None = 1
     tools: list | None = None
+    tool_choice: StrictStr | dict | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list | None = None
     logprobs: StrictBool | None = None
     response_format: dict | None = None
     cache_salt: StrictStr | None = None  # as vLLM: prompts share blocks only within a salt
+
+
+def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
+    if req.functions:
+        raise bad_request("'functions' is deprecated and not supported; use 'tools'", "functions")
+    tools = None
+    if req.tools:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            where = f"tools[{i}]"
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise bad_request(f"{where}: only tools of type 'function' are supported", where)
+            tools.append(
+                check_function(
+                    function.get("name"),
+                    function.get("description"),
+                    function.get("parameters"),
+                    where,
+                )
+            )
+        check_unique(tools, "tools")
+    choice = req.tool_choice
+    if choice is None:
+        mode, name = ("auto" if tools else "none"), None
+    elif isinstance(choice, str):
+        if choice not in CHOICES:
+            raise bad_request(f"tool_choice must be one of {CHOICES} or a function", "tool_choice")
+        mode, name = choice, None
+    else:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(
+                "tool_choice must be {'type': 'function', 'function': {'name': ...}}",
+                "tool_choice",
+            )
+        mode = "named"
+    parallel = req.parallel_tool_calls is not False
+    return tools, check_choice(ToolChoice(mode, name, parallel), tools, "tool_choice")
+
+
+def _calls(req: TurnRequest, parser: ReplyParser) -> list[ToolCall]:
+    calls = parser.calls
+    parallel = req.tool_choice is None or req.tool_choice.parallel
+    return calls if parallel else calls[:1]
+
+
+def _call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments_json},
+    }
+    return out if index is None else {"index": index, **out}
+
+
+def _finish(result: ChatResult, calls: list[ToolCall]) -> str:
+    if calls:
+        return "tool_calls"
+    return "length" if result.finish_reason == "length" else "stop"
 
 
 class OpenAIDialect:
@@ -73,8 +149,7 @@ class OpenAIDialect:
         model = self.limits.check_model(req.model)
         if req.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
-        if req.tools or req.functions:
-            raise bad_request("tool calling is not supported by this server", "tools")
+        tools, choice = _tools(req)
         if req.logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -99,6 +174,8 @@ class OpenAIDialect:
             stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             cache_salt=req.cache_salt,
+            tools=tools,
+            tool_choice=choice,
         )
 
     @staticmethod
@@ -110,7 +187,18 @@ class OpenAIDialect:
             "prompt_tokens_details": {"cached_tokens": counts["reused"]},
         }
 
-    def response(self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict) -> dict:
+    def response(
+        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser
+    ) -> dict:
+        parser.feed(result.text)
+        parser.finish()
+        calls = _calls(req, parser)
+        message = {"role": "assistant", "content": parser.content}
+        if calls:
+            message["content"] = parser.content.strip() or None
+            message["tool_calls"] = [_call_json(c) for c in calls]
+        if parser.reasoning:
+            message["reasoning_content"] = parser.reasoning
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
@@ -119,8 +207,8 @@ class OpenAIDialect:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": _openai_finish(result.finish_reason),
+                    "message": message,
+                    "finish_reason": _finish(result, calls),
                     "logprobs": None,
                 }
             ],
@@ -128,7 +216,9 @@ class OpenAIDialect:
             "agentkv": agentkv,
         }
 
-    async def stream(self, req: TurnRequest, turn, counts: dict, finish) -> AsyncIterator[str]:
+    async def stream(
+        self, req: TurnRequest, turn, counts: dict, finish, parser
+    ) -> AsyncIterator[str]:
         base = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -136,21 +226,46 @@ class OpenAIDialect:
             "model": req.model,
         }
         extra = {"usage": None} if req.include_usage else {}
+        sent_calls: list[ToolCall] = []
 
         def chunk(delta: dict, finish_reason=None) -> str:
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             return sse({**base, "choices": [choice], **extra})
 
+        def events(evs) -> list[str]:
+            out = []
+            for ev in evs:
+                if ev.kind == "content":
+                    out.append(chunk({"content": ev.text}))
+                elif ev.kind == "reasoning":
+                    out.append(chunk({"reasoning_content": ev.text}))
+                elif not sent_calls or req.tool_choice.parallel:
+                    out += call_chunks(ev.call, len(sent_calls))
+                    sent_calls.append(ev.call)
+            return out
+
+        def call_chunks(call: ToolCall, index: int) -> list[str]:
+            head = _call_json(call, index)
+            head["function"]["arguments"] = ""
+            out = [chunk({"tool_calls": [head]})]
+            args = call.arguments_json
+            for at in range(0, len(args), ARGUMENT_PIECE):
+                piece = {"index": index, "function": {"arguments": args[at : at + ARGUMENT_PIECE]}}
+                out.append(chunk({"tool_calls": [piece]}))
+            return out
+
         yield chunk({"role": "assistant", "content": ""})
         async for piece in turn.pieces():
-            yield HEARTBEAT if piece is None else chunk({"content": piece})
+            if piece is None:
+                yield HEARTBEAT
+                continue
+            for event in events(parser.feed(piece)):
+                yield event
         result, agentkv = await finish()
-        yield chunk({}, _openai_finish(result.finish_reason))
+        for event in events(parser.finish()):
+            yield event
+        yield chunk({}, _finish(result, sent_calls))
         if req.include_usage:
             usage = self._usage(counts, result.stats.generated_tokens)
             yield sse({**base, "choices": [], "usage": usage, "agentkv": agentkv})
         yield sse("[DONE]")
-
-
-def _openai_finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"

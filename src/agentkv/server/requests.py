@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tooling import ToolChoice
+
 
 @dataclass
 class TurnRequest:
     agent_id: str
-    messages: list[dict]  # normalized: {"role": system|user|assistant, "content": str}
+    messages: list[dict]  # normalized (see messages.py)
     model: str
     max_tokens: int
     temperature: float = 0.0
@@ -17,6 +19,8 @@ class TurnRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None  # only prompts under the same salt share blocks
+    tools: list[dict] | None = None  # function tools, OpenAI's shape
+    tool_choice: ToolChoice | None = None  # None: no tools
 
     @property
     def sampling(self) -> dict:
