@@ -322,3 +322,29 @@ def test_a_layer_with_recurrent_state_is_refused_by_name(name, layer, tmp_path, 
     assert f"model {name!r}: layer {layer} uses ArraysCache" in message
     assert agentkv_main(["chat", "--agent", "a", "--model", str(model)]) == 2
     assert f"layer {layer} uses ArraysCache" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama"], indirect=True)
+def test_the_server_names_the_layer_and_keeps_serving(arch, tmp_path):
+    """``agentkv serve --model A --model B``: a request for a model that cannot load gets
+    the error in the API's shape; the other model keeps answering."""
+    from starlette.testclient import TestClient
+
+    from agentkv.server import create_app
+    from agentkv.server.models import ModelRouter, describe
+
+    _, llama = arch
+    hybrid = build_model_dir(tmp_path / "lfm2", HYBRIDS["lfm2"], gain=1.0)
+    router = ModelRouter(
+        describe([str(llama), str(hybrid)]), lambda source: engine_on(source, tmp_path / "kv")
+    )
+    app = create_app(router=router, close_engine=True, responses_dir=tmp_path / "responses")
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": "Count the steps."}]}
+    with TestClient(app) as client:
+        refused = client.post("/v1/chat/completions", json={**body, "model": "lfm2"})
+        assert refused.status_code >= 400
+        message = refused.json()["error"]["message"]
+        assert "model 'lfm2': layer 1 uses ArraysCache" in message
+        served = client.post("/v1/chat/completions", json={**body, "model": llama.name})
+        assert served.status_code == 200 and served.json()["model"] == llama.name
