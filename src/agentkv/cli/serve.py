@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 
 API_KEY_ENV = "AGENTKV_API_KEY"
 
@@ -64,10 +65,12 @@ def run_serve(args) -> int:
         max_body_bytes=args.max_body_mb << 20,
         default_max_tokens=args.default_max_tokens,
         close_engine=True,
+        responses_dir=Path(args.cache_dir) / "responses" if args.cache_dir else None,
     )
     print(
         f"agentkv: serving {names} on http://{args.host}:{args.port} "
-        f"(OpenAI /v1/chat/completions, Anthropic /v1/messages, agents /v1/agents)",
+        "(OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages, "
+        "agents /v1/agents)",
         file=sys.stderr,
         flush=True,
     )

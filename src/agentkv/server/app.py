@@ -5,6 +5,8 @@ Routes::
     POST /v1/chat/completions        OpenAI chat (stream or not)
     GET  /v1/models[/{id}]           OpenAI model list
     POST /v1/messages                Anthropic messages (stream or not)
+    POST /v1/responses               OpenAI Responses (stream or not; previous_response_id)
+    GET|DELETE /v1/responses/{id}    a stored response
     POST /v1/agents/{id}/chat        direct: the agent named in the path
     GET  /v1/agents[/{id}]           stored and in-memory agents
     DELETE /v1/agents/{id}           forget an agent (memory and disk)
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import inspect
 import json
 import logging
 import time
+from pathlib import Path
 
 import anyio
 from jinja2.exceptions import TemplateError
@@ -35,6 +39,7 @@ from starlette.routing import Route
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, EngineBusyError, InvalidAgentIdError, InvalidRequestError
+from ..paths import kv_dir
 from .anthropic_messages import AnthropicDialect
 from .common import ServerLimits, usage_counts
 from .direct import DirectDialect
@@ -43,6 +48,8 @@ from .identity import HEADER
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelRouter
 from .openai_chat import OpenAIDialect
+from .openai_responses import ResponsesDialect
+from .response_store import ResponseStore
 from .tooling import prepare as prepare_tools
 from .turns import AsyncTurn
 
@@ -78,9 +85,15 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     close_engine: bool = False,
+    responses_dir: str | Path | None = None,
 ) -> Starlette:
     """An app serving ``engine`` (one model), or the models of ``router`` (one loaded at a
-    time); ``close_engine``: close the engine(s) when the app shuts down."""
+    time); ``close_engine``: close the engine(s) when the app shuts down. Stored Responses
+    go to ``responses_dir`` (default: ``responses/`` beside the engine's agents, in its cache
+    directory)."""
+    if responses_dir is None:
+        root = engine.store.root if engine is not None else kv_dir()
+        responses_dir = Path(root) / "responses"
     if router is None:
         router = ModelRouter.around(engine)
     limits = ServerLimits(
@@ -92,6 +105,7 @@ def create_app(
         AnthropicDialect(limits),
         DirectDialect(limits),
     )
+    responses = ResponsesDialect(limits, ResponseStore(Path(responses_dir)))
     metrics = Metrics(router)
     started = time.time()
 
@@ -175,6 +189,8 @@ def create_app(
 
     async def chat(request: Request, dialect, agent: str | None) -> Response:
         req = dialect.parse(await read_json(request), agent)
+        if inspect.isawaitable(req):
+            req = await req
         engine = await router.acquire(req.model)
         released = False
 
@@ -192,7 +208,10 @@ def create_app(
 
     async def run_turn(request: Request, dialect, req, engine, release) -> Response:
         plan = await prepare_tools(engine, req.agent_id, req.messages, req.tools, req.tool_choice)
-        turn = AsyncTurn(engine, req.agent_id, plan.messages, {**req.sampling, **plan.options})
+        options = {**req.sampling, **plan.options}
+        if options["constraint"] is None:  # a forced tool call's grammar comes first
+            options["constraint"] = getattr(req, "constraint", None)
+        turn = AsyncTurn(engine, req.agent_id, plan.messages, options)
         # One watcher from here to the end of the response: a client that goes away at any
         # point (waiting for its turn, during prefill, mid-stream) cancels the turn.
         turn.watch(request.receive)
@@ -218,6 +237,8 @@ def create_app(
             if not req.stream:
                 result, agentkv = await finish()
                 body = dialect.response(req, result, counts, agentkv, plan.parser)
+                if inspect.isawaitable(body):
+                    body = await body
                 return JSONResponse(body, headers=headers)
 
             async def events():
@@ -252,6 +273,16 @@ def create_app(
 
     async def messages(request):
         return await chat(request, anthropic, request.headers.get(HEADER))
+
+    async def create_response(request):
+        return await chat(request, responses, request.headers.get(HEADER))
+
+    async def get_response(request):
+        record = await responses.load(request.path_params["response_id"])
+        return JSONResponse(record["response"])
+
+    async def delete_response(request):
+        return JSONResponse(await responses.delete(request.path_params["response_id"]))
 
     async def agent_chat(request):
         return await chat(request, direct, request.path_params["agent_id"])
@@ -326,6 +357,13 @@ def create_app(
         Route("/v1/models", endpoint(openai, models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint(openai, model), methods=["GET"]),
         Route("/v1/messages", endpoint(anthropic, messages), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses, create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", endpoint(responses, get_response), methods=["GET"]),
+        Route(
+            "/v1/responses/{response_id}",
+            endpoint(responses, delete_response),
+            methods=["DELETE"],
+        ),
         Route("/v1/agents", endpoint(direct, agents), methods=["GET"]),
         Route("/v1/agents/{agent_id}", endpoint(direct, agent), methods=["GET"]),
         Route("/v1/agents/{agent_id}", endpoint(direct, delete_agent), methods=["DELETE"]),
