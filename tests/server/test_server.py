@@ -116,6 +116,30 @@ def _a_stop_inside(text: str) -> tuple[str, str]:
     return stop, text[: text.index(stop)]
 
 
+def test_openai_tool_call_then_its_result_continues_the_cache(oai):
+    """A named tool_choice forces a valid call even from the 135M model; the SDK's message
+    and the tool's result go back in, and the next turn reuses the whole cache."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    headers, first = _chat(
+        oai, "oa-tool", messages, tools=[WEATHER], tool_choice=named, max_tokens=30
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Oslo"})
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    headers, second = _chat(oai, "oa-tool", messages, tools=[WEATHER], tool_choice="none")
+    stats = second.agentkv
+    assert headers["x-agentkv-cache"] == "hot" and stats["match"] == "extend", stats
+    assert stats["reused_tokens"] == stats["stored_tokens"] > 0
+    assert second.choices[0].message.tool_calls is None
+
+
 def test_openai_stop_sequences_are_enforced(oai):
     messages = [{"role": "user", "content": "Count from one to ten."}]
     _, free = _chat(oai, "oa-stop-ref", messages, max_tokens=30)
@@ -575,6 +599,87 @@ BAD = [
         {},
         400,
         "invalid_request_error",
+    ),
+]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+A_TOOL = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+_CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}
+
+
+def _tool_case(name: str, path: str, extra: dict):
+    body = {"model": MODEL, "messages": _user(), "max_tokens": 4, **extra}
+    return (name, "POST", path, body, {}, 400, "invalid_request_error")
+
+
+BAD += [
+    _tool_case(
+        "tools: undeclared named tool",
+        "/v1/chat/completions",
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+    ),
+    _tool_case("tools: required, none given", "/v1/chat/completions", {"tool_choice": "required"}),
+    _tool_case(
+        "tools: bad tool_choice",
+        "/v1/chat/completions",
+        {"tools": [WEATHER], "tool_choice": "often"},
+    ),
+    _tool_case(
+        "tools: bad name",
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+    ),
+    _tool_case("tools: duplicates", "/v1/chat/completions", {"tools": [WEATHER, WEATHER]}),
+    _tool_case("tools: not a function", "/v1/chat/completions", {"tools": [{"type": "code"}]}),
+    _tool_case(
+        "tools: arguments not an object",
+        "/v1/chat/completions",
+        {
+            "messages": [
+                *_user(),
+                {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+            ]
+        },
+    ),
+    _tool_case(
+        "tools: result of no call",
+        "/v1/chat/completions",
+        {"messages": [*_user(), {"role": "tool", "tool_call_id": "nope", "content": "x"}]},
+    ),
+    _tool_case(
+        "a: tool_result from the assistant",
+        "/v1/messages",
+        {
+            "messages": [
+                *_user(),
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}],
+                },
+                *_user(),
+            ]
+        },
+    ),
+    _tool_case("a: tool without schema", "/v1/messages", {"tools": [{"name": "get_weather"}]}),
+    _tool_case(
+        "a: bad tool_choice", "/v1/messages", {"tools": [A_TOOL], "tool_choice": {"type": "x"}}
+    ),
+    _tool_case(
+        "a: server tool", "/v1/messages", {"tools": [{"type": "web_search_20250305", "name": "w"}]}
     ),
 ]
 

@@ -127,6 +127,8 @@ def _calls_of(message: dict) -> list[tuple[str, dict]]:
 def _reads_as(raw: str, sent: dict, fmt: ToolFormat, tools, think) -> bool:
     """Whether the model's text ``raw`` is the reply ``sent`` (same calls, same text)."""
     names = [t["function"]["name"] for t in tools or []]
+    names += [name for name, _ in _calls_of(sent) if name not in names]
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
     openings = [(fmt.forced_prefix(None), None)] + [(fmt.forced_prefix(n), n) for n in names]
     forced = [(p, n) for p, n in openings if p and raw.startswith(p)]
     tries = [max(forced, key=lambda o: len(o[0]))] if forced else []

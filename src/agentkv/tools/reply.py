@@ -192,10 +192,10 @@ class ReplyParser:
             name, args = salvage_call(text)
             if self.forced_name is not None:
                 name = self.forced_name
-            elif name not in self.names:  # the closest declared name (no grammar yet)
+            elif name not in self.names and self.names:  # the closest declared name
                 close = difflib.get_close_matches(name or "", self.names, n=1, cutoff=0.0)
                 name = close[0] if close else self.names[0]
-        return Event("call", call=ToolCall(self.new_id(), name, args or {}))
+        return Event("call", call=ToolCall(self.new_id(), name or "", args or {}))
 
     def _harmony(self, text: str) -> list[Event]:
         """GPT-OSS: channels to reasoning / content; ``to=functions.X`` messages to calls."""
