@@ -6,8 +6,9 @@ keys in sorted order: English prose with code) and six standard-library modules 
 
 * per context length C (default 2,048 and 8,192): the first ``tokens`` tokens of each text in
   windows of C tokens, C/2 apart. Each window (a *segment*) runs through the model in
-  512-token chunks over an agentkv cache of each format (so every key and value a prediction
-  sees went through the format), and its last C/2 predictions are scored (the first window:
+  512-token chunks over a block pool of each format, as the engine runs a prefill (so every
+  key and value a prediction sees went through the format), and its last C/2 predictions are
+  scored (the first window:
   all of them), each with at least C/2 tokens of context. Reported per format: perplexity,
   its change against fp16 (and the spread over segments), mean KL divergence of the
   next-token distribution from fp16's and top-1 agreement with fp16.
@@ -16,9 +17,12 @@ keys in sorted order: English prose with code) and six standard-library modules 
   agreement is the share of the 200 tokens before the continuation first differs from the
   fp16 one (``same_position_pct``: positions holding the same token).
 * decode attention: one query token per agent, batch 4, over 4,096 cached tokens of the
-  embedded geometry, through the attention agentkv runs for the format (median ms).
+  embedded geometry, through the pool's attention for the format (median ms; format 2
+  includes rotating the queries and the output).
 
-Formats: fp16, q8, q4, k8v4, and the ablations k4v16 (only keys 4-bit) and k16v4 (only values).
+Formats: fp16, q8, q4, k8v4, the ablations k4v16 (only keys 4-bit) and k16v4 (only values),
+and format 2 (docs/kv-format-v2.md: rotated per-channel keys, rotated values): q4.v2,
+k8v4.v2.
 ``--quick``: the first text, 4,096 tokens, 2,048-token context, no greedy runs (minutes).
 """
 
@@ -32,14 +36,24 @@ from pathlib import Path
 from .common import emit, median_ms, progress, timed
 from .kv_candidates import texts
 
-FORMATS = {
-    "fp16": (16, 16),
-    "q8": (8, 8),
-    "q4": (4, 4),
-    "k8v4": (8, 4),
-    "k4v16": (4, 16),
-    "k16v4": (16, 4),
+FORMATS = {  # name: KVQuant arguments
+    "fp16": {"key_bits": 16, "value_bits": 16},
+    "q8": {"key_bits": 8, "value_bits": 8},
+    "q4": {"key_bits": 4, "value_bits": 4},
+    "k8v4": {"key_bits": 8, "value_bits": 4},
+    "k4v16": {"key_bits": 4, "value_bits": 16},
+    "k16v4": {"key_bits": 16, "value_bits": 4},
+    "q4.v2": {"key_bits": 4, "value_bits": 4, "key_scheme": "channel", "rotate": True},
+    "k8v4.v2": {"key_bits": 8, "value_bits": 4, "key_scheme": "channel", "rotate": True},
 }
+
+
+def quant_of(name: str):
+    from agentkv.kv.quant import KVQuant
+
+    return KVQuant(**FORMATS[name])
+
+
 CHUNK = 512
 PROMPTS, PROMPT_TOKENS, CONTINUATION = 20, 512, 200
 QUICK = {"tokens": 4096, "contexts": [2048], "texts": 1}
@@ -56,23 +70,37 @@ def _windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]
         start += stride
 
 
-def window_logprobs(model, ids: list[int], quant, first: int):
+def _pool_for(spec, quant, tokens: int):
+    from agentkv.kv.blocks import BLOCK_TOKENS, blocks_for
+    from agentkv.pool import KVPool
+
+    blocks = blocks_for(tokens) + 2
+    return KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * BLOCK_TOKENS * blocks)
+
+
+def window_logprobs(model, spec, ids: list[int], quant, first: int):
     """Log-probabilities of the targets ``ids[first:]`` ([n, vocab]), the window run in
-    chunks over agentkv caches of ``quant``."""
+    chunks through a block pool of ``quant`` (the engine's prefill path)."""
     import mlx.core as mx
 
-    from agentkv.kv.cache import AgentKVCache
+    from agentkv.pool.step import PagedStep
 
-    caches = [AgentKVCache(quant) for _ in model.layers]
+    pool = _pool_for(spec, quant, len(ids))
+    table = pool.new_table(pool.seed())
     out = []
     for c0 in range(0, len(ids) - 1, CHUNK):
         c1 = min(c0 + CHUNK, len(ids) - 1)
-        logits = model(mx.array([ids[c0:c1]]), cache=caches)
+        table.grow(c1 - c0, pool.arena.copy_rows)
+        step = PagedStep(pool.arena, spec, [table], c1 - c0)
+        logits = model(mx.array([ids[c0:c1]]), cache=step.caches)
         lo = max(first - 1, c0)  # the input position whose next token is `first`
         if lo < c1:
             part = logits[0, lo - c0 :].astype(mx.float32)
             out.append(part - mx.logsumexp(part, axis=-1, keepdims=True))
-        mx.eval(out, [c.components for c in caches])
+        mx.eval(out)
+        pool.arena.settle()
+        table.written(ids[c0:c1])
+    table.release()
     return mx.concatenate(out, axis=0)
 
 
@@ -88,32 +116,52 @@ def compare(lp, ref, targets) -> tuple[float, float, float]:
 
 def decode_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: int = 20):
     """One decode step's attention over ``tokens`` cached tokens per agent (embedded geometry:
-    3 KV heads, 9 query heads, head dim 64), through ``cache_attention``."""
+    one layer, 3 KV heads, 9 query heads, head dim 64), through the pool's attention (a
+    ``PagedStep`` layer, as the engine decodes: format 2 rotates the query and the output)."""
     import mlx.core as mx
 
-    from agentkv.kv.attention import cache_attention
+    from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
+    from agentkv.pool.arena import WritePlan
+    from agentkv.pool.step import PagedStep
 
     heads, q_heads, dim = 3, 9, 64
-    k = mx.random.normal((batch, heads, tokens, dim))
-    v = mx.random.normal((batch, heads, tokens, dim))
-    keys, values = quant.quantize(k, quant.key_bits), quant.quantize(v, quant.value_bits)
+    spec = ModelCacheSpec(
+        "bench", 1, heads, dim, dim, (LayerSpec(LayerKind.FULL),), False, "float32", "bench"
+    )
+    pool = _pool_for(spec, quant, batch * (tokens + 256))
+    tables = []
+    for b in range(batch):
+        table = pool.new_table(pool.seed(f"bench {b}"))
+        table.grow(tokens + 1, pool.arena.copy_rows)
+        plan = WritePlan(pool.arena, [table], [0], tokens)
+        kv = mx.random.normal((2, 1, heads, tokens, dim))
+        pool.arena.append(0, kv[0], kv[1], plan)
+        pool.arena.settle()
+        table.written([0] * tokens)
+        tables.append(table)
+    step = PagedStep(pool.arena, spec, tables, 1)
+    cache = step.caches[0]
     q = mx.random.normal((batch, q_heads, 1, dim))
-    mx.eval(keys, values, q)
+    new = mx.random.normal((2, batch, heads, 1, dim))
+    keys, values = cache.update_and_fetch(new[0], new[1])
+    mx.eval(q)
+    pool.arena.settle()
 
-    def step():
-        out = cache_attention(q, keys, values, scale=dim**-0.5, mask=None, quant=quant)
+    def attend():
+        out = cache.agentkv_attention(q, keys, values, scale=dim**-0.5, mask=None)
         mx.eval(out)
 
-    step()
-    return median_ms([timed(step)[0] for _ in range(repeats)])
+    attend()
+    return median_ms([timed(attend)[0] for _ in range(repeats)])
 
 
 def _greedy(model, fmt: str, prompts: list[str]) -> list[list[int]]:
     from agentkv import Engine
 
-    kb, vb = FORMATS[fmt]
+    quant = quant_of(fmt)
+    options = {"key_bits": quant.key_bits, "value_bits": quant.value_bits}
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-quality-") as tmp:
-        with Engine(model=model, cache_dir=Path(tmp), key_bits=kb, value_bits=vb) as eng:
+        with Engine(model=model, cache_dir=Path(tmp), kv_format=quant.version, **options) as eng:
             results = eng.generate_many(
                 [(f"q{i}", p) for i, p in enumerate(prompts)], max_tokens=CONTINUATION
             )
@@ -143,9 +191,11 @@ def run(
 ) -> list[dict]:
     import mlx.core as mx
 
-    from agentkv.kv.quant import KVQuant
     from agentkv.model.load import load_model
 
+    unknown = [f for f in formats or [] if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     contexts = contexts or ([2048] if quick else [2048, 8192])
     if quick:
         tokens = min(tokens, QUICK["tokens"])
@@ -183,7 +233,7 @@ def run(
                 targets = mx.array(window[skip:])
                 ref = None
                 for name in names:
-                    lp = window_logprobs(loaded.model, window, KVQuant(*FORMATS[name]), skip)
+                    lp = window_logprobs(loaded.model, spec, window, quant_of(name), skip)
                     ref = lp if ref is None else ref
                     per[name].append((*compare(lp, ref, targets), len(window) - skip))
                 del ref
@@ -199,7 +249,7 @@ def run(
                         "text": text_name,
                         "context": context,
                         "kv": name,
-                        "bytes_per_token": spec.bytes_per_token(KVQuant(*FORMATS[name])),
+                        "bytes_per_token": spec.bytes_per_token(quant_of(name)),
                         "perplexity": round(math.exp(nll / scored), 4),
                         "ppl_delta_pct": round(
                             100 * (math.exp((nll - sum(x[0] for x in base)) / scored) - 1), 3
@@ -213,7 +263,7 @@ def run(
                     }
                 )
     progress("quality: decode attention (batch 4 x 4,096 tokens)...")
-    attention = {n: round(decode_attention_ms(KVQuant(*FORMATS[n])), 3) for n in names}
+    attention = {n: round(decode_attention_ms(quant_of(n)), 3) for n in names}
     for row in rows:
         row["decode_attention_ms"] = attention[row["kv"]]
     greedy = None

@@ -66,6 +66,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     bool padded, sinks;
     int kv_heads = 0;  // > 0: paged caches (block arenas read through tables and lengths)
     int block_tokens = 0;
+    int channel_tokens = 0;  // > 0: per-channel keys with a float16 tail (paged only)
     bool operator==(const Params&) const = default;
   };
 
@@ -97,7 +98,8 @@ class QuantizedAttention : public mx::UnaryPrimitive {
   }
 
  private:
-  static void view(agentkv::KVView& v, const std::vector<mx::array>& parts, int bits, int group) {
+  static void view(agentkv::KVView& v, const std::vector<mx::array>& parts, int bits, int group,
+                   int channel_tokens = 0) {
     const mx::array& first = parts[0];
     const bool paged = first.ndim() == 2;
     for (const auto& p : parts) {
@@ -109,6 +111,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     }
     v.bits = bits;
     v.group = group;
+    v.channel_tokens = channel_tokens;
     for (int i = 0; i < 3 && !paged; ++i) {
       v.w_strides[i] = first.strides()[i];
     }
@@ -173,7 +176,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     if (p.sinks) {
       a.sinks = inputs[next++].data<float>();
     }
-    view(a.k, keys, p.key_bits, p.group);
+    view(a.k, keys, p.key_bits, p.group, p.channel_tokens);
     view(a.v, values, p.value_bits, p.group);
     if (p.kv_heads == 0) {
       a.kv_heads = keys[0].shape(1);
@@ -187,9 +190,18 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     a.lengths = inputs[next++].data<int32_t>();
     a.kv_heads = p.kv_heads;
     a.block_tokens = p.block_tokens;
+    int64_t tail_slots = 0;
+    if (p.channel_tokens > 0) {
+      const mx::array& tail = inputs[next++];
+      a.k.tail = tail.data<uint16_t>();
+      tail_slots = tail.shape(0) / (static_cast<int64_t>(p.kv_heads) * p.channel_tokens);
+      a.tail_slots = inputs[next++].data<int32_t>();
+    }
     const int64_t blocks = keys[0].shape(0) / (static_cast<int64_t>(p.kv_heads) * p.block_tokens);
     for (int b = 0; b < a.batch; ++b) {
-      if (!table_ok(a, b, blocks)) {  // NaN, never a plausible answer from wrong memory
+      const bool tail_ok =
+          a.tail_slots == nullptr || (a.tail_slots[b] >= 0 && a.tail_slots[b] < tail_slots);
+      if (!table_ok(a, b, blocks) || !tail_ok) {  // NaN, never a plausible answer from wrong memory
         std::fill_n(a.out, out.size(), std::numeric_limits<float>::quiet_NaN());
         return;
       }
@@ -295,10 +307,18 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                           const std::vector<mx::array>& values, const mx::array& tables,
                           const mx::array& lengths, int kv_heads, int block_tokens, float scale,
                           int key_bits, int value_bits, int group, int window,
-                          const std::optional<mx::array>& sinks) {
+                          const std::optional<mx::array>& sinks, int channel_tokens,
+                          const std::optional<mx::array>& tail,
+                          const std::optional<mx::array>& tail_slots) {
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   if (!supported(key_bits) || !supported(value_bits)) {
     throw std::invalid_argument("paged attention supports 2, 4, 8 and 16 bits");
+  }
+  if (channel_tokens != 0 && ((channel_tokens != 32 && channel_tokens != 64) || key_bits == 16 ||
+                              !tail || !tail_slots || block_tokens % channel_tokens)) {
+    throw std::invalid_argument(
+        "paged attention: per-channel keys need channel_tokens 32 or 64 dividing the block, "
+        "quantized keys, a tail and tail_slots");
   }
   if (keys.size() != (key_bits == 16 ? 1u : 3u) || values.size() != (value_bits == 16 ? 1u : 3u)) {
     throw std::invalid_argument("paged attention: wrong number of key or value components");
@@ -318,23 +338,32 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
       }
     }
   }
-  auto dim_of = [group](const std::vector<mx::array>& parts, int bits) {
+  auto dim_of = [group](const std::vector<mx::array>& parts, int bits, int per_scale) {
     if (bits == 16) {
       return static_cast<int>(parts[0].shape(1));
     }
     const int dim = parts[0].shape(1) * 32 / bits;
     if (parts[0].dtype().size() != 4 || parts[1].dtype().size() != 2 ||
         parts[2].dtype().size() != 2 || (group != 32 && group != 64 && group != 128) ||
-        dim % group || parts[1].shape(1) != dim / group || parts[2].shape(1) != dim / group) {
+        dim % per_scale || parts[1].shape(1) != dim / per_scale ||
+        parts[2].shape(1) != dim / per_scale) {
       throw std::invalid_argument(
           "paged attention: quantized arenas are uint32 words + float16 scales and biases");
     }
     return dim;
   };
-  const int dim = dim_of(keys, key_bits);
-  const int dim_v = dim_of(values, value_bits);
+  const int dim = dim_of(keys, key_bits, channel_tokens > 0 ? channel_tokens : group);
+  const int dim_v = dim_of(values, value_bits, group);
   if (dim != queries.shape(3) || dim % 8 || dim_v % 8 || dim > 256 || dim_v > 256) {
     throw std::invalid_argument("paged attention: unsupported head dimensions");
+  }
+  if (channel_tokens > 0 &&
+      (tail->ndim() != 2 || tail->dtype().size() != 2 || tail->shape(1) != dim ||
+       tail->shape(0) % (int64_t{kv_heads} * channel_tokens) || tail_slots->ndim() != 1 ||
+       tail_slots->shape(0) != queries.shape(0))) {
+    throw std::invalid_argument(
+        "paged attention: the tail is float16 [slots * kv_heads * channel_tokens, D] and "
+        "tail_slots [B]");
   }
   const int batch = queries.shape(0);
   if (tables.ndim() != 2 || tables.shape(0) != batch || lengths.ndim() != 1 ||
@@ -359,11 +388,18 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
   }
   inputs.push_back(mx::contiguous(mx::astype(tables, mx::int32, stream), false, stream));
   inputs.push_back(mx::contiguous(mx::astype(lengths, mx::int32, stream), false, stream));
+  if (channel_tokens > 0) {
+    add(*tail, mx::uint16);
+    inputs.push_back(mx::contiguous(mx::astype(*tail_slots, mx::int32, stream), false, stream));
+  }
   mx::Shape shape = queries.shape();
   shape.back() = dim_v;
-  QuantizedAttention::Params params{
-      scale, key_bits,          value_bits, group,       window, static_cast<int>(keys.size()),
-      false, sinks.has_value(), kv_heads,   block_tokens};
+  QuantizedAttention::Params params{scale,         key_bits,
+                                    value_bits,    group,
+                                    window,        static_cast<int>(keys.size()),
+                                    false,         sinks.has_value(),
+                                    kv_heads,      block_tokens,
+                                    channel_tokens};
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }

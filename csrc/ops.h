@@ -28,11 +28,14 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
 // The same attention over paged caches: keys and values are arenas of token rows
 // [blocks * kv_heads * block_tokens, width] (see csrc/core/attention.h); row b of the batch
 // holds lengths[b] tokens in blocks tables[b, :], and its L queries are its last L tokens.
-// A jagged batch: no padding, no copies. CPU only.
+// A jagged batch: no padding, no copies. CPU only. Per-channel keys (channel_tokens > 0):
+// the groups still filling are float16 rows of `tail`, slot tail_slots[b] per batch row.
 mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
                           const mx::array& lengths, int kv_heads, int block_tokens, float scale,
                           int key_bits, int value_bits, int group, int window,
-                          const std::optional<mx::array>& sinks);
+                          const std::optional<mx::array>& sinks, int channel_tokens = 0,
+                          const std::optional<mx::array>& tail = std::nullopt,
+                          const std::optional<mx::array>& tail_slots = std::nullopt);
 
 }  // namespace agentkv::ops

@@ -10,6 +10,7 @@ import numpy as np
 from agentkv.kv.cache import AgentKVCache
 from agentkv.kv.quant import KVQuant
 from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
+from agentkv.pool.arena import WritePlan
 
 
 def synthetic_spec(
@@ -135,11 +136,10 @@ def fill_table(pool, tokens: int, *, seed=0, positional=False, ids=None, table=N
     for size in _chunks(tokens - table.length):
         start = table.length
         table.grow(size, arena.copy_rows)
-        rows = mx.array(arena.write_rows([table.blocks], [start], size))
+        plan = WritePlan(arena, [table], [start], size)
         for layer in range(spec.num_layers):
             k, v = _kv_for(spec, layer, start, size, rng=rng, positional=positional)
-            q = pool.quant
-            arena.write(layer, (*q.quantize(k, q.key_bits), *q.quantize(v, q.value_bits)), rows)
+            arena.append(layer, k, v, plan)
         arena.settle()
         table.written(ids[start : start + size])
     return table

@@ -134,13 +134,15 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
   if (a.tables != nullptr) {
     const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
     const int64_t w_width = view.bits == 16 ? view.dim : view.dim * view.bits / 32;
-    const int64_t s_width = view.bits == 16 ? 0 : view.dim / view.group;
+    const int ct = view.channel_tokens;
+    const int64_t s_width = view.bits == 16 ? 0 : view.dim / (ct > 0 ? ct : view.group);
     for (int t = t0; t < t1; ++t) {
       const int64_t row =
           (static_cast<int64_t>(table[t / a.block_tokens]) * a.kv_heads + h) * a.block_tokens +
           t % a.block_tokens;
       w[t - t0] = row * w_width;
-      s[t - t0] = row * s_width;
+      // Per-channel: the scales of the token's channel group start at the group's first row.
+      s[t - t0] = (ct > 0 ? row - t % ct : row) * s_width;
     }
     return;
   }
@@ -149,6 +151,17 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
   for (int t = t0; t < t1; ++t) {
     w[t - t0] = w0 + t * view.w_strides[2];
     s[t - t0] = s0 + t * view.s_strides[2];
+  }
+}
+
+// Per-channel keys: where rows [t0, t1) of batch row b, KV head h lie in the float16 tail
+// (-1: a whole group, in the arena).
+void tail_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* out) {
+  const int ct = a.k.channel_tokens;
+  const int complete = (a.lengths[b] / ct) * ct;
+  const int64_t base = (static_cast<int64_t>(a.tail_slots[b]) * a.kv_heads + h) * ct;
+  for (int t = t0; t < t1; ++t) {
+    out[t - t0] = t >= complete ? (base + t - complete) * a.k.dim : -1;
   }
 }
 

@@ -35,6 +35,14 @@ struct KVView {
   int64_t w_strides[3] = {0, 0, 0};
   int64_t s_strides[3] = {0, 0, 0};
   int dim = 0;
+  // Per-channel keys (format 2; paged caches only): > 0 is the channel group length. Scales
+  // and biases are per channel per group of `channel_tokens` tokens (aligned from token 0),
+  // the group's `dim` values spread over its rows, dim / channel_tokens per row. The group
+  // still filling is not in the arena but in `tail`: float16 rows
+  //   ((tail_slots[b] * kv_heads + h) * channel_tokens + t % channel_tokens) * dim
+  // for tokens t >= lengths[b] rounded down to a whole group.
+  int channel_tokens = 0;
+  const uint16_t* tail = nullptr;
 };
 
 // Paged caches hold every token row of a block together, per head:
@@ -56,6 +64,7 @@ struct AttentionArgs {
   const int32_t* lengths = nullptr;
   int table_stride = 0;
   int block_tokens = 256;
+  const int32_t* tail_slots = nullptr;  // [B]: per-channel keys (KVView::channel_tokens)
   KVView k, v;
 };
 

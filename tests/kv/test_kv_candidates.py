@@ -115,12 +115,13 @@ def test_quality_measures_on_the_real_model(engine):
     ids = engine.loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 30)[:600]
     scored = 64
     targets = mx.array(ids[len(ids) - scored :])
-    ref = window_logprobs(model, ids, KVQuant(16, 16), len(ids) - scored)
+    spec = engine.loaded.spec
+    ref = window_logprobs(model, spec, ids, KVQuant(16, 16), len(ids) - scored)
     simulated = _segment_logprobs(model, ids, CANDIDATES[0], scored)
     assert simulated.shape == ref.shape == (scored, ref.shape[-1])
     assert float(mx.abs(ref - simulated).max()) < 0.05
     _, kl_same, top1_same = compare(ref, ref, targets)
     assert kl_same == 0 and top1_same == scored
-    q4 = window_logprobs(model, ids, KVQuant(4, 4), len(ids) - scored)
+    q4 = window_logprobs(model, spec, ids, KVQuant(4, 4), len(ids) - scored)
     nll, kl, top1 = compare(q4, ref, targets)
     assert kl > 0 and 0 < top1 <= scored and math.isfinite(nll)

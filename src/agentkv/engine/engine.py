@@ -21,6 +21,7 @@ memory), ``engine/runner.py`` (admission, forward passes, the end of a turn).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ import mlx.core as mx
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
-from ..kv.quant import KVQuant
+from ..kv.quant import V2, KVQuant
 from ..model.kv_format import choose_kv_quant
 from ..model.load import LoadedModel, load_model
 from ..paths import kv_dir
@@ -105,6 +106,7 @@ class Engine:
         max_queue: int = 64,
         schedule: str = "interleave",
         warmup: bool = True,
+        kv_format: int = 1,
     ):
         # Checked before the model loads; the group size is fitted to its head dims after.
         wanted = KVQuant.from_bits(
@@ -119,6 +121,8 @@ class Engine:
             raise InvalidRequestError("max_batch and max_queue must be >= 1")
         if schedule not in POLICIES:
             raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
+        if kv_format not in (1, 2):
+            raise InvalidRequestError(f"kv_format must be 1 or 2, not {kv_format!r}")
         if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
             raise InvalidRequestError("pool_bytes must be a positive number of bytes")
         with ProgressBar(2, "starting the engine", unit="step") as bar:
@@ -131,6 +135,9 @@ class Engine:
                 value_bits=wanted.value_bits,
                 group_size=group_size,
             )
+            if kv_format == 2:  # docs/kv-format-v2.md: per-channel rotated keys
+                self.quant = dataclasses.replace(self.quant, **V2)
+                self.quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
             self.pool = KVPool(spec, self.quant, pool_bytes=pool_bytes or default_pool_bytes())
             self.context_limit = self.loaded.context_limit
             hf_tokenizer = self.loaded.tokenizer._tokenizer

@@ -19,13 +19,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import CacheFormatError, InvalidRequestError
 from ..kv.blocks import BLOCK_TOKENS, blocks_for
 from ..kv.cache import window_start
+from ..kv.quant import dequantize_tokens
 from ..pool import KVPool, Reservation
+from ..pool.arena import WritePlan
 from ..pool.hashing import chain_seed
 from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
 from ..store.agent_store import AgentStore, DurableState
@@ -186,7 +187,7 @@ class Resumer:
         stored = manifest.token_count
         load_ms = (time.perf_counter() - t0) * 1000
         convert = manifest.quant != self.pool.quant
-        if convert and self.pool.window is not None:
+        if convert and (self.pool.window is not None or manifest.quant.version > 1):
             note = (
                 f"stored in the {manifest.quant.label} KV format; this engine keeps "
                 f"{self.pool.quant.label}, so the context is prefilled again"
@@ -429,6 +430,8 @@ class Resumer:
                 if block is not None:
                     pool.release(block)
         table.seal_full()
+        if manifest.tail is not None:  # format 2: the keys of the group still filling
+            self.pool.arena.write_tail(table.take_tail(), manifest.tail)
         table.trim(reuse)
         state.tokens = manifest.tokens[:reuse].tolist()
         state.spans = plan.own_spans
@@ -450,19 +453,15 @@ class Resumer:
             caches = self.store.load_caches(manifest, plan.agent_id, reuse)
         except CacheFormatError as exc:
             raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
-        arena, quant = self.pool.arena, self.pool.quant
+        arena = self.pool.arena
         table = state.table
         table.grow(reuse, arena.copy_rows, reservation)
-        rows = mx.array(arena.write_rows([table.blocks], [0], reuse))
+        plan_rows = WritePlan(arena, [table], [0], reuse)
         for layer, cache in enumerate(caches):
             keys, values = cache.keys_and_values()
-            k = _dequantize(keys, cache.quant.key_bits, cache.quant.group_size)
-            v = _dequantize(values, cache.quant.value_bits, cache.quant.group_size)
-            arena.write(
-                layer,
-                (*quant.quantize(k, quant.key_bits), *quant.quantize(v, quant.value_bits)),
-                rows,
-            )
+            k = dequantize_tokens(keys, cache.quant.key_bits, cache.quant.group_size)
+            v = dequantize_tokens(values, cache.quant.value_bits, cache.quant.group_size)
+            arena.append(layer, k, v, plan_rows)
         arena.settle()
         table.written(manifest.tokens[:reuse].tolist())
         state.tokens = manifest.tokens[:reuse].tolist()
@@ -484,12 +483,3 @@ class Resumer:
             moved = self.store.quarantine(agent_id, str(exc))
             self.writer.set_durable(agent_id, DurableState())
         return f"stored state rejected ({exc.reason}); kept at {moved}"
-
-
-def _dequantize(parts: tuple, bits: int, group: int) -> mx.array:
-    if bits == 16:
-        return parts[0].astype(mx.float32)
-    w, scales, biases = parts
-    return mx.dequantize(
-        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
-    )

@@ -1,16 +1,32 @@
-"""How KV tensors are stored: bits per kind (keys, values) and group size.
+"""How KV tensors are stored: bits per kind (keys, values), group size, key scheme.
 
 A quantized kind is stored as MLX affine quantization: packed uint32 words plus
 a float16 scale and bias per group of ``group_size`` values along the head
 dimension. 16 bits means plain float16. Each (kind, part) is a *component*: one
 array per layer, laid out like an mlx-lm cache array ``[1, heads, tokens, width]``.
 
+Format version 2 (``key_scheme="channel"``, ``rotate=True``; docs/kv-format-v2.md)
+changes what the same bytes mean, not their size:
+
+* keys are quantized **per channel** over each run of ``channel_tokens`` tokens (a
+  *channel group*, aligned to multiples of ``channel_tokens`` from token 0): one float16
+  scale and bias per channel per group. The words stay one row per token (packed along
+  the head dim, as in version 1); the group's ``dim`` scales are spread over its
+  ``channel_tokens`` rows, ``dim / channel_tokens`` per row, so ``k.s``/``k.b`` keep
+  ``[tokens, width]`` arrays and every block, file and copy works on rows as before.
+  A group still filling is kept in float16 apart (the pool's per-agent tail) and
+  quantized when it completes.
+* with ``rotate``, keys and values are stored multiplied by the orthonormal
+  Walsh-Hadamard matrix ``H`` of the head dim (per head). Attention rotates the queries
+  by ``H`` (``q.k`` is unchanged) and the output back (``H`` is its own inverse).
+
 Bytes per token for the embedded model (30 layers, 3 KV heads, head dim 64):
-float16 23,040; 4-bit group 64: 0.5 + 4/64 bytes per value = 6,480.
+float16 23,040; 4-bit group 64 (either scheme): 0.5 + 4/64 bytes per value = 6,480.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +37,8 @@ from ..errors import InvalidRequestError
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
 FLOAT_BITS = 16
 GROUP_SIZES = (32, 64, 128)
+KEY_SCHEMES = ("token", "channel")
+CHANNEL_TOKENS = (32, 64)  # divide the pool's 64-token sharing groups and 256-token blocks
 
 
 class Component(NamedTuple):
@@ -42,11 +60,15 @@ class Component(NamedTuple):
 
 @dataclass(frozen=True)
 class KVQuant:
-    """Storage format of keys and values. Defaults: both 4-bit, group size 64."""
+    """Storage format of keys and values. Defaults: both 4-bit, group size 64, format 1
+    (per-token keys); ``key_scheme="channel", rotate=True`` is format 2."""
 
     key_bits: int = 4
     value_bits: int = 4
     group_size: int = 64
+    key_scheme: str = "token"
+    rotate: bool = False
+    channel_tokens: int = 64
 
     def __post_init__(self):
         for kind, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -58,6 +80,38 @@ class KVQuant:
             raise InvalidRequestError(
                 f"group size must be one of {GROUP_SIZES}, not {self.group_size}"
             )
+        if self.key_scheme not in KEY_SCHEMES:
+            raise InvalidRequestError(
+                f"key scheme must be one of {KEY_SCHEMES}, not {self.key_scheme!r}"
+            )
+        if self.channel_tokens not in CHANNEL_TOKENS:
+            raise InvalidRequestError(
+                f"channel tokens must be one of {CHANNEL_TOKENS}, not {self.channel_tokens}"
+            )
+        if self.key_scheme == "channel" and self.key_bits not in (2, 4, 8):
+            raise InvalidRequestError(f"per-channel keys take 2, 4 or 8 bits, not {self.key_bits}")
+        if not isinstance(self.rotate, bool):
+            raise InvalidRequestError(f"rotate must be true or false, not {self.rotate!r}")
+
+    @classmethod
+    def from_dict(cls, record: dict) -> KVQuant:
+        """A format from its stored record; fields a version-1 record lacks mean format 1."""
+        if not isinstance(record, dict):
+            raise InvalidRequestError("a KV format record must be an object")
+        known = {"key_bits", "value_bits", "group_size", "key_scheme", "rotate", "channel_tokens"}
+        unknown = set(record) - known
+        if unknown:
+            raise InvalidRequestError(f"unknown KV format fields {sorted(unknown)}")
+        return cls(**record)
+
+    @property
+    def version(self) -> int:
+        """1: per-token keys, unrotated (agentkv < 0.2); 2: per-channel keys and/or rotation."""
+        return 2 if self.key_scheme == "channel" or self.rotate else 1
+
+    @property
+    def channel_keys(self) -> bool:
+        return self.key_scheme == "channel"
 
     @classmethod
     def from_bits(cls, bits: int, *, key_bits=None, value_bits=None, group_size=64) -> KVQuant:
@@ -74,10 +128,12 @@ class KVQuant:
 
     @property
     def label(self) -> str:
-        """Short name: ``q4``, ``q8``, ``fp16``, ``k8v4``..."""
+        """Short name: ``q4``, ``q8``, ``fp16``, ``k8v4``...; format 2 adds ``.v2``."""
         if self.key_bits == self.value_bits:
-            return "fp16" if self.key_bits == FLOAT_BITS else f"q{self.key_bits}"
-        return f"k{self.key_bits}v{self.value_bits}"
+            name = "fp16" if self.key_bits == FLOAT_BITS else f"q{self.key_bits}"
+        else:
+            name = f"k{self.key_bits}v{self.value_bits}"
+        return name if self.version == 1 else f"{name}.v2"
 
     def check_head_dims(self, key_dim: int, value_dim: int) -> None:
         for kind, bits, dim in (
@@ -91,11 +147,24 @@ class KVQuant:
                     f"{kind} head dim {dim} does not split into groups of {self.group_size} "
                     f"at {bits} bits; choose another group size"
                 )
+        if self.channel_keys and key_dim % self.channel_tokens:
+            raise InvalidRequestError(
+                f"key head dim {key_dim} does not spread over {self.channel_tokens}-token "
+                "channel groups; choose channel_tokens 32 or the token key scheme"
+            )
+        if self.rotate:
+            for kind, dim in (("key", key_dim), ("value", value_dim)):
+                if dim & (dim - 1):
+                    raise InvalidRequestError(
+                        f"{kind} head dim {dim} is not a power of two: cannot rotate it"
+                    )
 
     def kind_components(self, prefix: str, bits: int, heads: int, dim: int) -> list[Component]:
         if bits == FLOAT_BITS:
             return [Component(prefix, heads, dim, "float16")]
         groups = dim // self.group_size
+        if prefix == "k" and self.channel_keys:
+            groups = dim // self.channel_tokens  # a channel group's scales, spread over its rows
         return [
             Component(f"{prefix}.w", heads, dim * bits // 32, "uint32"),
             Component(f"{prefix}.s", heads, groups, "float16"),
@@ -114,15 +183,97 @@ class KVQuant:
         return layers * per_layer
 
     def quantize(self, x: mx.array, bits: int) -> tuple[mx.array, ...]:
-        """Store ``x`` [B, heads, tokens, dim] as this format's components of one kind."""
+        """Store ``x`` [B, heads, tokens, dim] as this format's per-token components of one
+        kind (values, or keys of the token scheme; rotate first: ``rotated``)."""
         if bits == FLOAT_BITS:
             return (x.astype(mx.float16),)
         w, scales, biases = mx.quantize(x, group_size=self.group_size, bits=bits)
         return w, scales.astype(mx.float16), biases.astype(mx.float16)
+
+    def rotated(self, x: mx.array) -> mx.array:
+        """``x`` times H (per head) if this format rotates, else ``x``."""
+        return hadamard(x) if self.rotate else x
+
+    def quantize_channels(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Keys ``x`` [..., tokens, dim] (whole channel groups, already rotated) -> per-channel
+        components laid out per token row: words [..., tokens, dim*bits/32], scales and
+        biases [..., tokens, dim/channel_tokens] (float16)."""
+        return quantize_channels(x, self.key_bits, self.channel_tokens)
+
+    def dequantize_keys(self, parts: tuple) -> mx.array:
+        """Stored keys (one kind's components, [..., tokens, width]) -> float32, still
+        rotated if the format rotates. Channel keys need whole channel groups."""
+        if self.channel_keys:
+            return dequantize_channels(*parts, self.key_bits, self.channel_tokens)
+        return dequantize_tokens(parts, self.key_bits, self.group_size)
+
+    def dequantize_values(self, parts: tuple) -> mx.array:
+        return dequantize_tokens(parts, self.value_bits, self.group_size)
 
     def to_dict(self) -> dict:
         return {
             "key_bits": self.key_bits,
             "value_bits": self.value_bits,
             "group_size": self.group_size,
+            "key_scheme": self.key_scheme,
+            "rotate": self.rotate,
+            "channel_tokens": self.channel_tokens,
         }
+
+
+V2 = {"key_scheme": "channel", "rotate": True}  # KVQuant(**V2): format 2 at 4 bits
+
+
+def hadamard(x: mx.array) -> mx.array:
+    """``x`` times the orthonormal Walsh-Hadamard matrix of its last axis (fast transform;
+    H is symmetric and its own inverse)."""
+    return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+
+
+def dequantize_tokens(parts: tuple, bits: int, group: int) -> mx.array:
+    if bits == FLOAT_BITS:
+        return parts[0].astype(mx.float32)
+    w, scales, biases = parts
+    return mx.dequantize(
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group, bits=bits
+    )
+
+
+def _shifts(bits: int) -> mx.array:
+    return mx.arange(0, 32, bits, dtype=mx.uint32)[: 32 // bits]
+
+
+def quantize_channels(x: mx.array, bits: int, tokens: int):
+    """Affine quantization of ``x`` [..., T, D] per channel over each run of ``tokens`` rows
+    (T a multiple of it): q = round((x - bias) / scale), scale = (max - min) / (2^bits - 1)
+    and bias = min in float16, q packed along D into uint32 words like ``mx.quantize``'s."""
+    *lead, t, d = x.shape
+    if t % tokens or 32 % bits or d % tokens:
+        raise ValueError(f"cannot quantize [{t}, {d}] per channel over {tokens} tokens")
+    levels = (1 << bits) - 1
+    y = x.astype(mx.float32).reshape(*lead, t // tokens, tokens, d)
+    lo = y.min(axis=-2, keepdims=True).astype(mx.float16)
+    scale = ((y.max(axis=-2, keepdims=True) - lo) / levels).astype(mx.float16)
+    s32 = scale.astype(mx.float32)
+    q = mx.round((y - lo.astype(mx.float32)) / mx.where(s32 == 0, 1, s32))
+    q = mx.clip(q, 0, levels).astype(mx.uint32).reshape(*lead, t, d)
+    per = 32 // bits
+    words = (q.reshape(*lead, t, d // per, per) << _shifts(bits)).sum(axis=-1).astype(mx.uint32)
+    w = d // tokens
+    return (
+        words,
+        scale.reshape(*lead, t, w),
+        lo.reshape(*lead, t, w),
+    )
+
+
+def dequantize_channels(words, scales, biases, bits: int, tokens: int) -> mx.array:
+    """The inverse of ``quantize_channels`` (float32)."""
+    *lead, t, _ = words.shape
+    per = 32 // bits
+    d = words.shape[-1] * per
+    q = (words[..., None] >> _shifts(bits)) & ((1 << bits) - 1)
+    q = q.reshape(*lead, t // tokens, tokens, d).astype(mx.float32)
+    s = scales.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
+    b = biases.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
+    return (q * s + b).reshape(*lead, t, d)

@@ -106,7 +106,8 @@ class KVPool:
         return chain_seed(self.spec.fingerprint, self.quant.label, salt)
 
     def new_table(self, seed: bytes) -> BlockTable:
-        return BlockTable(self.blocks, seed, window=self.window)
+        tails = self.arena if self.arena.ct else None
+        return BlockTable(self.blocks, seed, window=self.window, tails=tails)
 
     def reserve(self, blocks: int) -> Reservation:
         return Reservation(self.blocks, blocks)

@@ -12,6 +12,16 @@ to each array: **never keep an arena array anywhere else** (``copies`` counts wr
 buffer moved; the tests require 0). Between forward passes the arrays are evaluated, and
 the block I/O here (``read_regions``, ``pack``, ``copy_rows``) works on their memory
 directly through the extension.
+
+Per-channel keys (format 2, ``quant.channel_keys``): a channel group of ``ct`` tokens is
+quantized when it completes; until then its keys are float16 rows of the agent's *tail
+slot*, one per block table that holds tokens::
+
+    tails[layer]   [slots * heads * ct, key_dim] float16
+    row of (slot, head, token t) = (slot * heads + head) * ct + t % ct
+
+``WritePlan`` says, for one step, which new keys join a tail and which complete a group
+(the group's tail rows and new keys quantized together into the group's arena rows).
 """
 
 from __future__ import annotations
@@ -23,8 +33,80 @@ from .. import _ext
 from ..kv.blocks import BLOCK_TOKENS
 from ..kv.quant import KVQuant
 from ..model.spec import LayerKind, ModelCacheSpec
+from .blocks import PoolExhaustedError
 
 IO_THREADS = 2
+FIRST_TAIL_SLOTS = 16
+
+
+class WritePlan:
+    """Where one step's new keys and values go (host indices, shared by every layer).
+
+    ``rows``: the arena rows of the new tokens, ordered (b, head, t) (values, and keys of
+    the token scheme). Per-channel keys: the new keys of batch rows whose group stays
+    incomplete go to tail rows ``tail_rows``; for rows completing groups, ``gather`` tail
+    rows come first in a source list, then every new key; ``group_src`` picks each complete
+    group's ``ct`` keys (per head, in token order) from it into arena rows ``group_rows``,
+    and ``rest_src`` the keys after the last complete group into tail rows ``rest_rows``.
+    """
+
+    def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
+        self.rows = mx.array(arena.write_rows([t.blocks for t in tables], starts, count))
+        self.count = count
+        if not arena.quant.channel_keys:
+            return
+        ct, heads = arena.ct, arena.heads
+        self.tail_slots = mx.array(np.asarray([t.tail for t in tables], dtype=np.int32))
+        direct, direct_src, gather = [], [], []
+        group_src, group_rows, rest_src, rest_rows = [], [], [], []
+        completing = []
+        for b, (t, start) in enumerate(zip(tables, starts)):
+            r = start % ct
+            if (r + count) // ct == 0:
+                for h in range(heads):
+                    first = (t.tail * heads + h) * ct + r
+                    direct.extend(range(first, first + count))
+                    direct_src.extend(range((b * heads + h) * count, (b * heads + h + 1) * count))
+            else:
+                completing.append((b, t, start, r))
+        self.direct = _index(direct)
+        self.direct_src = _index(direct_src)
+        if completing:
+            for _, t, _, r in completing:
+                for h in range(heads):
+                    first = (t.tail * heads + h) * ct
+                    gather.extend(range(first, first + r))
+            n_gather = len(gather)
+            gathered = 0  # tail rows of the completing rows before this one, per head
+            for b, t, start, r in completing:
+                total = r + count
+                full = total // ct * ct
+                rows = arena.write_rows([t.blocks], [start - r], full).reshape(heads, full)
+                for h in range(heads):
+                    old = [gathered * heads + h * r + i for i in range(r)]
+                    new = [n_gather + (b * heads + h) * count + i for i in range(count)]
+                    seq = old + new
+                    group_src.extend(seq[:full])
+                    group_rows.extend(rows[h].tolist())
+                    rest_src.extend(seq[full:])
+                    first = (t.tail * heads + h) * ct
+                    rest_rows.extend(range(first, first + total - full))
+                gathered += r
+        # The tail rows a completing group needs, read (and evaluated) before the step writes
+        # the tails: a scatter whose target is still read in the same graph is not in place.
+        self.gathered = None
+        if gather:
+            index = _index(gather)
+            self.gathered = [tails[index] for tails in arena.tails]
+            mx.eval(self.gathered)
+        self.group_src = _index(group_src)
+        self.group_rows = _index(group_rows)
+        self.rest_src = _index(rest_src)
+        self.rest_rows = _index(rest_rows)
+
+
+def _index(values: list[int]) -> mx.array | None:
+    return mx.array(np.asarray(values, dtype=np.int32)) if values else None
 
 
 class KVArena:
@@ -46,15 +128,104 @@ class KVArena:
             [self._allocate(c.width, c.dtype, lazy) for c in self.components]
             for _ in range(spec.num_layers)
         ]
+        self._lazy = lazy
+        self.ct = quant.channel_tokens if quant.channel_keys else 0
+        self.tails: list[mx.array] = []
+        self._free_tails: list[int] = []
+        if self.ct:
+            self._grow_tails(FIRST_TAIL_SLOTS)
         self._addresses = self._data_addresses() if lazy else None
         self._sliding = [layer.kind is LayerKind.SLIDING for layer in spec.layers]
         self.copies = 0
         self.released_bytes = 0
 
-    def _allocate(self, width: int, dtype: str, lazy: bool) -> mx.array:
+    def _allocate(self, width: int, dtype: str, lazy: bool, rows: int | None = None) -> mx.array:
+        rows = self.rows if rows is None else rows
         if lazy:
-            return _ext.uninitialized(self.rows, width, dtype)
-        return mx.zeros((self.rows, width), dtype=getattr(mx, dtype))
+            return _ext.uninitialized(rows, width, dtype)
+        return mx.zeros((rows, width), dtype=getattr(mx, dtype))
+
+    # -- per-channel keys: the float16 tails of groups still filling ---------------------------
+
+    @property
+    def tail_slots(self) -> int:
+        return self.tails[0].shape[0] // (self.heads * self.ct) if self.tails else 0
+
+    def _grow_tails(self, slots: int) -> None:
+        old = self.tail_slots
+        dim = self.spec.key_head_dim
+        grown = []
+        for layer in range(self.spec.num_layers):
+            fresh = self._allocate(dim, "float16", self._lazy, slots * self.heads * self.ct)
+            if old:
+                fresh[: old * self.heads * self.ct] = self.tails[layer]
+            grown.append(fresh)
+        mx.eval(grown)
+        self.tails = grown
+        self._free_tails.extend(range(slots - 1, old - 1, -1))
+        if getattr(self, "_addresses", None) is not None:
+            self._addresses = self._data_addresses()
+
+    def take_tail(self) -> int:
+        """A free tail slot (the tails grow, between steps, when none is left)."""
+        if not self._free_tails:
+            if self.tail_slots >= 2 * self.capacity + FIRST_TAIL_SLOTS:
+                raise PoolExhaustedError("every tail slot is in use")
+            self._grow_tails(min(2 * self.tail_slots, 2 * self.capacity + FIRST_TAIL_SLOTS))
+        return self._free_tails.pop()
+
+    def give_tail(self, slot: int) -> None:
+        self._free_tails.append(slot)
+
+    def _tail_rows(self, slot: int, first: int, count: int) -> mx.array:
+        base = (slot * self.heads + np.arange(self.heads)[:, None]) * self.ct + first
+        return mx.array((base + np.arange(count)[None]).reshape(-1).astype(np.int32))
+
+    def copy_tail(self, src: int, dst: int, count: int) -> None:
+        """Rows [0, count) of tail slot ``src`` into slot ``dst`` (every layer, in place)."""
+        if count:
+            take, put = self._tail_rows(src, 0, count), self._tail_rows(dst, 0, count)
+            rows = [self.tails[layer][take] for layer in range(self.spec.num_layers)]
+            mx.eval(rows)  # read before the scatter, which then runs in place
+            for layer, part in enumerate(rows):
+                self.tails[layer][put] = part
+            self.settle()
+
+    def refill_tail(self, slot: int, blocks: list[int], keep: int) -> None:
+        """The tail of a table cut to ``keep`` tokens inside a complete channel group: the
+        group's first ``keep % ct`` keys, dequantized from its arena rows, into ``slot``."""
+        first = keep // self.ct * self.ct
+        count = keep - first
+        if not count:
+            return
+        rows = self.write_rows([blocks], [first], self.ct)  # the whole group: its scales
+        rows = mx.array(rows)
+        put = self._tail_rows(slot, 0, count)
+        for layer in range(self.spec.num_layers):
+            parts = tuple(a[rows].reshape(self.heads, self.ct, -1) for a in self.keys(layer))
+            keys = self.quant.dequantize_keys(parts)
+            self.tails[layer][put] = keys[:, :count].reshape(-1, keys.shape[-1]).astype(mx.float16)
+        self.settle()
+
+    def read_tail(self, slot: int, count: int) -> np.ndarray:
+        """Rows [0, count) of a tail slot: float16 [layers, heads, count, key_dim]."""
+        dim = self.spec.key_head_dim
+        if not count:
+            return np.zeros((self.spec.num_layers, self.heads, 0, dim), dtype=np.float16)
+        rows = self._tail_rows(slot, 0, count)
+        out = [self.tails[layer][rows] for layer in range(self.spec.num_layers)]
+        mx.eval(out)
+        return np.stack([np.asarray(a).reshape(self.heads, count, dim) for a in out])
+
+    def write_tail(self, slot: int, keys: np.ndarray) -> None:
+        """Set a tail slot's first rows from ``read_tail``'s layout."""
+        count = keys.shape[2]
+        if count:
+            put = self._tail_rows(slot, 0, count)
+            for layer in range(self.spec.num_layers):
+                rows = mx.array(keys[layer].reshape(-1, keys.shape[-1]))
+                self.tails[layer][put] = rows
+            self.settle()
 
     @property
     def block_bytes(self) -> int:
@@ -73,6 +244,31 @@ class KVArena:
         keys' first) into ``rows`` (ordered batch, head, token)."""
         for target, part in zip(self.arrays[layer], parts):
             target[rows] = part.reshape(-1, part.shape[-1])
+
+    def append(self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan) -> None:
+        """Store one step's new keys and values [B, heads, L, dim] (model space: rotated
+        and quantized here) as ``plan`` says."""
+        q = self.quant
+        keys, values = q.rotated(keys), q.rotated(values)
+        value_parts = q.quantize(values, q.value_bits)
+        if not self.ct:
+            self.write(layer, (*q.quantize(keys, q.key_bits), *value_parts), plan.rows)
+            return
+        arrays = self.arrays[layer]
+        for target, part in zip(arrays[self.key_parts :], value_parts):
+            target[plan.rows] = part.reshape(-1, part.shape[-1])
+        new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
+        tails = self.tails[layer]
+        if plan.direct is not None:
+            tails[plan.direct] = new[plan.direct_src]
+        if plan.group_src is not None:
+            source = new if plan.gathered is None else mx.concatenate([plan.gathered[layer], new])
+            groups = source[plan.group_src].reshape(-1, self.ct, keys.shape[-1])
+            for target, part in zip(arrays[: self.key_parts], q.quantize_channels(groups)):
+                target[plan.group_rows] = part.reshape(-1, part.shape[-1])
+            if plan.rest_src is not None:
+                tails[plan.rest_rows] = source[plan.rest_src]
+        self.tails[layer] = tails
 
     def keys(self, layer: int) -> tuple[mx.array, ...]:
         return tuple(self.arrays[layer][: self.key_parts])
@@ -93,15 +289,14 @@ class KVArena:
 
     def settle(self) -> None:
         """Evaluate every arena (after a step) and count any write that was not in place."""
-        flat = [a for layer in self.arrays for a in layer]
-        mx.eval(flat)
+        mx.eval(self._flat(), self.tails)
         if self._addresses is not None:
             now = self._data_addresses()
             self.copies += sum(a != b for a, b in zip(now, self._addresses))
             self._addresses = now
 
     def _data_addresses(self) -> list[int]:
-        return [_ext.data_address(a) for layer in self.arrays for a in layer]
+        return [_ext.data_address(a) for a in self._flat() + self.tails]
 
     # -- block I/O between steps -------------------------------------------------------------
 

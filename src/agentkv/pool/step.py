@@ -20,9 +20,9 @@ import numpy as np
 from ..kv.attention import NOT_OURS, mask_window, paged_attention, remember_mask
 from ..kv.base import CacheBase
 from ..kv.blocks import BLOCK_TOKENS, blocks_for
-from ..kv.quant import KVQuant
+from ..kv.quant import KVQuant, hadamard
 from ..model.spec import ModelCacheSpec
-from .arena import KVArena
+from .arena import KVArena, WritePlan
 from .tables import BlockTable
 
 
@@ -40,12 +40,14 @@ class PagedStep:
         table = np.full((len(tables), width), -1, dtype=np.int32)
         for b, t in enumerate(tables):
             table[b, : len(t.blocks)] = t.blocks
+        if arena.ct and any(t.tail is None for t in tables):
+            raise ValueError("per-channel keys: every table needs its tail slot (grow it)")
         self.arena = arena
         self.quant: KVQuant = arena.quant
         self.count = count
         self.tables = mx.array(table)
         self.lengths = mx.array(np.asarray(starts, dtype=np.int32) + count)
-        self.rows = mx.array(arena.write_rows([t.blocks for t in tables], starts, count))
+        self.plan = WritePlan(arena, list(tables), starts, count)
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
         self.caches = [
             PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
@@ -71,10 +73,8 @@ class PagedLayerCache(CacheBase):
         return self.step.quant
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        q = self.step.quant
-        parts = (*q.quantize(keys, q.key_bits), *q.quantize(values, q.value_bits))
         arena = self.step.arena
-        arena.write(self.layer, parts, self.step.rows)
+        arena.append(self.layer, keys, values, self.step.plan)
         return arena.keys(self.layer), arena.values(self.layer)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
@@ -91,8 +91,9 @@ class PagedLayerCache(CacheBase):
                 "causally (with the layer's sliding window) and cannot honour it"
             )
         step = self.step
-        return paged_attention(
-            queries,
+        rotate = step.quant.rotate
+        out = paged_attention(
+            hadamard(queries) if rotate else queries,  # q.(H k) == (H q).(H k)
             keys,
             values,
             tables=step.tables,
@@ -103,7 +104,10 @@ class PagedLayerCache(CacheBase):
             quant=step.quant,
             window=self.window,
             sinks=sinks,
+            tail=step.arena.tails[self.layer] if step.arena.ct else None,
+            tail_slots=step.plan.tail_slots if step.arena.ct else None,
         )
+        return hadamard(out) if rotate else out  # values are stored as H v
 
     def empty(self) -> bool:
         return False

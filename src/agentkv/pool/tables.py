@@ -15,6 +15,10 @@ may hold the blocks for the tokens being written too); block ``i`` holds tokens
 ``[256 i, 256 (i + 1))`` of the agent, so every block but the last is full; the table
 holds one reference on each of its blocks (``refs`` counts tables); on a model with
 sliding-window layers it also holds a window reference on ``blocks[window_from:]``.
+Per-channel keys (format 2): from its first ``grow`` until ``release`` the table owns a
+tail slot of the arena (``tail``), holding the keys of its channel group still filling:
+tokens ``[length // ct * ct, length)``; ``fork`` copies it, ``trim`` into a complete
+group refills it from the group's quantized keys.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ CopyRows = Callable[[int, int, int], None]  # (src block, dst block, tokens)
 
 
 class BlockTable:
-    def __init__(self, pool: BlockPool, seed: bytes, *, window: int | None = None):
+    def __init__(self, pool: BlockPool, seed: bytes, *, window: int | None = None, tails=None):
         self.pool = pool
         self.seed = seed
         self.window = window
+        self.tails = tails  # the arena, for per-channel keys (None: no tails)
+        self.tail: int | None = None
         self.blocks: list[int] = []
         self.length = 0
         self.window_from = 0
@@ -61,6 +67,12 @@ class BlockTable:
 
     # -- growing ------------------------------------------------------------------------
 
+    def take_tail(self) -> int | None:
+        """The table's tail slot, taken on first need (per-channel keys only)."""
+        if self.tails is not None and self.tail is None:
+            self.tail = self.tails.take_tail()
+        return self.tail
+
     def grow(
         self, tokens: int, copy_rows: CopyRows, reservation: Reservation | None = None
     ) -> None:
@@ -71,6 +83,7 @@ class BlockTable:
         have = self.pool.available() + (reservation.left if reservation is not None else 0)
         if need > have:
             raise PoolExhaustedError(f"{need} blocks needed, {have} available")
+        self.take_tail()
         if self.needs_copy():
             self._copy_tail(copy_rows, reservation)
         elif self.length % BLOCK_TOKENS:
@@ -162,7 +175,10 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A second table over the same blocks (refcounts only; the tail is copied when
         either appends)."""
-        twin = BlockTable(self.pool, self.seed, window=self.window)
+        twin = BlockTable(self.pool, self.seed, window=self.window, tails=self.tails)
+        if self.tail is not None:
+            twin.tail = self.tails.take_tail()
+            self.tails.copy_tail(self.tail, twin.tail, self.length % self.tails.ct)
         twin.blocks = list(self.blocks)
         twin.length = self.length
         twin.window_from = self.window_from
@@ -178,6 +194,10 @@ class BlockTable:
         """Forget every token after the first ``keep``."""
         if not 0 <= keep <= self.length:
             raise ValueError(f"cannot keep {keep} of {self.length} tokens")
+        if self.tail is not None and keep < self.length // self.tails.ct * self.tails.ct:
+            # Cut inside a quantized channel group: its kept keys go back to the tail
+            # (dequantized: they are quantized again when the group completes).
+            self.tails.refill_tail(self.tail, self.blocks, keep)
         count = blocks_for(keep)
         for index in range(len(self.blocks) - 1, count - 1, -1):
             self._drop(index)
@@ -217,6 +237,9 @@ class BlockTable:
         self.blocks = []
         self.length = 0
         self.window_from = 0
+        if self.tail is not None:
+            self.tails.give_tail(self.tail)
+            self.tail = None
 
     def _drop(self, index: int) -> None:
         block = self.blocks[index]

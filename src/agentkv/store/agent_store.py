@@ -91,10 +91,14 @@ class SaveJob:
     # The hex chain hashes the engine believes the first ``keep`` durable blocks have: a save
     # queued behind one that failed must not build on blocks that were never replaced.
     kept_hashes: tuple[str | None, ...] = ()
+    tail: np.ndarray | None = None  # format 2: the keys of the channel group still filling
 
     @property
     def nbytes(self) -> int:
-        return int(self.packed.nbytes + self.tokens.nbytes + self.spans.nbytes + len(self.text))
+        tail = 0 if self.tail is None else self.tail.nbytes
+        return int(
+            self.packed.nbytes + self.tokens.nbytes + self.spans.nbytes + len(self.text) + tail
+        )
 
 
 class BlockSource(NamedTuple):
@@ -414,6 +418,7 @@ class AgentStore:
                 messages=job.messages,
                 updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 chain_seed=job.chain_seed.hex(),
+                tail=job.tail,
             )
             data = encode_manifest(manifest)
             atomic_write_bytes(path, data)
@@ -553,6 +558,11 @@ def build_save_job(
         min(BLOCK_TOKENS, table.length - (keep + i) * BLOCK_TOKENS) for i in range(len(slots))
     ]
     packed, records = arena.pack(slots, counts)
+    tail = None
+    if arena.ct:
+        if len(tokens) != table.length:
+            raise ValueError("a save of per-channel keys needs the table's every token")
+        tail = arena.read_tail(table.tail, table.length % arena.ct) if table.length else None
     regions = []
     for slot, (_, offset, length, checksum, count) in zip(slots, records):
         record = pool.records[slot]
@@ -585,6 +595,7 @@ def build_save_job(
             pool.records[b].hash.hex() if pool.records[b].hash else None
             for b in table.blocks[:keep]
         ),
+        tail,
     )
 
 

@@ -17,7 +17,9 @@ covers each region. Files are written once under a new name and never modified, 
 reader's mmap never sees a change.
 
 The *manifest* holds the agent's token ids (int32 [n]), each token's byte span in the text
-(int32 [n, 2]), the text (uint8) and a JSON record: format version, model fingerprint and
+(int32 [n, 2]), the text (uint8), in KV format 2 the float16 keys of the channel group
+still filling (``tail`` [layers, heads, n % channel_tokens, key_dim]: they are not in any
+block until the group completes) and a JSON record: format version, model fingerprint and
 cache geometry, quantization, the chain seed of its block hashes, token count, generation,
 files (name, size, header CRC-32C) and blocks (file, offset, length, checksum, tokens,
 hash), CRC-32Cs of the arrays and of the record itself. A save writes and fsyncs its new
@@ -107,6 +109,15 @@ class Manifest:
     chain_seed: str | None = None  # hex; None in version-1 manifests (the default seed)
     version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)
+    tail: np.ndarray | None = None  # float16 [layers, heads, n % ct, key_dim]: format 2
+
+    def tail_shape(self) -> tuple[int, ...] | None:
+        """The shape ``tail`` must have (None: this format keeps no tail)."""
+        if not self.quant.channel_keys:
+            return None
+        g = self.geometry
+        rows = self.token_count % self.quant.channel_tokens
+        return (int(g["num_layers"]), int(g["kv_heads"]), rows, int(g["key_head_dim"]))
 
     @property
     def token_count(self) -> int:
@@ -148,13 +159,19 @@ def encode_manifest(m: Manifest) -> bytes:
         "messages": m.messages,
         "updated_at": m.updated_at,
     }
+    arrays = {"tokens": tokens, "spans": spans, "text": text}
+    if m.tail_shape() is not None:
+        if m.tail is None or m.tail.shape != m.tail_shape() or m.tail.dtype != np.float16:
+            raise ValueError(f"a format-2 manifest needs its float16 tail {m.tail_shape()}")
+        arrays["tail"] = np.ascontiguousarray(m.tail)
+        record["checksums"]["tail"] = _crc(arrays["tail"])
     text_record = json.dumps(record, separators=(",", ":"))
     metadata = {
         "format": MANIFEST_KIND,
         "agentkv": text_record,
         "agentkv_crc32c": str(_ext.crc32c(text_record.encode())),
     }
-    return save({"tokens": tokens, "spans": spans, "text": text}, metadata=metadata)
+    return save(arrays, metadata=metadata)
 
 
 def read_header(data: bytes, path) -> tuple[dict, int]:
@@ -231,7 +248,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     _check_spans(spans, len(text), path)
 
     try:
-        quant = KVQuant(**record["quant"])
+        quant = KVQuant.from_dict(record["quant"])
         geometry = record["geometry"]
         block_tokens = int(record["block_tokens"])
         generation = int(record["generation"])
@@ -264,6 +281,15 @@ def decode_manifest(data: bytes, path) -> Manifest:
         version=version,
     )
     _check_blocks(manifest, path)
+    if manifest.tail_shape() is not None:
+        tail = arrays.get("tail")
+        _require(
+            tail is not None and tail.dtype == np.float16 and tail.shape == manifest.tail_shape(),
+            path,
+            f"the keys of the channel group still filling must be float16 {manifest.tail_shape()}",
+        )
+        _require(checks.get("tail") == _crc(tail), path, "tail checksum mismatch")
+        manifest.tail = tail
     return manifest
 
 

@@ -1,0 +1,209 @@
+"""KV format 2 in the pool (docs/kv-format-v2.md): keys rotated by H and quantized per channel
+over each complete group of ``channel_tokens`` tokens, the group still filling kept in float16
+in the table's tail slot; values rotated, quantized per token. Attention over it rotates the
+queries and the output, and equals attention over what is stored."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import _kv_for, fill_table, synthetic_spec, table_arrays
+
+from agentkv.kv.quant import V2, KVQuant, dequantize_tokens, hadamard
+from agentkv.pool import KVPool
+from agentkv.pool.arena import WritePlan
+from agentkv.pool.step import PagedStep
+
+V2Q = KVQuant(**V2)
+
+
+def pool_for(spec, quant=V2Q, blocks=24):
+    return KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * 256 * blocks)
+
+
+def stored_keys(pool, table, layer: int) -> np.ndarray:
+    """The table's keys as stored (rotated space, float32 [heads, n, dim]): complete groups
+    dequantized from the arena, the rest from the tail."""
+    n, ct = table.length, pool.arena.ct
+    full = n // ct * ct
+    parts = table_arrays(pool, table, n)[layer * 6 : layer * 6 + 3]
+    keys = np.array(pool.quant.dequantize_keys(tuple(mx.array(p[:, :full]) for p in parts)))
+    tail = pool.arena.read_tail(table.tail, n - full)[layer].astype(np.float32)
+    return np.concatenate([keys, tail], axis=1)
+
+
+def stored_values(pool, table, layer: int) -> np.ndarray:
+    parts = table_arrays(pool, table)[layer * 6 + 3 : layer * 6 + 6]
+    return np.array(dequantize_tokens(tuple(mx.array(p) for p in parts), 4, 64))
+
+
+def test_complete_groups_are_quantized_per_channel_and_the_filling_group_kept_in_float16():
+    spec = synthetic_spec(layers=2, heads=3)
+    pool = pool_for(spec)
+    table = fill_table(pool, 300, positional=True)  # chunks of 197 and 103: groups straddle
+    arrays = table_arrays(pool, table)
+    for layer in range(2):
+        k, v = _kv_for(spec, layer, 0, 300, rng=None, positional=True)
+        rotated = hadamard(k).astype(mx.float16)[0]  # [heads, 300, dim]
+        words, scales, biases = V2Q.quantize_channels(rotated[:, :256])
+        got = arrays[layer * 6 : layer * 6 + 3]
+        for want, have in zip((words, scales, biases), got):
+            np.testing.assert_array_equal(np.array(want), have[:, :256])
+        tail = pool.arena.read_tail(table.tail, 300 - 256)[layer]
+        np.testing.assert_array_equal(tail, np.array(rotated[:, 256:]))
+        values = V2Q.quantize(hadamard(v), 4)
+        for want, have in zip(values, arrays[layer * 6 + 3 : layer * 6 + 6]):
+            np.testing.assert_array_equal(np.array(want[0]), have)
+        # What is stored reads back close to the keys: 4 bits per channel of a sine.
+        back = hadamard(mx.array(stored_keys(pool, table, layer)))
+        assert float(mx.abs(back - k[0]).max()) < 0.15
+
+
+def test_the_stored_bits_do_not_depend_on_how_tokens_arrive():
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec)
+    chunked = fill_table(pool, 150, positional=True)
+    single = pool.new_table(pool.seed("one by one"))
+    for start in range(150):
+        single.grow(1, pool.arena.copy_rows)
+        plan = WritePlan(pool.arena, [single], [start], 1)
+        k, v = _kv_for(spec, 0, start, 1, rng=None, positional=True)
+        pool.arena.append(0, k, v, plan)
+        pool.arena.settle()
+        single.written([chunked.token_ids()[start]])
+    for a, b in zip(table_arrays(pool, chunked), table_arrays(pool, single)):
+        np.testing.assert_array_equal(a[:, :128], b[:, :128])
+    np.testing.assert_array_equal(
+        pool.arena.read_tail(chunked.tail, 22), pool.arena.read_tail(single.tail, 22)
+    )
+    assert pool.arena.copies == 0
+
+
+def reference_attention(pool, tables, queries, scale):
+    """Softmax attention of each row's queries (its last L positions) over its stored keys and
+    values, in the model's space (H undone)."""
+    out = []
+    for b, table in enumerate(tables):
+        keys = np.array(hadamard(mx.array(stored_keys(pool, table, 0))))
+        values = np.array(hadamard(mx.array(stored_values(pool, table, 0))))
+        q = np.array(queries[b])  # [Hq, L, D]
+        heads, n = keys.shape[0], keys.shape[1]
+        rep = q.shape[0] // heads
+        rows = []
+        for h in range(q.shape[0]):
+            s = (q[h] @ keys[h // rep].T) * scale  # [L, n]
+            L = q.shape[1]
+            pos = np.arange(n - L, n)[:, None]
+            s = np.where(np.arange(n)[None] <= pos, s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            rows.append((p / p.sum(-1, keepdims=True)) @ values[h // rep])
+        out.append(np.stack(rows))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("count", [1, 5])
+def test_paged_attention_equals_attention_over_what_is_stored(count):
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec)
+    lengths = [300, 64, 127]  # a tail of 44, a group just complete, a tail of 63
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate(lengths)]
+    for t in tables:
+        t.grow(count, pool.arena.copy_rows)
+    rng = np.random.default_rng(7)
+    k_new = mx.array(rng.standard_normal((3, 2, count, 64)).astype(np.float32))
+    v_new = mx.array(rng.standard_normal((3, 2, count, 64)).astype(np.float32))
+    queries = mx.array(rng.standard_normal((3, 4, count, 64)).astype(np.float32))
+    step = PagedStep(pool.arena, spec, tables, count)
+    cache = step.caches[0]
+    keys, values = cache.update_and_fetch(k_new, v_new)
+    mask = None if count == 1 else "causal"
+    out = cache.agentkv_attention(queries, keys, values, scale=0.125, mask=mask)
+    mx.eval(out)
+    pool.arena.settle()
+    for t in tables:
+        t.written(list(range(count)))
+    want = reference_attention(pool, tables, queries, 0.125)
+    np.testing.assert_allclose(np.array(out), want, atol=2e-5, rtol=1e-4)
+    assert pool.arena.copies == 0
+
+
+def test_a_row_gives_the_same_bits_alone_or_batched():
+    spec = synthetic_spec(layers=1, heads=2)
+    outs = {}
+    for batched in (True, False):
+        pool = pool_for(spec)
+        tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 70])]
+        rng = np.random.default_rng(3)
+        k = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float32))
+        v = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float32))
+        q = mx.array(rng.standard_normal((2, 4, 1, 64)).astype(np.float32))
+        for t in tables:
+            t.grow(1, pool.arena.copy_rows)
+        groups = [list(range(2))] if batched else [[0], [1]]
+        res = []
+        for rows in groups:
+            step = PagedStep(pool.arena, spec, [tables[i] for i in rows], 1)
+            cache = step.caches[0]
+            kk, vv = cache.update_and_fetch(k[rows[0] : rows[-1] + 1], v[rows[0] : rows[-1] + 1])
+            res.append(
+                cache.agentkv_attention(q[rows[0] : rows[-1] + 1], kk, vv, scale=0.1, mask=None)
+            )
+        outs[batched] = np.array(mx.concatenate(res))
+    np.testing.assert_array_equal(outs[True], outs[False])
+
+
+def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it():
+    spec = synthetic_spec(layers=2, heads=2)
+    pool = pool_for(spec)
+    free = len(pool.arena._free_tails)
+    table = fill_table(pool, 300, positional=True)
+    twin = table.fork()
+    assert twin.tail != table.tail
+    np.testing.assert_array_equal(
+        pool.arena.read_tail(table.tail, 44), pool.arena.read_tail(twin.tail, 44)
+    )
+    before = [stored_keys(pool, table, layer) for layer in range(2)]
+    twin.trim(150)  # inside the complete group [128, 192): its first 22 keys back in the tail
+    tail = pool.arena.read_tail(twin.tail, 22)
+    for layer in range(2):
+        np.testing.assert_array_equal(tail[layer], before[layer][:, 128:150].astype(np.float16))
+    # The twin grows on from there: the group is quantized again from the refilled keys.
+    fill_table(pool, 200, positional=True, table=twin)
+    for layer in range(2):
+        after = stored_keys(pool, twin, layer)
+        np.testing.assert_array_equal(after[:, :128], before[layer][:, :128])
+        k, _ = _kv_for(spec, layer, 0, 200, rng=None, positional=True)
+        assert float(mx.abs(hadamard(mx.array(after)) - k[0]).max()) < 0.15
+    table.release()
+    twin.release()
+    assert len(pool.arena._free_tails) == free
+
+
+def test_tails_grow_past_the_first_slots_without_moving_live_data():
+    spec = synthetic_spec(layers=1, heads=1)
+    pool = pool_for(spec, blocks=40)
+    tables = [fill_table(pool, 70, seed=i) for i in range(20)]  # more than 16 first slots
+    tails = [pool.arena.read_tail(t.tail, 6) for t in tables]
+    more = [fill_table(pool, 70, seed=100 + i) for i in range(5)]
+    for t, before in zip(tables, tails):
+        np.testing.assert_array_equal(pool.arena.read_tail(t.tail, 6), before)
+    assert len({t.tail for t in tables + more}) == 25
+
+
+def test_format_2_is_refused_where_it_cannot_run():
+    from agentkv.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="per-channel keys take 2, 4 or 8 bits"):
+        KVQuant(5, 4, key_scheme="channel")
+    with pytest.raises(InvalidRequestError, match="not a power of two"):
+        KVQuant(**V2, group_size=32, channel_tokens=32).check_head_dims(96, 96)
+    with pytest.raises(InvalidRequestError, match="channel groups"):
+        KVQuant(**V2, group_size=32).check_head_dims(32, 32)
+    # Head dim 32: the same bytes as format 1 (16 B of words + 4 B of scale and bias each).
+    small = KVQuant(**V2, group_size=32, channel_tokens=32)
+    assert (
+        small.bytes_per_token(1, 1, 32, 32)
+        == KVQuant(group_size=32).bytes_per_token(1, 1, 32, 32)
+        == 40
+    )
+    assert KVQuant(**V2).label == "q4.v2" and KVQuant().label == "q4"
+    assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant()
