@@ -73,7 +73,7 @@ SKIPPED_ITEMS = ("reasoning",)  # the reply's own text is replayed from the agen
 class _Responses(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
-    input: StrictStr | list | None = None
+    input: object = None  # a string or a list of items: checked in parse
     instructions: StrictStr | None = None
     tools: list | None = None
     tool_choice: StrictStr | dict | None = None
@@ -166,6 +166,22 @@ def _items(value) -> list[dict]:
                 f"{where}.type",
             )
     return out
+
+
+def _check_outputs(messages: list[dict], first_new: int) -> None:
+    """Each function_call_output answers a function_call before it (in this input or in
+    the chain it continues); ``first_new``: where this request's input items begin."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            calls = {c["id"] for c in m.get("tool_calls") or []}
+        elif m["tool_call_id"] not in calls:
+            where = "input" if i >= first_new else "previous_response_id"
+            raise bad_request(
+                f"{where}: function_call_output {m['tool_call_id']!r} answers no function_call "
+                "of the assistant turn before it",
+                where,
+            )
 
 
 def _tools(req: _Responses) -> tuple[list[dict] | None, list[dict], ToolChoice | None]:
@@ -302,8 +318,8 @@ class ResponsesDialect:
                 "conversations are not supported; chain responses with previous_response_id",
                 "conversation",
             )
-        if req.input is None or req.input == [] or req.input == "":
-            raise bad_request("input is required (a string or a list of input items)", "input")
+        if not isinstance(req.input, (str, list)) or not req.input:
+            raise bad_request("input is required: a string or a list of input items", "input")
         previous = None
         if req.previous_response_id is not None:
             previous = await self.load(req.previous_response_id, "previous_response_id")
@@ -311,8 +327,10 @@ class ResponsesDialect:
         model = self.limits.check_model(model)
         tools, tools_echo, choice = _tools(req)
         text_format, constraint = _format(req.text)
-        conversation = [*(previous["conversation"] if previous else []), *_items(req.input)]
+        earlier = previous["conversation"] if previous else []
+        conversation = [*earlier, *_items(req.input)]
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        _check_outputs(conversation, len(earlier))
         messages = check_results([*system, *conversation])
         if previous is not None and agent_header is None:
             agent_id = previous["agent_id"]
