@@ -348,3 +348,18 @@ def test_the_server_names_the_layer_and_keeps_serving(arch, tmp_path):
         assert "model 'lfm2': layer 1 uses ArraysCache" in message
         served = client.post("/v1/chat/completions", json={**body, "model": llama.name})
         assert served.status_code == 200 and served.json()["model"] == llama.name
+
+
+def test_a_model_that_computes_attention_itself_is_refused_at_load(tmp_path):
+    """gemma2 soft-caps its attention scores in its own code, never calling mlx-lm's
+    scaled_dot_product_attention: it cannot read agentkv's quantized cache."""
+    config = {
+        "model_type": "gemma2",
+        **COMMON,
+        "num_hidden_layers": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+    }
+    model = build_model_dir(tmp_path / "gemma2", config, gain=1.0)
+    with pytest.raises(ModelImportError, match="model 'gemma2' does not run on agentkv's KV"):
+        Engine(model=str(model), cache_dir=tmp_path / "kv", warmup=False)

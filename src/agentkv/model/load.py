@@ -174,4 +174,43 @@ def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
     spec = ModelCacheSpec.from_model(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
     )
+    check_attention(mlx_model, spec)
     return LoadedModel(mlx_model, tokenizer, spec, name, path, config)
+
+
+def check_attention(model, spec: ModelCacheSpec) -> None:
+    """Run two tokens through caches that answer mlx-lm's cache protocol as agentkv's pool
+    does: keys and values come back as tuples of stored components, and every layer must
+    attend through mlx-lm's ``scaled_dot_product_attention`` (agentkv's dispatch) with a
+    mask its cache made. A model that computes attention itself (gemma2's soft-capped
+    scores) or builds its own masks is refused here, at load, by name."""
+    from ..kv.attention import NOT_OURS, mask_window
+    from ..kv.cache import AgentKVCache
+    from ..kv.quant import KVQuant
+
+    class Probe(AgentKVCache):
+        calls = 0
+
+        def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+            if mask_window(mask, queries.shape[-2]) == NOT_OURS:
+                raise ValueError("it passes an attention mask of its own")
+            self.calls += 1
+            return super().agentkv_attention(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            )
+
+    fp16 = KVQuant(16, 16)  # no group size to fit
+    caches = [Probe(fp16, window=layer.window) for layer in spec.layers]
+    try:
+        mx.eval(model(mx.array([[0, 0]]), cache=caches))
+        missed = [i for i, cache in enumerate(caches) if cache.calls != 1]
+        if missed:
+            raise ValueError(f"layer {missed[0]} does not attend through it")
+    except Exception as exc:  # whatever the model's own attention code raises on tuples
+        lines = str(exc).strip().splitlines()
+        raise ModelImportError(
+            f"model {spec.model_type!r} does not run on agentkv's KV cache: agentkv needs "
+            "every layer to attend through mlx-lm's scaled_dot_product_attention with the "
+            "cache's masks (gemma2, for one, computes soft-capped attention itself); "
+            f"{type(exc).__name__}: {lines[0] if lines else ''}"
+        ) from exc
