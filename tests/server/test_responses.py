@@ -449,3 +449,24 @@ def test_agents_sdk_handoff(server, api):
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["HandoffCallItem", "HandoffOutputItem", "ToolCallItem", "ToolCallOutputItem"]
     assert len(seen) == 1 and result.final_output == f"sunny in {seen[0]}"
+
+
+def test_response_store_keeps_whole_records_and_rejects_bad_ones(tmp_path, caplog):
+    from agentkv.server.response_store import ResponseStore
+
+    store = ResponseStore(tmp_path / "responses")
+    rid = "resp_" + "0123456789abcdef" * 2
+    assert store.get(rid) is None and not store.delete(rid)
+    record = {"id": rid, "agent_id": "a", "model": MODEL, "conversation": [], "response": {}}
+    store.put(record)
+    assert store.get(rid) == {"format": 1, **record}
+    assert [p.name for p in store.dir.iterdir()] == [f"{rid}.json"]  # no temporary left
+    (store.dir / f"{rid}.json").write_text('{"format": 1, "id": "resp_')  # torn by hand
+    assert store.get(rid) is None and "unreadable" in caplog.text
+    other = "resp_" + "f" * 32
+    (store.dir / f"{other}.json").write_text(json.dumps({**record, "format": 1}))
+    assert store.get(other) is None  # a record under another id's name
+    assert store.delete(rid) and store.get(rid) is None
+    for bad in ("resp_../../x", "../x", "resp_" + "A" * 32, 7):
+        with pytest.raises(ValueError):
+            store.get(bad)
