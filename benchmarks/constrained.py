@@ -3,17 +3,23 @@
 The same chat turn (a ~300-token context, then a request for JSON) runs free and under
 each constraint: ``json_object``, ``json_schema`` (a list of weather records, long enough
 that the grammar is still open at ``max_tokens``) and ``tool_calls`` (one of three tools,
-parallel calls allowed). Rounds alternate free and constrained turns, so a busy machine
-slows both alike; ``decode_tps`` is the median over rounds of each turn's own decode rate
-(tokens after the first / time between the first and the last: prefill excluded), and
-``ratio`` is that over the free turns' rate. ``agents`` > 1 runs that many turns as one
-batch (all under the constraint; ``mixed``: half free, half ``json_schema``, one batch),
-the rate each agent sees. ``compile_ms`` is the median time to compile the constraint and
-start its grammar (the tokenizer's token table is built once before: ``tokenizer_ms``).
-``grammar_us`` is what the grammar adds to each decode step, measured apart from the model
-(so the machine's load does not blur it): the constrained turn's own tokens replayed through
-a fresh grammar, mask and advance per token; ``step_ratio`` is what that alone predicts,
-the free turns' step time over the step time plus ``grammar_us``.
+parallel calls allowed). Every turn starts hot from a fork of one agent that holds the
+prompt, so it is nearly all decode; one unmeasured turn of each kind runs first. Rounds
+alternate free and constrained turns, so a busy machine slows both alike; ``decode_tps`` is
+the median over rounds of each turn's own decode rate (tokens after the first / time
+between the first and the last), and ``ratio`` is that over the free turns' rate.
+``agents`` > 1 runs that many turns as one batch (all under the constraint; ``mixed``: half
+free, half ``json_schema``), the rate each agent sees.
+
+On a shared machine wall-clock rates swing with other processes, so each row also gives
+the process's CPU time per generated token (``cpu_ms_per_token``, all threads) and
+``cpu_ratio``, the free turns' CPU per token over this row's: what ``ratio`` would be on an
+otherwise idle machine, where decode is CPU-bound. ``grammar_us`` is what the grammar adds
+to a decode step, measured apart from the model: the constrained turn's own tokens replayed
+through a fresh grammar, mask and advance per token; ``step_ratio`` is what that alone
+predicts, the free step time over the step time plus ``grammar_us`` for each constrained
+row. ``compile_ms`` is the median time to compile the constraint and start its grammar (the
+tokenizer's token table is built once before: ``tokenizer_ms``).
 
 ``--engines`` instead measures the grammar engines themselves on the model's tokenizer
 (llguidance, and xgrammar / outlines-core where installed): token-table build, compile
@@ -91,24 +97,34 @@ def run(
             vocab = eng.grammars.tokenizer.vocab_size  # the token table: built once
             tokenizer_ms = (time.perf_counter() - start) * 1000
             compile_ms = {kind: _compile_ms(eng, make) for kind, make in makers.items()}
+            progress("constrained: prefilling the prompt once...")
+            eng.chat("base", messages, max_tokens=1)
             turn = _Turns(eng, messages, max_tokens)
+            progress("constrained: one unmeasured turn of each kind (one-time costs)...")
+            for kind in [None, *makers]:
+                turn.run(1, kind, makers)
             for n in agent_counts:
                 kinds = [None, *makers] + (["mixed"] if n > 1 else [])
                 rates: dict = {k: [] for k in kinds}
                 tokens: dict = {k: [] for k in kinds}
+                cpu: dict = {k: [] for k in kinds}
                 replay: dict = {}
                 for r in range(repeats):
                     progress(f"constrained: {n} agent(s), round {r + 1} of {repeats}...")
                     for kind in kinds:
-                        results = turn.run(n, kind, makers)
+                        results, cpu_s = turn.run(n, kind, makers)
                         if kind in makers and kind not in replay:
                             replay[kind] = _grammar_us(eng, makers[kind], results[0].tokens)
                         rates[kind].append(statistics.median(x.stats.decode_tps for x in results))
-                        tokens[kind].append(sum(x.stats.generated_tokens for x in results))
+                        count = sum(x.stats.generated_tokens for x in results)
+                        tokens[kind].append(count)
+                        cpu[kind].append(cpu_s * 1000 / count)
                 free = statistics.median(rates[None])
+                free_cpu = statistics.median(cpu[None])
                 step_us = 1e6 / free
                 for kind in kinds:
                     tps = statistics.median(rates[kind])
+                    cpu_ms = statistics.median(cpu[kind])
                     grammar_us = replay.get(kind)
                     rows.append(
                         {
@@ -117,18 +133,20 @@ def run(
                             "decode_tps": round(tps, 2),
                             "ratio": round(tps / free, 3),
                             "tokens": int(statistics.median(tokens[kind])),
+                            "cpu_ms_per_token": round(cpu_ms, 2),
+                            "cpu_ratio": round(free_cpu / cpu_ms, 3),
                             "compile_ms": round(compile_ms[kind], 2)
                             if kind in compile_ms
                             else None,
                             "grammar_us": None if grammar_us is None else round(grammar_us, 1),
                             "step_ratio": None
                             if grammar_us is None
-                            else round(step_us / (step_us + grammar_us), 4),
+                            else round(step_us / (step_us + n * grammar_us), 4),
                         }
                     )
                     progress(
                         f"constrained: {n} agent(s), {kind or 'none'}: {tps:.1f} tok/s "
-                        f"({tps / free:.3f}x free)"
+                        f"({tps / free:.3f}x free; CPU per token {free_cpu / cpu_ms:.3f}x)"
                     )
     extra = {
         "context_tokens": CONTEXT_TOKENS,
@@ -166,7 +184,7 @@ def _grammar_us(eng, make, tokens: list[int]) -> float:
 
 
 class _Turns:
-    """Runs one measured turn (or batch of turns) on fresh agents."""
+    """Runs one measured turn (or batch of turns) on fresh forks of the agent ``base``."""
 
     def __init__(self, eng, messages, max_tokens: int):
         self.eng = eng
@@ -174,7 +192,8 @@ class _Turns:
         self.max_tokens = max_tokens
         self.count = 0
 
-    def run(self, n: int, kind, makers) -> list:
+    def run(self, n: int, kind, makers) -> tuple[list, float]:
+        """The turns' results and the process's CPU seconds while they ran."""
         eng = self.eng
         plan = []
         for i in range(n):
@@ -182,6 +201,8 @@ class _Turns:
             plan.append(makers[bound]() if bound else None)
         self.count += 1
         agents = [f"t{self.count}-{i}" for i in range(n)]
+        for agent in agents:
+            eng.fork_agent("base", agent)
 
         def submit():  # on the scheduler's thread: the turns start together, one batch
             return [
@@ -189,10 +210,12 @@ class _Turns:
                 for a, c in zip(agents, plan)
             ]
 
+        start = time.process_time()
         results = [job.wait() for job in eng.scheduler.call(submit)]
+        cpu_s = time.process_time() - start
         for agent in agents:
             eng.delete_agent(agent)
-        return results
+        return results, cpu_s
 
 
 # -- --engines: the grammar engines themselves ------------------------------------------------

@@ -26,8 +26,8 @@ xgrammar       0.16-0.35 s    7-11 ms           10-15 ms           0.002-0.003 m
 outlines-core  0.34-0.39 s    65-114 ms         8-15 s             0.002-0.010 ms
 ============== ============== ================= ================== ===================
 
-Every mask is far below a decode step of the 135M model (~10 ms), so the mask speed does
-not decide. llguidance compiles fastest, has no dependencies (one abi3 wheel per platform,
+Every mask is far below a decode step of the 135M model there (~75 ms), so the mask speed
+does not decide. llguidance compiles fastest, has no dependencies (one abi3 wheel per platform,
 Linux x86_64/aarch64 and macOS arm64, any Python >= 3.9), and takes JSON schemas, regexes and
 Lark grammars that embed JSON schemas (``%json``) -- which is how a tool call with a forced
 prefix is written. xgrammar requires PyTorch (and Triton on Linux: ~5 GB installed) for an
@@ -113,11 +113,13 @@ class Constraint:
         end: str = TOOL_CALL_END,
         parallel: bool = False,
         separator: str = "\n",
+        arguments_key: str = "arguments",
         strict: bool = True,
     ) -> Constraint:
-        """One call (or, with ``parallel``, one or more) of one of ``tools``, each written
-        ``{begin}{"name": NAME, "arguments": ARGS}{end}`` where ARGS validates against that
-        tool's parameter schema -- Hermes-style ``<tool_call>`` blocks by default. For
+        """One call (or, with ``parallel``, one or more joined by ``separator``) of one of
+        ``tools``, each written ``{begin}{"name": NAME, "arguments": ARGS}{end}`` where ARGS
+        validates against that tool's parameter schema: Hermes-style ``<tool_call>`` blocks
+        by default (Llama 3.x: ``begin=""``, ``end=""``, ``arguments_key="parameters"``). For
         ``tool_choice`` "required" pass every tool; for a named tool, just that one."""
         if isinstance(tools, Mapping):
             tools = [ToolSpec(name, params) for name, params in tools.items()]
@@ -129,7 +131,9 @@ class Constraint:
                 raise GrammarError("every tool needs a non-empty string name")
         if not all(isinstance(s, str) for s in (begin, end, separator)):
             raise GrammarError("begin, end and separator must be strings")
-        calls = [_call_schema(tool) for tool in tools]
+        if not isinstance(arguments_key, str) or not arguments_key or arguments_key == "name":
+            raise GrammarError("arguments_key must be a non-empty string other than 'name'")
+        calls = [_call_schema(tool, arguments_key) for tool in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         call = f"{_literal(begin)} {_json_rule(schema, strict=strict)} {_literal(end)}"
         more = f" ({_literal(separator)} call)*" if parallel else ""
@@ -162,14 +166,14 @@ def _json_rule(schema: Mapping | str, *, strict: bool = True) -> str:
     return f"%json {text}"
 
 
-def _call_schema(tool: ToolSpec) -> dict:
+def _call_schema(tool: ToolSpec, arguments_key: str) -> dict:
     params = {"type": "object"} if tool.parameters is None else tool.parameters
     if not isinstance(params, Mapping):
         raise GrammarError(f"tool {tool.name!r}: its parameters must be a JSON schema object")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": dict(params)},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, arguments_key: dict(params)},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 
