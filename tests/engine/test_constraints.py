@@ -147,3 +147,15 @@ def test_a_lenient_schema_ignores_what_the_engine_does_not_implement(engine):
     assert Constraint.json_schema(schema, strict=False).kind == "json_schema"
     with pytest.raises(InvalidRequestError, match="constraint must be an agentkv Constraint"):
         engine.chat("c-bad", ASK, max_tokens=4, constraint={"type": "json_object"})
+
+
+def test_turns_with_the_same_constraint_have_their_own_grammar_state(engine):
+    tok = engine.token_text.tokenizer
+    first = engine.grammars.start(Constraint.regex("yes|no"))
+    second = engine.grammars.start(Constraint.regex("yes|no"))  # from the compiled copy
+    for token in tok.encode("yes", add_special_tokens=False):
+        first.advance(token)
+    assert first.done and not second.done
+    for token in tok.encode("no", add_special_tokens=False):
+        second.advance(token)
+    assert second.done
