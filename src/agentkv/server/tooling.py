@@ -10,12 +10,13 @@ agent's own earlier replies, so the cache stays hot across tool turns.
 * ``required`` / a named tool: the reply is *forced* to open a call (the format's call
   prefix is appended to the prompt: ``<tool_call>\\n{"name": "NAME", "arguments": `` for a
   named tool, up to ``{"name": "`` for required), so it always returns exactly one call of a
-  declared tool. For the Hermes format (and the fallback) a grammar (``agentkv.Constraint``,
-  constrained decoding) then makes the model finish the call: a declared name and arguments
-  valid against the tool's schema, written as ``json.dumps`` writes JSON. Other families get
-  the prefix alone: their arguments are what the model wrote when they parse as a JSON
-  object, else ``{}``, and for required a name that is not declared becomes the closest
-  declared one.
+  declared tool. For the Hermes format (and the fallback) and Llama 3's, a grammar
+  (``agentkv.Constraint``, constrained decoding) then makes the model finish the call: a
+  declared name and arguments valid against the tool's schema, written as ``json.dumps``
+  writes JSON. Other families get the prefix alone: their arguments are what the model
+  wrote when they parse as a JSON object, else ``{}``, and for required a name that is not
+  declared becomes the closest declared one. A call cut short by ``max_tokens`` also gets
+  ``{}``.
 
 The cache: the agent's history keeps each reply as the text the model wrote (call prefix
 included). A later request sends the calls back in structured form; each assistant message
@@ -37,6 +38,13 @@ from ..tools import ReplyParser, ToolFormat
 from .errors import bad_request
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# Families whose forced calls a grammar finishes: how ``Constraint.tool_calls`` writes one.
+# (Mistral's and GPT-OSS's calls open with special tokens, which a grammar over text does
+# not take here: they get the prefix alone.)
+CALL_GRAMMARS = {
+    "hermes": {},
+    "llama3": {"begin": "", "end": "", "arguments_key": "parameters"},
+}
 CHOICES = ("none", "auto", "required")
 
 
@@ -185,10 +193,11 @@ async def prepare(
                 f"({fmt.family}); use 'auto'",
                 "tool_choice",
             )
-        if fmt.family == "hermes":
+        shape = CALL_GRAMMARS.get(fmt.family)
+        if shape is not None:
             allowed = [t for t in tools if forced_name in (None, t["function"]["name"])]
             params = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
-            constraint = Constraint.tool_calls(params, strict=False)
+            constraint = Constraint.tool_calls(params, strict=False, **shape)
     in_reasoning = False
     if think and not prefix:
         prompt = engine.render_chat(messages, tools=tools)
