@@ -470,3 +470,33 @@ def test_response_store_keeps_whole_records_and_rejects_bad_ones(tmp_path, caplo
     for bad in ("resp_../../x", "../x", "resp_" + "A" * 32, 7):
         with pytest.raises(ValueError):
             store.get(bad)
+
+
+def test_streamed_reasoning_text_and_calls_are_events_the_sdk_validates():
+    """The events of a reply with reasoning (thinking models: none runs here), text and a
+    call, each checked against the OpenAI SDK's own event types."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from agentkv.server.openai_responses import _Events
+    from agentkv.tools import ToolCall
+
+    base = {"id": "resp_" + "a" * 32, "object": "response", "created_at": 1, "model": MODEL}
+    base |= {"status": "in_progress", "parallel_tool_calls": True, "tool_choice": "auto"}
+    events = _Events({**base, "output": [], "tools": []})
+    sse = [events.emit("response.created", response=events.snapshot())]
+    sse += events.text("reasoning", "The user ") + events.text("reasoning", "wants Oslo.")
+    sse += events.text("content", "Checking.")
+    sse += events.call(ToolCall("call_1", "get_weather", {"city": "Oslo"}))
+    sse += events.close(empty_message=False, status="completed")
+    sse.append(events.emit("response.completed", response=events.snapshot(status="completed")))
+    adapter = TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(json.loads(s.split("data: ", 1)[1])) for s in sse]
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+    kinds = [e.type for e in parsed]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done")
+    final = parsed[-1].response
+    reasoning, message, call = final.output
+    assert reasoning.content[0].text == "The user wants Oslo." and message.status == "completed"
+    assert final.output_text == "Checking." and call.arguments == '{"city": "Oslo"}'
+    assert {e.output_index for e in parsed if e.type == "response.output_item.done"} == {0, 1, 2}
