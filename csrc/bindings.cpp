@@ -399,8 +399,11 @@ NB_MODULE(_ext, m) {
       "Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.");
   m.def("quantized_attention", &agentkv::ops::quantized_attention, "queries"_a, "keys"_a,
         "values"_a, "scale"_a, "key_bits"_a, "value_bits"_a, "group"_a, "window"_a = 0,
-        "left_padding"_a = nb::none(), "sinks"_a = nb::none(),
-        "Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.");
+        "left_padding"_a = nb::none(), "sinks"_a = nb::none(), "channel_tokens"_a = 0,
+        "tail"_a = nb::none(),
+        "Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. "
+        "channel_tokens > 0: per-channel keys (format 2), each row's group still filling in "
+        "tail [B, Hkv, channel_tokens, D].");
   m.def("paged_attention", &agentkv::ops::paged_attention, "queries"_a, "keys"_a, "values"_a,
         "tables"_a, "lengths"_a, "kv_heads"_a, "block_tokens"_a, "scale"_a, "key_bits"_a,
         "value_bits"_a, "group"_a, "window"_a = 0, "sinks"_a = nb::none(), "channel_tokens"_a = 0,

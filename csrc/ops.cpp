@@ -181,6 +181,9 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     if (p.kv_heads == 0) {
       a.kv_heads = keys[0].shape(1);
       a.keys = keys[0].shape(2);
+      if (p.channel_tokens > 0) {
+        a.k.tail = inputs[next++].data<uint16_t>();
+      }
       agentkv::quantized_attention(a);
       return;
     }
@@ -217,7 +220,8 @@ class QuantizedAttention : public mx::UnaryPrimitive {
 namespace {
 
 // The head dimension stored in one kind's components; throws unless they agree.
-int head_dim(const std::vector<mx::array>& parts, int bits, int group) {
+int head_dim(const std::vector<mx::array>& parts, int bits, int group, int per_scale = 0) {
+  per_scale = per_scale > 0 ? per_scale : group;
   for (const auto& p : parts) {
     if (p.ndim() != 4 || p.shape(0) != parts[0].shape(0) || p.shape(1) != parts[0].shape(1) ||
         p.shape(2) != parts[0].shape(2)) {
@@ -233,7 +237,8 @@ int head_dim(const std::vector<mx::array>& parts, int bits, int group) {
   const int dim = parts[0].shape(3) * 32 / bits;
   if (parts[0].dtype().size() != 4 || parts[1].dtype().size() != 2 ||
       parts[2].dtype().size() != 2 || (group != 32 && group != 64 && group != 128) || dim % group ||
-      parts[1].shape(3) != dim / group || parts[2].shape(3) != dim / group) {
+      dim % per_scale || parts[1].shape(3) != dim / per_scale ||
+      parts[2].shape(3) != dim / per_scale) {
     throw std::invalid_argument(
         "fused attention: quantized caches are uint32 words + float16 scales and biases "
         "[.., D / group], group 32, 64 or 128");
@@ -247,10 +252,17 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                               const std::vector<mx::array>& values, float scale, int key_bits,
                               int value_bits, int group, int window,
                               const std::optional<mx::array>& left_padding,
-                              const std::optional<mx::array>& sinks) {
+                              const std::optional<mx::array>& sinks, int channel_tokens,
+                              const std::optional<mx::array>& tail) {
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   if (!supported(key_bits) || !supported(value_bits)) {
     throw std::invalid_argument("fused attention supports 2, 4, 8 and 16 bits");
+  }
+  if (channel_tokens != 0 &&
+      ((channel_tokens != 32 && channel_tokens != 64) || key_bits == 16 || !tail)) {
+    throw std::invalid_argument(
+        "fused attention: per-channel keys need channel_tokens 32 or 64, quantized keys and "
+        "a tail");
   }
   if (keys.size() != (key_bits == 16 ? 1u : 3u) || values.size() != (value_bits == 16 ? 1u : 3u)) {
     throw std::invalid_argument("fused attention: wrong number of key or value components");
@@ -258,7 +270,7 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
   if (queries.dtype() != mx::float32 || queries.ndim() != 4) {
     throw std::invalid_argument("fused attention: queries must be float32 [B, Hq, L, D]");
   }
-  const int dim = head_dim(keys, key_bits, group);
+  const int dim = head_dim(keys, key_bits, group, channel_tokens);
   const int dim_v = head_dim(values, value_bits, group);
   const mx::Shape& k0 = keys[0].shape();
   const mx::Shape& v0 = values[0].shape();
@@ -274,6 +286,11 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
   if (window < 0 || (left_padding && left_padding->size() != static_cast<size_t>(k0[0])) ||
       (sinks && sinks->size() != static_cast<size_t>(queries.shape(1)))) {
     throw std::invalid_argument("fused attention: bad window, left_padding [B] or sinks [Hq]");
+  }
+  if (channel_tokens > 0 &&
+      (tail->ndim() != 4 || tail->dtype().size() != 2 || tail->shape(0) != k0[0] ||
+       tail->shape(1) != k0[1] || tail->shape(2) != channel_tokens || tail->shape(3) != dim)) {
+    throw std::invalid_argument("fused attention: the tail is float16 [B, Hkv, channel_tokens, D]");
   }
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
   std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream)};
@@ -292,15 +309,22 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
   if (sinks) {
     inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   }
+  if (channel_tokens > 0) {
+    inputs.push_back(mx::contiguous(mx::view(*tail, mx::uint16, stream), false, stream));
+  }
   mx::Shape shape = queries.shape();
   shape.back() = dim_v;
-  return mx::array(
-      std::move(shape), mx::float32,
-      std::make_shared<QuantizedAttention>(
-          stream, QuantizedAttention::Params{scale, key_bits, value_bits, group, window,
-                                             static_cast<int>(keys.size()),
-                                             left_padding.has_value(), sinks.has_value()}),
-      std::move(inputs));
+  QuantizedAttention::Params params{scale,
+                                    key_bits,
+                                    value_bits,
+                                    group,
+                                    window,
+                                    static_cast<int>(keys.size()),
+                                    left_padding.has_value(),
+                                    sinks.has_value()};
+  params.channel_tokens = channel_tokens;
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }
 
 mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>& keys,

@@ -19,11 +19,14 @@ mx::array invariant_linear(const mx::array& x, const mx::array& w,
 // tuple: words, scales, biases for 2/4/8 bits, or one float16 array for 16 bits,
 // [B, Hkv, T, ...]) with causal masking from each row's left padding, an optional
 // sliding window and optional attention sinks (see csrc/core/attention.h). CPU only.
+// Per-channel keys (channel_tokens > 0): each row's group still filling is float16 in
+// tail [B, Hkv, channel_tokens, D].
 mx::array quantized_attention(const mx::array& queries, const std::vector<mx::array>& keys,
                               const std::vector<mx::array>& values, float scale, int key_bits,
                               int value_bits, int group, int window,
                               const std::optional<mx::array>& left_padding,
-                              const std::optional<mx::array>& sinks);
+                              const std::optional<mx::array>& sinks, int channel_tokens = 0,
+                              const std::optional<mx::array>& tail = std::nullopt);
 
 // The same attention over paged caches: keys and values are arenas of token rows
 // [blocks * kv_heads * block_tokens, width] (see csrc/core/attention.h); row b of the batch

@@ -148,18 +148,23 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
   }
   const int64_t w0 = b * view.w_strides[0] + h * view.w_strides[1];
   const int64_t s0 = b * view.s_strides[0] + h * view.s_strides[1];
+  const int ct = view.channel_tokens;
+  const int pad = a.left_padding ? a.left_padding[b] : 0;  // groups start at the row's token 0
   for (int t = t0; t < t1; ++t) {
     w[t - t0] = w0 + t * view.w_strides[2];
-    s[t - t0] = s0 + t * view.s_strides[2];
+    s[t - t0] = s0 + (ct > 0 ? pad + (t - pad) / ct * ct : t) * view.s_strides[2];
   }
 }
 
 // Per-channel keys: where rows [t0, t1) of batch row b, KV head h lie in the float16 tail
-// (-1: a whole group, in the arena).
+// (-1: a whole group, in the arena or cache). Contiguous caches: row b's tail is slot b.
 void tail_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* out) {
   const int ct = a.k.channel_tokens;
-  const int complete = (a.lengths[b] / ct) * ct;
-  const int64_t base = (static_cast<int64_t>(a.tail_slots[b]) * a.kv_heads + h) * ct;
+  const int pad = a.left_padding ? a.left_padding[b] : 0;
+  const int len = a.lengths ? a.lengths[b] : a.keys;
+  const int complete = pad + (len - pad) / ct * ct;
+  const int slot = a.tail_slots ? a.tail_slots[b] : b;
+  const int64_t base = (static_cast<int64_t>(slot) * a.kv_heads + h) * ct;
   for (int t = t0; t < t1; ++t) {
     out[t - t0] = t >= complete ? (base + t - complete) * a.k.dim : -1;
   }

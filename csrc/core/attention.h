@@ -35,12 +35,13 @@ struct KVView {
   int64_t w_strides[3] = {0, 0, 0};
   int64_t s_strides[3] = {0, 0, 0};
   int dim = 0;
-  // Per-channel keys (format 2; paged caches only): > 0 is the channel group length. Scales
-  // and biases are per channel per group of `channel_tokens` tokens (aligned from token 0),
-  // the group's `dim` values spread over its rows, dim / channel_tokens per row. The group
-  // still filling is not in the arena but in `tail`: float16 rows
-  //   ((tail_slots[b] * kv_heads + h) * channel_tokens + t % channel_tokens) * dim
-  // for tokens t >= lengths[b] rounded down to a whole group.
+  // Per-channel keys (format 2): > 0 is the channel group length. Scales and biases are per
+  // channel per group of `channel_tokens` tokens (aligned from the row's token 0, after its
+  // left padding), the group's `dim` values spread over its rows, dim / channel_tokens per
+  // row. The group still filling is not in the cache but in `tail`: float16 rows
+  //   ((slot * kv_heads + h) * channel_tokens + t - complete) * dim
+  // for tokens t >= complete (the row's length rounded down to a whole group); slot is
+  // tail_slots[b] (paged) or b (contiguous: tail [B, Hkv, channel_tokens, D]).
   int channel_tokens = 0;
   const uint16_t* tail = nullptr;
 };

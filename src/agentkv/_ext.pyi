@@ -40,9 +40,9 @@ def load_tensors(path: str, data_start: int, tensors: Sequence[tuple[int, int, S
     Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.
     """
 
-def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, left_padding: mlx.core.array | None = None, sinks: mlx.core.array | None = None) -> mlx.core.array:
+def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, left_padding: mlx.core.array | None = None, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None) -> mlx.core.array:
     """
-    Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h.
+    Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), each row's group still filling in tail [B, Hkv, channel_tokens, D].
     """
 
 def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:

@@ -103,6 +103,8 @@ def to_mlx_lm_cache(cache):
         )
     q = cache.quant
     keys, values = cache.keys_and_values() if cache.keys is not None else (None, None)
+    if q.version > 1:
+        return _format_2_to_mlx_lm(cache)
     if q.key_bits == q.value_bits == 16:
         out = KVCache()
         out.keys, out.values = (keys[0], values[0]) if keys else (None, None)
@@ -114,6 +116,30 @@ def to_mlx_lm_cache(cache):
             f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
             f"{q.key_bits} and values at {q.value_bits} bits"
         )
+    out.offset = cache.offset
+    return out
+
+
+def _format_2_to_mlx_lm(cache):
+    """mlx-lm's QuantizedKVCache for a format-2 cache: keys and values dequantized, rotated
+    back and quantized again per token at the same bits (lossy: the per-token 4-bit keys
+    mlx-lm reads cost the model what format 1 costs; see docs/kv-format-v2.md)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from .errors import InvalidRequestError
+
+    q = cache.quant
+    if q.key_bits != q.value_bits:
+        raise InvalidRequestError(
+            f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
+            f"{q.key_bits} and values at {q.value_bits} bits"
+        )
+    out = QuantizedKVCache(group_size=q.group_size, bits=q.key_bits)
+    if cache.keys is not None:
+        k, v = (x.astype(mx.float16) for x in cache.dequantized())
+        out.keys = tuple(mx.quantize(k, group_size=q.group_size, bits=q.key_bits))
+        out.values = tuple(mx.quantize(v, group_size=q.group_size, bits=q.key_bits))
     out.offset = cache.offset
     return out
 

@@ -53,12 +53,17 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_
     manifest, _ = v2.store.read_manifest("conv")
     assert manifest.quant.label == "q4.v2"
     v2.close()
+    history = follow_up(first.text) + [{"role": "assistant", "content": second.text}]
     again = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2).chat(
-        "conv", follow_up(first.text) + [{"role": "assistant", "content": second.text}],
-        max_tokens=2,
-    )  # fmt: skip
+        "conv", history + [{"role": "user", "content": "And Spain?"}], max_tokens=2
+    )
     assert again.stats.cache == "warm" and again.stats.reuse_note is None
-    # An engine in format 1 does not read format 2 blocks as its own: it prefills again.
-    back = fresh_engine(cache_dir=tmp_path / "kv").chat("conv", follow_up(first.text))
-    assert back.stats.cache == "cold"
-    assert "stored in the q4.v2 KV format" in back.stats.reuse_note
+    # An engine in format 1 converts format 2 back (dequantized, rotated back) once.
+    history += [
+        {"role": "user", "content": "And Spain?"},
+        {"role": "assistant", "content": again.text},
+        {"role": "user", "content": "Thanks."},
+    ]
+    back = fresh_engine(cache_dir=tmp_path / "kv").chat("conv", history, max_tokens=2)
+    assert back.stats.cache == "warm"
+    assert "converted from the stored q4.v2 KV format to q4" in back.stats.reuse_note

@@ -245,12 +245,6 @@ def test_the_group_size_fits_the_head_dim(arch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama"], indirect=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="shared block hashes are seeded with KVQuant.label (pool/__init__.py KVPool.seed), "
-    "which leaves out the group size: an engine with another group size on the same store "
-    "finds the other's block files by hash, reads the wrong size and quarantines sound files",
-)
 def test_engines_with_other_group_sizes_leave_each_other_s_blocks_alone(arch, tmp_path):
     _, model = arch
     prompt = log_prompt("build")

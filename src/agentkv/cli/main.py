@@ -421,8 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quality.add_argument(
         "--formats",
-        default="fp16,q8,q4,k8v4,k4v16,k16v4",
-        help="comma-separated: fp16,q8,q4,k8v4,k4v16 (keys only),k16v4 (values only)",
+        default="fp16,q8,q4,k8v4,k4v16,k16v4,q4.v2,k8v4.v2",
+        help="comma-separated: fp16,q8,q4,k8v4,k4v16 (keys only),k16v4 (values only), "
+        "q4.v2,k8v4.v2 (format 2: rotated per-channel keys)",
     )
     quality.add_argument(
         "--quick", action="store_true", help="one text, 4,096 tokens, 2K context, no greedy runs"

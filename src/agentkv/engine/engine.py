@@ -21,7 +21,6 @@ memory), ``engine/runner.py`` (admission, forward passes, the end of a turn).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -34,7 +33,7 @@ import mlx.core as mx
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
-from ..kv.quant import V2, KVQuant
+from ..kv.quant import KVQuant
 from ..model.kv_format import choose_kv_quant
 from ..model.load import LoadedModel, load_model
 from ..paths import kv_dir
@@ -88,7 +87,14 @@ class ChatStream:
 
 
 class Engine:
-    """Serve chats for many agents, each with its own persistent quantized KV cache."""
+    """Serve chats for many agents, each with its own persistent quantized KV cache.
+
+    ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
+    float16); ``group_size``: values per scale (None: fitted to the head dims).
+    ``kv_format=2`` keeps keys rotated and quantized per channel (docs/kv-format-v2.md:
+    the same bytes, a fraction of format 1's quality loss at 4 bits; the CPU kernels only
+    so far); agents stored in the other format convert once.
+    """
 
     def __init__(
         self,
@@ -134,10 +140,8 @@ class Engine:
                 key_bits=wanted.key_bits,
                 value_bits=wanted.value_bits,
                 group_size=group_size,
+                kv_format=kv_format,
             )
-            if kv_format == 2:  # docs/kv-format-v2.md: per-channel rotated keys
-                self.quant = dataclasses.replace(self.quant, **V2)
-                self.quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
             self.pool = KVPool(spec, self.quant, pool_bytes=pool_bytes or default_pool_bytes())
             self.context_limit = self.loaded.context_limit
             hf_tokenizer = self.loaded.tokenizer._tokenizer

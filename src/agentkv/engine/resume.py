@@ -24,7 +24,6 @@ import numpy as np
 from ..errors import CacheFormatError, InvalidRequestError
 from ..kv.blocks import BLOCK_TOKENS, blocks_for
 from ..kv.cache import window_start
-from ..kv.quant import dequantize_tokens
 from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan
 from ..pool.hashing import chain_seed
@@ -187,7 +186,7 @@ class Resumer:
         stored = manifest.token_count
         load_ms = (time.perf_counter() - t0) * 1000
         convert = manifest.quant != self.pool.quant
-        if convert and (self.pool.window is not None or manifest.quant.version > 1):
+        if convert and self.pool.window is not None:
             note = (
                 f"stored in the {manifest.quant.label} KV format; this engine keeps "
                 f"{self.pool.quant.label}, so the context is prefilled again"
@@ -198,7 +197,7 @@ class Resumer:
         )
         seed = bytes.fromhex(manifest.chain_seed) if manifest.chain_seed else self.default_seed
         if manifest.chain_seed and seed != chain_seed(
-            self.pool.spec.fingerprint, manifest.quant.label, salt
+            self.pool.spec.fingerprint, manifest.quant.identity, salt
         ):
             return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
         if convert:  # every block is written again, in this format: named under its chain
@@ -458,9 +457,7 @@ class Resumer:
         table.grow(reuse, arena.copy_rows, reservation)
         plan_rows = WritePlan(arena, [table], [0], reuse)
         for layer, cache in enumerate(caches):
-            keys, values = cache.keys_and_values()
-            k = dequantize_tokens(keys, cache.quant.key_bits, cache.quant.group_size)
-            v = dequantize_tokens(values, cache.quant.value_bits, cache.quant.group_size)
+            k, v = cache.dequantized()
             arena.append(layer, k, v, plan_rows)
         arena.settle()
         table.written(manifest.tokens[:reuse].tolist())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -71,12 +72,17 @@ def cache_attention(
     quant: KVQuant,
     sinks=None,
     left_padding: mx.array | None = None,
+    tail: mx.array | None = None,
 ) -> mx.array:
     """Attention for an agentkv cache: the fused CPU kernel where it applies.
 
     ``mask`` must come from the cache's ``make_mask`` (or be None/"causal") for the
-    fused kernel, which recomputes it from the window recorded with it.
+    fused kernel, which recomputes it from the window recorded with it. Format 2
+    (per-channel keys) also reads ``tail`` [B, heads, ct, dim], each row's filling group;
+    rotation is the caller's.
     """
+    if quant.channel_keys and not fused_available(quant, queries, mask):
+        keys, quant = _channel_keys_as_float(keys, tail, quant, left_padding)
     if fused_available(quant, queries, mask):
         from .. import _ext
 
@@ -92,11 +98,30 @@ def cache_attention(
             mask_window(mask, queries.shape[-2]),
             left_padding,
             sinks,
+            quant.channel_tokens if quant.channel_keys else 0,
+            tail,
         )
     _PATHS[REFERENCE] += 1
     return quantized_attention(
         queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks
     )
+
+
+def _channel_keys_as_float(keys: tuple, tail: mx.array, quant: KVQuant, left_padding):
+    """Format-2 keys of a contiguous cache as float16 (the reference path): complete groups
+    dequantized, the filling one from the tail. Returns (keys, the format to read them as)."""
+    if left_padding is not None:
+        raise NotImplementedError(
+            "KV format 2 in a left-padded batch runs on the CPU fused kernel only, so far"
+        )
+    ct = quant.channel_tokens
+    held = keys[0].shape[2]
+    full = held // ct * ct
+    parts = [quant.dequantize_keys(tuple(x[..., :full, :] for x in keys))] if full else []
+    if held > full:
+        parts.append(tail[..., : held - full, :].astype(mx.float32))
+    floats = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    return (floats.astype(mx.float16),), replace(quant, key_bits=FLOAT_BITS, key_scheme="token")
 
 
 def paged_fused_available(quant: KVQuant, queries: mx.array) -> bool:

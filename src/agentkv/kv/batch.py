@@ -51,6 +51,12 @@ class BatchQuantizedKVCache(CacheBase):
         quant, window = caches[0].quant, caches[0].window
         if any(c.quant != quant for c in caches):
             raise ValueError("caches in one batch must share a storage format")
+        if quant.channel_keys:
+            raise NotImplementedError(
+                "mlx-lm's batch generation over KV format 2 (per-channel keys) is not supported "
+                "yet; use format 1 caches (AgentKVCache(KVQuant(4, 4))) or agentkv's Engine, "
+                "whose block pool batches format 2"
+            )
         held = [c.held for c in caches]
         used = max(held)
         batch = cls(quant, [used - h for h in held], window=window)

@@ -13,6 +13,11 @@ layer loaded from disk, which holds only the blocks its window reaches::
 
 Capacity grows in 256-token steps and a loaded cache gets one spare block, so
 the first decode steps after a reload never copy the cache.
+
+Format 2 (``quant.channel_keys``; docs/kv-format-v2.md): keys and values are stored
+rotated by H; a channel group of keys is quantized when it completes, until then its
+keys are float16 rows of ``tail`` ``[1, heads, ct, dim]`` (the rows it will take in the
+key components exist and are ignored until then).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import mlx.core as mx
 from .attention import cache_attention, remember_mask
 from .base import CacheBase
 from .blocks import BLOCK_TOKENS
-from .quant import KVQuant
+from .quant import KVQuant, hadamard
 
 
 def _round_up(n: int, step: int = BLOCK_TOKENS) -> int:
@@ -52,6 +57,7 @@ class AgentKVCache(CacheBase):
         self.values: tuple | None = None
         self.offset = 0
         self.start = 0
+        self.tail: mx.array | None = None  # format 2: keys of the channel group still filling
 
     @classmethod
     def from_components(
@@ -62,14 +68,28 @@ class AgentKVCache(CacheBase):
         offset: int,
         start: int = 0,
         window: int | None = None,
+        tail: mx.array | None = None,
     ) -> AgentKVCache:
-        """Wrap loaded component arrays (keys' components first, then values')."""
+        """Wrap loaded component arrays (keys' components first, then values'); format 2
+        also takes the float16 ``tail`` [1, heads, offset % ct, dim] of the filling group."""
         cache = cls(quant, window=window)
         cache.keys = tuple(components[: quant.key_parts])
         cache.values = tuple(components[quant.key_parts :])
         cache.offset = offset
         cache.start = start
+        if quant.channel_keys:
+            cache._set_tail(tail, components[0].shape[1], quant)
         return cache
+
+    def _set_tail(self, rows, heads: int, quant: KVQuant) -> None:
+        ct = quant.channel_tokens
+        dim = self.keys[0].shape[-1] * 32 // quant.key_bits
+        count = self.offset % ct
+        if rows is None or tuple(rows.shape) != (1, heads, count, dim):
+            raise ValueError(f"format 2: the tail must hold the last {count} keys")
+        self.tail = mx.zeros((1, heads, ct, dim), mx.float16)
+        if count:
+            self.tail[..., :count, :] = rows.astype(mx.float16)
 
     @property
     def capacity(self) -> int:
@@ -97,9 +117,12 @@ class AgentKVCache(CacheBase):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store new keys/values [B, heads, n, dim]; return all stored ones."""
+        q = self.quant
+        if q.channel_keys:
+            return self._update_channels(q.rotated(keys), q.rotated(values))
         n = keys.shape[2]
-        q_keys = self.quant.quantize(keys, self.quant.key_bits)
-        q_values = self.quant.quantize(values, self.quant.value_bits)
+        q_keys = q.quantize(keys, q.key_bits)
+        q_values = q.quantize(values, q.value_bits)
         if self.keys is None or self.held + n > self.capacity:
             self._grow(self.held + n, q_keys, q_values)
         lo, hi = self.held, self.held + n
@@ -107,6 +130,32 @@ class AgentKVCache(CacheBase):
             dst[..., lo:hi, :] = src
         for dst, src in zip(self.values, q_values):
             dst[..., lo:hi, :] = src
+        self.offset += n
+        return self.keys_and_values()
+
+    def _update_channels(self, keys: mx.array, values: mx.array):
+        """Format 2: values per token; keys joined to the tail, whole groups quantized."""
+        q, ct = self.quant, self.quant.channel_tokens
+        b, heads, n, dim = keys.shape
+        q_values = q.quantize(values, q.value_bits)
+        if self.keys is None or self.held + n > self.capacity:
+            template = q.quantize_channels(mx.zeros((b, heads, ct, dim), mx.float16))
+            self._grow(self.held + n, template, q_values)
+        if self.tail is None:
+            self.tail = mx.zeros((b, heads, ct, dim), mx.float16)
+        lo = self.held
+        for dst, src in zip(self.values, q_values):
+            dst[..., lo : lo + n, :] = src
+        r = self.offset % ct
+        new = keys.astype(mx.float16)
+        source = mx.concatenate([self.tail[..., :r, :], new], axis=2) if r else new
+        full = (r + n) // ct * ct
+        if full:
+            first = lo - r
+            for dst, src in zip(self.keys, q.quantize_channels(source[..., :full, :])):
+                dst[..., first : first + full, :] = src
+        if r + n > full:
+            self.tail[..., : r + n - full, :] = source[..., full:, :]
         self.offset += n
         return self.keys_and_values()
 
@@ -119,16 +168,35 @@ class AgentKVCache(CacheBase):
             tuple(x[..., :held, :] for x in self.values),
         )
 
+    def dequantized(self) -> tuple[mx.array, mx.array]:
+        """The held keys and values as float32 [1, heads, held, dim], in the model's space
+        (format 2: per-channel groups and the tail read, the rotation undone)."""
+        from .attention import _channel_keys_as_float
+        from .quant import dequantize_tokens
+
+        q = self.quant
+        keys, values = self.keys_and_values()
+        if q.channel_keys:
+            (k,), _ = _channel_keys_as_float(keys, self.tail, q, None)
+            k = k.astype(mx.float32)
+        else:
+            k = dequantize_tokens(keys, q.key_bits, q.group_size)
+        v = dequantize_tokens(values, q.value_bits, q.group_size)
+        return (hadamard(k), hadamard(v)) if q.rotate else (k, v)
+
     def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        return cache_attention(
-            queries,
+        rotate = self.quant.rotate
+        out = cache_attention(
+            hadamard(queries) if rotate else queries,  # q.(H k) == (H q).(H k)
             keys,
             values,
             scale=scale,
             mask=mask,
             quant=self.quant,
             sinks=sinks,
+            tail=self.tail,
         )
+        return hadamard(out) if rotate else out  # values are stored as H v
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new queries at positions [offset, offset + N) over held keys."""
@@ -165,6 +233,18 @@ class AgentKVCache(CacheBase):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (never below ``start``); returns how many."""
         n = max(0, min(self.held, n))
+        q = self.quant
+        if q.channel_keys and n:
+            ct = q.channel_tokens
+            keep = self.offset - n
+            if keep < self.offset // ct * ct and keep % ct:
+                # Cut inside a quantized group: its kept keys go back to the tail (dequantized;
+                # quantized again when the group completes).
+                first = keep // ct * ct - self.start
+                group = tuple(x[..., first : first + ct, :] for x in self.keys)
+                self.tail[..., : keep % ct, :] = q.dequantize_keys(group)[
+                    ..., : keep % ct, :
+                ].astype(mx.float16)
         self.offset -= n
         return n
 
@@ -194,10 +274,11 @@ class AgentKVCache(CacheBase):
 
     @property
     def state(self):
-        """mlx-lm 0.32.2's convention: arrays and scalars in one tuple (see mlx_adapter)."""
+        """mlx-lm 0.32.2's convention: arrays and scalars in one tuple (see mlx_adapter).
+        Format 2 appends its scheme, rotation, channel tokens and the tail."""
         keys, values = self.keys_and_values() if self.keys is not None else (None, None)
         q = self.quant
-        return (
+        state = (
             keys,
             values,
             self.offset,
@@ -207,14 +288,29 @@ class AgentKVCache(CacheBase):
             q.value_bits,
             q.group_size,
         )
+        if q.version == 1:
+            return state
+        tail = None
+        if self.tail is not None:
+            tail = self.tail[..., : self.offset % q.channel_tokens, :]
+        return (*state, q.key_scheme, int(q.rotate), q.channel_tokens, tail)
 
     @state.setter
     def state(self, v):
-        keys, values, self.offset, self.start, window, *bits = v
-        self.quant = KVQuant(*bits)
+        keys, values, self.offset, self.start, window, *fmt = v
+        key_bits, value_bits, group = fmt[:3]
+        extra = {}
+        if len(fmt) > 3:  # format 2
+            scheme, rotate, channel_tokens = fmt[3:6]
+            extra = {"key_scheme": scheme, "rotate": bool(int(rotate))}
+            extra["channel_tokens"] = int(channel_tokens)
+        self.quant = KVQuant(int(key_bits), int(value_bits), int(group), **extra)
         self.window = window or None
         self.keys = tuple(keys) if keys is not None else None
         self.values = tuple(values) if values is not None else None
+        self.tail = None
+        if self.quant.channel_keys and self.keys is not None:
+            self._set_tail(fmt[6], self.keys[0].shape[1], self.quant)
 
     @classmethod
     def from_state(cls, state) -> AgentKVCache:

@@ -135,6 +135,26 @@ class KVQuant:
             name = f"k{self.key_bits}v{self.value_bits}"
         return name if self.version == 1 else f"{name}.v2"
 
+    @property
+    def identity(self) -> str:
+        """The label plus every field that changes the stored bytes' meaning beyond it (the
+        group size, channel tokens): what chain hashes of stored blocks are seeded with.
+        Equal to ``label`` for the default group of 64, so existing stores keep their hashes."""
+        name = self.label
+        if self.group_size != 64:
+            name += f"/g{self.group_size}"
+        if self.channel_keys and self.channel_tokens != 64:
+            name += f"/c{self.channel_tokens}"
+        return name
+
+    def fits(self, key_dim: int, value_dim: int) -> bool:
+        """Whether this format can store keys of ``key_dim`` and values of ``value_dim``."""
+        try:
+            self.check_head_dims(key_dim, value_dim)
+        except InvalidRequestError:
+            return False
+        return True
+
     def check_head_dims(self, key_dim: int, value_dim: int) -> None:
         for kind, bits, dim in (
             ("key", self.key_bits, key_dim),

@@ -9,36 +9,60 @@ refused); left unset, the first of ``AUTO_GROUP_SIZES`` that fits is chosen.
 
 from __future__ import annotations
 
+import logging
+
 from ..errors import InvalidRequestError
-from ..kv.quant import KVQuant
+from ..kv.quant import V2, KVQuant
 from .spec import ModelCacheSpec
 
 # The default first (the format agentkv is measured in); then the smaller group, which
 # costs more scales but keeps precision; the larger last.
 AUTO_GROUP_SIZES = (64, 32, 128)
+CHANNEL_TOKENS_FIRST = (64, 32)
+log = logging.getLogger(__name__)
 
 
 def fits(quant: KVQuant, key_dim: int, value_dim: int) -> bool:
     """Whether ``quant``'s groups split keys of ``key_dim`` and values of ``value_dim``."""
-    try:
-        quant.check_head_dims(key_dim, value_dim)
-    except InvalidRequestError:
-        return False
-    return True
+    return quant.fits(key_dim, value_dim)
 
 
 def choose_kv_quant(
-    spec: ModelCacheSpec, *, key_bits: int, value_bits: int, group_size: int | None
+    spec: ModelCacheSpec,
+    *,
+    key_bits: int,
+    value_bits: int,
+    group_size: int | None,
+    kv_format: int = 1,
 ) -> KVQuant:
     """The KV format for ``spec``'s model: ``group_size`` if given (refused with the head
-    dim named if it does not fit), else the first of ``AUTO_GROUP_SIZES`` that fits."""
+    dim named if it does not fit), else the first of ``AUTO_GROUP_SIZES`` that fits.
+
+    ``kv_format=2`` (docs/kv-format-v2.md) takes rotated per-channel keys with channel
+    groups of 64 tokens, or 32 for a head dim of 32; where format 2 cannot store the model's
+    KV (16-bit keys, 3/5/6-bit keys, a head dim that is not a power of two) the format is 1,
+    logged."""
+    sizes = AUTO_GROUP_SIZES if group_size is None else (group_size,)
+    if kv_format == 2:
+        for size in sizes:
+            for tokens in CHANNEL_TOKENS_FIRST:
+                try:
+                    quant = KVQuant(key_bits, value_bits, size, **V2, channel_tokens=tokens)
+                except InvalidRequestError:
+                    break  # the bits: no channel groups at all
+                if quant.fits(spec.key_head_dim, spec.value_head_dim):
+                    return quant
+        log.info(
+            "KV format 2 cannot store %s's KV at %d/%d bits (head dims %d/%d); using format 1",
+            spec.model_type, key_bits, value_bits, spec.key_head_dim, spec.value_head_dim,
+        )  # fmt: skip
     if group_size is not None:
         quant = KVQuant(key_bits, value_bits, group_size)
         quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
         return quant
     for size in AUTO_GROUP_SIZES:
         quant = KVQuant(key_bits, value_bits, size)
-        if fits(quant, spec.key_head_dim, spec.value_head_dim):
+        if quant.fits(spec.key_head_dim, spec.value_head_dim):
             return quant
     dims = (
         f"head dim {spec.key_head_dim}"

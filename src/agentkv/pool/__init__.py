@@ -103,7 +103,7 @@ class KVPool:
         return self.blocks.capacity
 
     def seed(self, salt: str | None = None) -> bytes:
-        return chain_seed(self.spec.fingerprint, self.quant.label, salt)
+        return chain_seed(self.spec.fingerprint, self.quant.identity, salt)
 
     def new_table(self, seed: bytes) -> BlockTable:
         tails = self.arena if self.arena.ct else None

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
 
+import mlx.core as mx
 import numpy as np
 
 from .. import _ext
@@ -281,7 +282,12 @@ class AgentStore:
 
     def load_caches(self, manifest: Manifest, agent_id: str, tokens: int) -> list[AgentKVCache]:
         """Tokens [0, tokens) of the agent's blocks as contiguous per-layer caches in the
-        agent's stored format (mmap, one copy, checked): for mlx-lm interop and tests."""
+        agent's stored format (mmap, one copy, checked): for mlx-lm interop and tests.
+        Format 2: every stored token is read (its tail describes the last ones), then the
+        caches are trimmed to ``tokens``."""
+        wanted = tokens
+        if manifest.quant.channel_keys:
+            tokens = manifest.token_count
         comps = manifest.components()
         names = sorted({b.segment for b in manifest.blocks})
         index = {name: i for i, name in enumerate(names)}
@@ -310,16 +316,20 @@ class AgentStore:
                 LOAD_THREADS,
             )
         per_layer = len(comps)
-        return [
+        caches = [
             AgentKVCache.from_components(
                 manifest.quant,
                 arrays[i * per_layer : (i + 1) * per_layer],
                 offset=tokens,
                 start=firsts[i],
                 window=layer.window if layer.kind is LayerKind.SLIDING else None,
+                tail=None if manifest.tail is None else mx.array(manifest.tail[i][None]),
             )
             for i, layer in enumerate(self.spec.layers)
         ]
+        for cache in caches:
+            cache.trim(tokens - wanted)
+        return caches
 
     # -- writing ----------------------------------------------------------------
 
