@@ -159,3 +159,45 @@ def test_turns_with_the_same_constraint_have_their_own_grammar_state(engine):
     for token in tok.encode("no", add_special_tokens=False):
         second.advance(token)
     assert second.done
+
+
+def test_calls_that_are_not_required_leave_text_free_but_must_be_valid_once_begun(engine):
+    tok = engine.token_text.tokenizer
+    auto = Constraint.tool_calls({"get_weather": WEATHER}, required=False)
+
+    eos, logits = min(engine.eos_ids), mx.zeros((1, len(tok)))
+
+    def consumed(text: str) -> tuple[int, int, bool]:
+        """Tokens of ``text`` the grammar takes, of how many; whether EOS may come next."""
+        grammar = engine.grammars.start(auto)
+        ids = tok.encode(text, add_special_tokens=False)
+        for taken, token in enumerate(ids):
+            try:
+                grammar.advance(token)
+            except GrammarError:
+                return taken, len(ids), False
+        return len(ids), len(ids), grammar.mask(logits)[0, eos].item() == 0.0
+
+    text = "Sure, let me look that up."
+    assert consumed(text) == (len(tok.encode(text, add_special_tokens=False)),) * 2 + (True,)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, '
+    call += '"unit": "celsius"}}\n</tool_call>'
+    taken, total, accepting = consumed(f"Let me check. {call} Done.")
+    assert taken == total and accepting
+    bad = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {}}'
+    taken, total, _ = consumed(bad)
+    assert taken < total  # once a call begins, only a declared tool's valid call goes on
+    half = consumed(call[: call.index('"days"')])
+    assert half[0] == half[1] and not half[2]  # no EOS inside an unfinished call
+
+
+@pytest.mark.slow
+def test_a_reply_without_a_call_is_untouched_by_the_auto_grammar(engine):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    auto = Constraint.tool_calls({"get_weather": WEATHER}, required=False)
+    hello = [{"role": "user", "content": "Say hello."}]
+    free = engine.submit_chat("c-auto-free", hello, tools=tools, max_tokens=24).wait()
+    bound = engine.submit_chat(
+        "c-auto-bound", hello, tools=tools, max_tokens=24, constraint=auto
+    ).wait()
+    assert bound.tokens == free.tokens and bound.finish_reason == free.finish_reason

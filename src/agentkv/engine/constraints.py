@@ -118,12 +118,17 @@ class Constraint:
         separator: str = "\n",
         arguments_key: str = "arguments",
         strict: bool = True,
+        required: bool = True,
     ) -> Constraint:
         """One call (or, with ``parallel``, one or more joined by ``separator``) of one of
         ``tools``, each written ``{begin}{"name": NAME, "arguments": ARGS}{end}`` where ARGS
         validates against that tool's parameter schema: Hermes-style ``<tool_call>`` blocks
         by default (Llama 3.x: ``begin=""``, ``end=""``, ``arguments_key="parameters"``). For
-        ``tool_choice`` "required" pass every tool; for a named tool, just that one."""
+        ``tool_choice`` "required" pass every tool; for a named tool, just that one.
+
+        ``required=False`` is for ``tool_choice`` "auto": the reply is free text, but once it
+        writes ``begin`` (without its trailing whitespace) a valid call must follow; any
+        number of calls, text between and after them."""
         if isinstance(tools, Mapping):
             tools = [ToolSpec(name, params) for name, params in tools.items()]
         tools = [ToolSpec(*t) for t in tools]
@@ -138,9 +143,21 @@ class Constraint:
             raise GrammarError("arguments_key must be a non-empty string other than 'name'")
         calls = [_call_schema(tool, arguments_key) for tool in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        call = f"{_literal(begin)} {_json_rule(schema, strict=strict)} {_literal(end)}"
+        body = f"{_json_rule(schema, strict=strict)} {_literal(end)}"
+        if not required:
+            trigger = begin.rstrip()
+            if not trigger:
+                raise GrammarError("tool calls that are not required need a non-empty begin")
+            after = _literal(begin[len(trigger) :])
+            return cls._checked(
+                "tool_calls",
+                f"start: (text_then_call call)* TEXT\n"
+                f"text_then_call[lazy]: TEXT {_literal(trigger)}\n"
+                f"call: {after} {body}\n"
+                "TEXT: /(.|\\n)*/",
+            )
         more = f" ({_literal(separator)} call)*" if parallel else ""
-        return cls._checked("tool_calls", f"start: call{more}\ncall: {call}")
+        return cls._checked("tool_calls", f"start: call{more}\ncall: {_literal(begin)} {body}")
 
     @classmethod
     def _checked(cls, kind: str, lark: str) -> Constraint:
