@@ -37,7 +37,8 @@ constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
 void paged_attention_point(const float* q, const uint32_t* kw, const uint16_t* ks,
                            const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
                            const uint16_t* vb, const int* tables, const int* lengths,
-                           const int* dims, const float* sinks, const float* scale, float* out,
+                           const int* dims, const float* sinks, const float* scale,
+                           const uint16_t* tail, const int* tail_slots, float* out,
                            uint3 thread_position_in_grid) {
 #include "kernels/paged_attention.metal"
 }
@@ -93,19 +94,22 @@ struct Column {
 
 mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables_in,
-                          const mx::array& lengths_in, const std::array<int, 13>& dims,
-                          const std::optional<mx::array>& sinks_in, float scale_value,
-                          int threads) {
+                          const mx::array& lengths_in, const std::array<int, 14>& dims,
+                          const std::optional<mx::array>& sinks_in, float scale_value, int threads,
+                          const std::optional<mx::array>& tail_in,
+                          const std::optional<mx::array>& tail_slots_in) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
   const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
-              group, window, has_sinks] = dims;
+              group, window, has_sinks, channel_tokens] = dims;
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8; };
   if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
       dim > 256 || dim_v < 1 || dim_v > 256 || block_tokens < 1 || !supported(kbits) ||
       !supported(vbits) || group < 1 || dim % group || dim_v % group || window < 0 ||
-      has_sinks != (sinks_in ? 1 : 0)) {
+      has_sinks != (sinks_in ? 1 : 0) ||
+      (channel_tokens != 0 && (channel_tokens < 8 || dim % channel_tokens ||
+                               block_tokens % channel_tokens || !tail_in || !tail_slots_in))) {
     throw std::invalid_argument("paged attention: bad dims");
   }
   mx::array q = mx::contiguous(mx::astype(q_in, mx::float32));
@@ -119,7 +123,11 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       parts.push_back(mx::contiguous(mx::view((*list)[i], i == 0 ? mx::uint32 : mx::uint16)));
     }
   }
-  std::vector<mx::array> to_eval = {q, tables, lengths, sinks};
+  mx::array tail =
+      tail_in ? mx::contiguous(mx::view(*tail_in, mx::uint16)) : mx::zeros({1}, mx::uint16);
+  mx::array tail_slots = tail_slots_in ? mx::contiguous(mx::astype(*tail_slots_in, mx::int32))
+                                       : mx::zeros({n_rows}, mx::int32);
+  std::vector<mx::array> to_eval = {q, tables, lengths, sinks, tail, tail_slots};
   to_eval.insert(to_eval.end(), parts.begin(), parts.end());
   mx::eval(to_eval);
   if (q.size() != static_cast<size_t>(n_rows) * q_heads * n_queries * dim ||
@@ -130,6 +138,15 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
   const uint64_t rows = parts[0].size() / (dim * kbits / 32);
   const int* tbl = tables.data<int>();
   const int* len = lengths.data<int>();
+  if (channel_tokens > 0) {
+    const int64_t slots = tail.size() / (int64_t{kv_heads} * channel_tokens * dim);
+    for (int b = 0; b < n_rows; ++b) {
+      const int slot = tail_slots.data<int>()[b];
+      if (tail_slots.size() != static_cast<size_t>(n_rows) || slot < 0 || slot >= slots) {
+        throw std::invalid_argument("paged attention: a tail slot outside the tails");
+      }
+    }
+  }
   for (int b = 0; b < n_rows; ++b) {  // every block a query can read must lie in the arenas
     if (len[b] < n_queries || (len[b] + block_tokens - 1) / block_tokens > width) {
       throw std::invalid_argument("paged attention: row " + std::to_string(b) + " is too long");
@@ -153,7 +170,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     paged_attention_point(q.data<float>(), parts[0].data<uint32_t>(), parts[1].data<uint16_t>(),
                           parts[2].data<uint16_t>(), parts[3].data<uint32_t>(),
                           parts[4].data<uint16_t>(), parts[5].data<uint16_t>(), tbl, len,
-                          dims.data(), sinks.data<float>(), scale, out.data<float>(), point);
+                          dims.data(), sinks.data<float>(), scale, tail.data<uint16_t>(),
+                          tail_slots.data<int>(), out.data<float>(), point);
   });
   return out;
 }

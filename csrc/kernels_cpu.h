@@ -17,8 +17,10 @@ namespace mx = mlx::core;
 // kernels/paged_attention.metal over its grid: dims as the body documents them.
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
-                          const mx::array& lengths, const std::array<int, 13>& dims,
-                          const std::optional<mx::array>& sinks, float scale, int threads);
+                          const mx::array& lengths, const std::array<int, 14>& dims,
+                          const std::optional<mx::array>& sinks, float scale, int threads,
+                          const std::optional<mx::array>& tail = std::nullopt,
+                          const std::optional<mx::array>& tail_slots = std::nullopt);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

@@ -13,10 +13,16 @@
 //          vs, vb  half[rows * Dv / group]
 //          tables  int[B * M]    row b's blocks, in token order
 //          lengths int[B]        tokens of row b, these queries included
-//          dims    int[13]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
-//                                group, window (0: none), has_sinks
+//          dims    int[14]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
+//                                group, window (0: none), has_sinks, channel_tokens
 //          sinks   float[Hq]     (read only if has_sinks)
 //          scale   float[1]
+//          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
+//          tail_slots int[B]
+// Per-channel keys (KV format 2, channel_tokens > 0): ks/kb hold one scale and bias per
+// channel per group of channel_tokens tokens, spread over the group's rows (D /
+// channel_tokens per row); the tokens after the row's last complete group are float16
+// keys in its tail slot. Rotation (format 2) is the caller's: queries in, output out.
 // output:  out     float[B * Hq * L * Dv]
 // grid:    (L, Hq, B)
 const int n_rows = dims[0];
@@ -32,6 +38,7 @@ const int vbits = dims[9];
 const int group = dims[10];
 const int window = dims[11];
 const int has_sinks = dims[12];
+const int channel_tokens = dims[13];
 const int i = (int)thread_position_in_grid.x;
 const int h = (int)thread_position_in_grid.y;
 const int b = (int)thread_position_in_grid.z;
@@ -66,7 +73,14 @@ const unsigned int k_mask = (1u << kbits) - 1u;
 const unsigned int v_mask = (1u << vbits) - 1u;
 const unsigned int k_words = (unsigned int)(dim / k_per);
 const unsigned int v_words = (unsigned int)(dim_v / v_per);
-const unsigned int k_groups = (unsigned int)(dim / group);
+const unsigned int k_groups = (unsigned int)(dim / (channel_tokens > 0 ? channel_tokens : group));
+int complete = length + 1;  // per-channel keys: tokens from here on are in the tail
+unsigned int tail0 = 0u;
+if (channel_tokens > 0) {
+  complete = length / channel_tokens * channel_tokens;
+  tail0 = ((unsigned int)tail_slots[b] * (unsigned int)kv_heads + (unsigned int)kvh) *
+          (unsigned int)channel_tokens;
+}
 const unsigned int v_groups = (unsigned int)(dim_v / group);
 for (int t = lo; t <= p; ++t) {
   const int block = tables[b * table_width + t / block_tokens];
@@ -75,11 +89,26 @@ for (int t = lo; t <= p; ++t) {
           (unsigned int)block_tokens +
       (unsigned int)(t % block_tokens);
   float s = 0.0f;
-  for (int d = 0; d < dim; ++d) {
-    const unsigned int word = kw[row * k_words + (unsigned int)(d / k_per)];
-    const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
-    const unsigned int g = row * k_groups + (unsigned int)(d / group);
-    s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
+  if (t >= complete) {
+    const unsigned int at = (tail0 + (unsigned int)(t - complete)) * (unsigned int)dim;
+    for (int d = 0; d < dim; ++d) {
+      s += qv[d] * kv_half(tail[at + (unsigned int)d]);
+    }
+  } else if (channel_tokens > 0) {
+    const unsigned int first = (row - (unsigned int)(t % channel_tokens)) * k_groups;
+    for (int d = 0; d < dim; ++d) {
+      const unsigned int word = kw[row * k_words + (unsigned int)(d / k_per)];
+      const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
+      const unsigned int g = first + (unsigned int)d;
+      s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
+    }
+  } else {
+    for (int d = 0; d < dim; ++d) {
+      const unsigned int word = kw[row * k_words + (unsigned int)(d / k_per)];
+      const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
+      const unsigned int g = row * k_groups + (unsigned int)(d / group);
+      s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
+    }
   }
   const float m_new = kv_max(m, s);
   const float correction = (m == KV_NEG_INF) ? 0.0f : kv_exp(m - m_new);

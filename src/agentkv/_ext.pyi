@@ -21,7 +21,7 @@ def clear_mappings() -> None:
 def mapped_bytes() -> int:
     """Bytes of segment files currently mapped by the loader's cache."""
 
-def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2) -> mlx.core.array:
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:
     """kernels/paged_attention.metal on CPU (for tests against the others)."""
 
 def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:

@@ -207,3 +207,38 @@ def test_format_2_is_refused_where_it_cannot_run():
     )
     assert KVQuant(**V2).label == "q4.v2" and KVQuant().label == "q4"
     assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant()
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window):
+    """kernels/paged_attention.metal (compiled for CPU through the shim: the Metal and CUDA
+    body) and the MLX reference, against the fused CPU kernel, on tables with tails."""
+    from agentkv import kernels
+    from agentkv.kv.attention import paged_attention
+
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec)
+    lengths = [300, 64, 127, 5]
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate(lengths)]
+    for t in tables:
+        t.grow(3, pool.arena.copy_rows)
+    rng = np.random.default_rng(11)
+    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((4, 4, 3, 64)).astype(np.float32))
+    step = PagedStep(pool.arena, spec, tables, 3)
+    keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
+    pool.arena.settle()
+    args = dict(
+        tables=step.tables, lengths=step.lengths, kv_heads=2, block_tokens=256, scale=0.125,
+        quant=V2Q, window=window, tail=pool.arena.tails[0], tail_slots=step.plan.tail_slots,
+    )  # fmt: skip
+    fused = paged_attention(q, keys, values, **args)
+    paged = kernels.PagedQuery(
+        tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
+        64, pool.arena.tails[0], step.plan.tail_slots,
+    )  # fmt: skip
+    with kernels.use_backend("cpu"):
+        body = kernels.paged_attention(q, paged, scale=0.125)
+    reference = kernels.reference.paged_attention(q, paged, scale=0.125)
+    np.testing.assert_allclose(np.array(body), np.array(fused), atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(reference), np.array(fused), atol=2e-3, rtol=1e-3)

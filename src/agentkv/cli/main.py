@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool_bench.add_argument("--json", action="store_true")
     serve_bench = bench_sub.add_parser(
         "serve",
-        help="staggered arrivals (interleaved vs FCFS) and a load run with a server restart",
+        help="staggered arrivals (interleaved vs FCFS) and a load run with a server restart; "
+        "--tools: tool round trips",
     )
     serve_bench.add_argument(
         "--paragraphs",
@@ -367,6 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument("--clients", type=_positive_int, default=8)
     serve_bench.add_argument("--turns", type=_positive_int, default=10)
     serve_bench.add_argument("--max-tokens", type=_positive_int, default=24)
+    serve_bench.add_argument(
+        "--tools",
+        action="store_true",
+        help="instead: tool round trips (call, result, answer); the answer's TTFT hot vs cold",
+    )
+    serve_bench.add_argument(
+        "--tool-rounds", type=_positive_int, default=5, help="round trips with --tools (default 5)"
+    )
     serve_bench.add_argument("--json", action="store_true")
     constrained = bench_sub.add_parser(
         "constrained",

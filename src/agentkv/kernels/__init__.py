@@ -117,6 +117,8 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     tables (kernels/paged_attention.metal; quantized keys and values)."""
     if paged.key_bits == 16 or paged.value_bits == 16:
         raise InvalidRequestError("the paged attention kernel reads quantized keys and values")
+    if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
+        raise InvalidRequestError("per-channel keys need their tails and tail slots")
     return _impl().paged_attention(queries, paged, scale=scale)
 
 

@@ -24,6 +24,8 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         paged.sinks,
         scale,
         THREADS,
+        paged.tail,
+        paged.tail_slots,
     )
 
 

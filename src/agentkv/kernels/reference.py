@@ -18,10 +18,15 @@ def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
 def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
     """Each row's blocks gathered (``mx.take``) into a contiguous cache, then the
     ``mx.quantized_matmul`` attention of ``kv/attention.py``."""
-    from ..kv.attention import quantized_attention
-    from ..kv.quant import KVQuant
+    from ..kv.attention import _channel_keys_as_float, quantized_attention
+    from ..kv.quant import V2, KVQuant
 
     quant = KVQuant(paged.key_bits, paged.value_bits, paged.group)
+    if paged.channel_tokens:
+        quant = KVQuant(
+            paged.key_bits, paged.value_bits, paged.group, **V2,
+            channel_tokens=paged.channel_tokens,
+        )  # fmt: skip
     B, _, L, _ = queries.shape
     heads, block = paged.kv_heads, paged.block_tokens
     outs = []
@@ -33,6 +38,13 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         rows = (rows + (t % block)[None, :]).reshape(-1)
         keys = tuple(mx.take(p, rows, axis=0).reshape(1, heads, n, -1) for p in paged.keys)
         values = tuple(mx.take(p, rows, axis=0).reshape(1, heads, n, -1) for p in paged.values)
+        row_quant = quant
+        if paged.channel_tokens:  # the row's tail slot, then its keys as float16
+            ct = paged.channel_tokens
+            slot = int(paged.tail_slots[b].item())
+            tail = paged.tail[slot * heads * ct : (slot + 1) * heads * ct]
+            tail = tail.reshape(1, heads, ct, -1)
+            keys, row_quant = _channel_keys_as_float(keys, tail, quant, None)
         q_pos = mx.arange(n - L, n)[:, None]
         mask = t[None, :] <= q_pos
         if paged.window:
@@ -43,7 +55,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
             values,
             scale=scale,
             mask=mask,
-            quant=quant,
+            quant=row_quant,
             sinks=paged.sinks,
         )
         outs.append(out)

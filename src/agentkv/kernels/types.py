@@ -22,6 +22,12 @@ class PagedQuery(NamedTuple):
     group: int
     window: int  # 0: none
     sinks: mx.array | None
+    # KV format 2: per-channel keys over groups of this many tokens (0: per-token keys), the
+    # groups still filling in float16 tails [slots * kv_heads * channel_tokens, D], slot
+    # tail_slots[b] for row b
+    channel_tokens: int = 0
+    tail: mx.array | None = None
+    tail_slots: mx.array | None = None
 
     def dims(self, queries: mx.array) -> tuple[int, ...]:
         """The kernel's dims, in the order paged_attention.metal reads them."""
@@ -41,6 +47,7 @@ class PagedQuery(NamedTuple):
             self.group,
             self.window,
             int(self.sinks is not None),
+            self.channel_tokens,
         )
 
 

@@ -155,8 +155,8 @@ def paged_attention(
     """Attention of a jagged batch over the pool's arenas, read through block tables.
 
     Per-channel keys (format 2) also read each row's float16 ``tail`` slot
-    (``tail_slots[b]``); they run on the CPU fused kernel only, so far. Rotation is the
-    caller's (queries in, output out, both in the stored space).
+    (``tail_slots[b]``), on every path. Rotation is the caller's (queries in, output out,
+    both in the stored space).
 
     Row ``b`` holds ``lengths[b]`` tokens in blocks ``tables[b]``; its ``L`` queries are its
     last ``L`` tokens and see keys from 0 (or their sliding window's start) to themselves.
@@ -187,11 +187,6 @@ def paged_attention(
             tail,
             tail_slots,
         )
-    if quant.channel_keys:
-        raise NotImplementedError(
-            "KV format 2 (per-channel keys) runs on the CPU fused attention kernel only in this "
-            "version (float32 queries, 2/4/8-bit keys); use format 1 on this device"
-        )
     from .. import kernels
 
     paged = kernels.PagedQuery(
@@ -206,6 +201,9 @@ def paged_attention(
         quant.group_size,
         window or 0,
         sinks,
+        quant.channel_tokens if quant.channel_keys else 0,
+        tail,
+        tail_slots,
     )
     quantized = FLOAT_BITS not in (quant.key_bits, quant.value_bits)
     if quantized and os.environ.get(ENV) != "reference" and kernels.backend() in ("metal", "cuda"):
