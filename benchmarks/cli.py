@@ -58,7 +58,14 @@ def run_bench(args) -> int:
 
         if args.turns < 2:
             raise SystemExit("agentkv: error: --turns must be at least 2 (a restart in the middle)")
-        run(args.paragraphs, args.clients, args.turns, args.max_tokens, as_json=args.json)
+        run(
+            args.paragraphs,
+            args.clients,
+            args.turns,
+            args.max_tokens,
+            as_json=args.json,
+            tool_rounds=args.tool_rounds if args.tools else 0,
+        )
     elif name == "constrained":
         from .constrained import run, run_engines
 

@@ -15,6 +15,11 @@ first text received).
   and is started again; every agent's first turn after the restart should
   find its cache on disk (``warm``). Requests/s and tokens/s count the time
   the server was up and serving (not the restart).
+* tools (``--tools``, instead of the two above): a tool round trip per agent -- a named
+  ``tool_choice`` call (valid thanks to the tool-call grammar), the tool's result, the
+  answer -- and the answer's TTFT (the turn after the tool result, hot: the call and its
+  result re-render to the text the cache holds) against the same prompt sent cold (a new
+  agent under its own ``cache_salt``, so nothing is shared).
 """
 
 from __future__ import annotations
@@ -45,7 +50,15 @@ def model_id(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
 
 
-def stream_turn(url: str, agent: str, messages: list[dict], max_tokens: int) -> dict:
+def stream_turn(
+    url: str,
+    agent: str,
+    messages: list[dict],
+    max_tokens: int,
+    *,
+    tools: list[dict] | None = None,
+    salt: str | None = None,
+) -> dict:
     """One streamed OpenAI chat turn; TTFT and counts as the client sees them."""
     import httpx
 
@@ -59,6 +72,10 @@ def stream_turn(url: str, agent: str, messages: list[dict], max_tokens: int) -> 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if tools:
+        body["tools"] = tools
+    if salt is not None:
+        body["cache_salt"] = salt
     sent = time.perf_counter()
     out = {"agent": agent, "ttft_s": None, "text": "", "error": None}
     try:
@@ -83,6 +100,7 @@ def stream_turn(url: str, agent: str, messages: list[dict], max_tokens: int) -> 
                         break
                     if chunk.get("usage"):
                         out["usage"] = chunk["usage"]
+                        out["agentkv"] = chunk.get("agentkv")
                     for choice in chunk.get("choices") or []:
                         piece = choice["delta"].get("content")
                         if piece:
@@ -215,6 +233,95 @@ def load(tmp: Path, clients: int, turns: int, max_tokens: int) -> dict:
     }
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city today",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _post(url: str, agent: str, body: dict) -> tuple[dict, dict]:
+    import httpx
+
+    body = {"model": model_id(url), "temperature": 0, **body}
+    with httpx.Client(timeout=600) as http:
+        r = http.post(url + MODEL_ROUTE, json=body, headers={"x-agent-id": agent})
+    if r.status_code != 200:
+        raise RuntimeError(f"tools: HTTP {r.status_code}: {r.text[:200]}")
+    return dict(r.headers), r.json()
+
+
+def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
+    """Tool round trips: the answer after a tool result, hot vs the same prompt cold."""
+    server = ServerProcess(tmp / "tools" / "kv", None)
+    server.start()
+    rows = []
+    try:
+        for i in range(rounds):
+            progress(f"serve: tools: round trip {i + 1}/{rounds}...")
+            agent = f"tools-{i}"
+            context = "".join(FILLER.format(i=f"{i}.{k}") for k in range(paragraphs))
+            messages = [
+                {"role": "system", "content": "You are a travel agent. " + context},
+                {"role": "user", "content": "Should I pack an umbrella for Paris?"},
+            ]
+            named = {"type": "function", "function": {"name": "get_weather"}}
+            call_headers, call = _post(
+                server.url,
+                agent,
+                {"messages": messages, "tools": [WEATHER_TOOL], "tool_choice": named},
+            )
+            message = call["choices"][0]["message"]
+            (tool_call,) = message["tool_calls"]
+            messages += [
+                {k: v for k, v in message.items() if v is not None},
+                {"role": "tool", "tool_call_id": tool_call["id"], "content": "rain, 14 C"},
+            ]
+            hot = stream_turn(server.url, agent, messages, 16, tools=[WEATHER_TOOL])
+            cold = stream_turn(
+                server.url, f"{agent}-cold", messages, 16, tools=[WEATHER_TOOL], salt=f"cold-{i}"
+            )
+            for r in (hot, cold):
+                if r["error"]:
+                    raise RuntimeError(f"tools: {r['error']}")
+            rows.append(
+                {
+                    "call_cache": call_headers.get("x-agentkv-cache"),
+                    "call_arguments": tool_call["function"]["arguments"],
+                    "call_ttft_ms": round(call["agentkv"]["ttft_ms"], 1),
+                    "answer_cache": hot["cache"],
+                    "answer_match": hot["agentkv"]["match"],
+                    "answer_reused_tokens": hot["agentkv"]["reused_tokens"],
+                    "answer_prefill_tokens": hot["agentkv"]["prefill_tokens"],
+                    "answer_ttft_ms": round(hot["ttft_s"] * 1000, 1),
+                    "cold_cache": cold["cache"],
+                    "cold_prefill_tokens": cold["agentkv"]["prefill_tokens"],
+                    "cold_ttft_ms": round(cold["ttft_s"] * 1000, 1),
+                }
+            )
+    finally:
+        server.stop()
+    hot_ms = statistics.median(r["answer_ttft_ms"] for r in rows)
+    cold_ms = statistics.median(r["cold_ttft_ms"] for r in rows)
+    return {
+        "rounds": rows,
+        "answer_ttft_p50_ms": hot_ms,
+        "cold_ttft_p50_ms": cold_ms,
+        "speedup": round(cold_ms / hot_ms, 1),
+        "all_hot_extend": all(
+            (r["answer_cache"], r["answer_match"]) == ("hot", "extend") for r in rows
+        ),
+    }
+
+
 def _percentile(sorted_values: list[float], pct: float) -> float:
     index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values)) - 1))
     return sorted_values[index]
@@ -226,7 +333,10 @@ def run(
     turns: int = 10,
     max_tokens: int = 24,
     as_json: bool = False,
+    tool_rounds: int = 0,
 ) -> dict:
+    if tool_rounds:
+        return _run_tools(tool_rounds, paragraphs, as_json)
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-serve-") as tmp:
         result = {
             "bench": "serve",
@@ -252,5 +362,27 @@ def run(
             f"{ld['requests_per_s']} req/s, {ld['tokens_per_s']} tok/s, TTFT p50 "
             f"{ld['ttft_p50_ms']} ms p99 {ld['ttft_p99_ms']} ms, first turn after restart: "
             f"{ld['post_restart_first_turn']}"
+        )
+    return result
+
+
+def _run_tools(rounds: int, paragraphs: int, as_json: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-serve-") as tmp:
+        result = {"bench": "serve --tools", "machine": machine()}
+        result["tools"] = tools(Path(tmp), rounds, paragraphs)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        t = result["tools"]
+        for r in t["rounds"]:
+            print(
+                f"call ({r['call_cache']}) {r['call_arguments']} in {r['call_ttft_ms']:.0f} ms; "
+                f"answer after the result: {r['answer_cache']} {r['answer_match']}, "
+                f"{r['answer_prefill_tokens']} prefilled, TTFT {r['answer_ttft_ms']:.0f} ms; "
+                f"cold: {r['cold_prefill_tokens']} prefilled, TTFT {r['cold_ttft_ms']:.0f} ms"
+            )
+        print(
+            f"answer after a tool result: TTFT p50 {t['answer_ttft_p50_ms']:.0f} ms hot vs "
+            f"{t['cold_ttft_p50_ms']:.0f} ms cold ({t['speedup']}x)"
         )
     return result
