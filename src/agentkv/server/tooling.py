@@ -6,7 +6,9 @@ agent's own earlier replies, so the cache stays hot across tool turns.
 
 * ``none``: the tools are in the prompt, no call is looked for in the reply.
 * ``auto`` (the default with tools): calls the model writes in its family's format are
-  returned as calls; text that does not parse as a call of a declared tool stays text.
+  returned as calls; text that does not parse as a call of a declared tool stays text. For
+  the Hermes format a lazy grammar leaves the text free but makes a call, once the model
+  opens one (``<tool_call>``), a valid call of a declared tool.
 * ``required`` / a named tool: the reply is *forced* to open a call (the format's call
   prefix is appended to the prompt: ``<tool_call>\\n{"name": "NAME", "arguments": `` for a
   named tool, up to ``{"name": "`` for required), so it always returns exactly one call of a
@@ -171,6 +173,10 @@ def replay(messages: list[dict], history, fmt: ToolFormat, tools, think) -> list
     return out
 
 
+def _params(tools: list[dict]) -> dict:
+    return {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+
+
 async def prepare(
     engine, agent_id: str, messages: list[dict], tools, choice: ToolChoice | None
 ) -> TurnTools:
@@ -196,8 +202,10 @@ async def prepare(
         shape = CALL_GRAMMARS.get(fmt.family)
         if shape is not None:
             allowed = [t for t in tools if forced_name in (None, t["function"]["name"])]
-            params = {t["function"]["name"]: t["function"]["parameters"] for t in allowed}
-            constraint = Constraint.tool_calls(params, strict=False, **shape)
+            constraint = Constraint.tool_calls(_params(allowed), strict=False, **shape)
+    elif choice is not None and choice.mode == "auto" and fmt.family == "hermes":
+        # free text, but a call once begun must be a valid call of a declared tool
+        constraint = Constraint.tool_calls(_params(tools), strict=False, required=False)
     in_reasoning = False
     if think and not prefix:
         prompt = engine.render_chat(messages, tools=tools)
