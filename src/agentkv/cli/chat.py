@@ -10,11 +10,16 @@ from .output import progress
 def run_chat(args) -> int:
     from ..agent_id import validate_agent_id
     from ..engine import Engine
+    from .serve import engine_format
 
     agent = validate_agent_id(args.agent)
     progress("loading model...")
     with Engine(
-        model=args.model, cache_dir=args.cache_dir, kv_bits=args.kv_bits, key_bits=args.key_bits
+        model=args.model,
+        cache_dir=args.cache_dir,
+        kv_bits=args.kv_bits,
+        key_bits=args.key_bits,
+        **engine_format(args),
     ) as eng:
         messages = eng.history(agent) or []
         if messages:

@@ -50,6 +50,15 @@ def _engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> N
         "--key-bits 8 with 4-bit values costs ~1%% perplexity where all-4-bit costs ~18%% "
         "on the embedded model (benchmarks/RESULTS.md)",
     )
+    parser.add_argument(
+        "--kv-format",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="stored KV layout: 2 keeps keys rotated and quantized per channel (the same "
+        "bytes, a fraction of 1's quality loss at 4 bits; docs/kv-format-v2.md), 1 per token "
+        "(default: the engine's); agents stored in the other convert once",
+    )
 
 
 VERBOSE_HELP = "log what agentkv does (-vv: debug, and other libraries' logs too)"

@@ -50,6 +50,7 @@ def run_serve(args) -> int:
             cache_dir=args.cache_dir,
             kv_bits=args.kv_bits,
             key_bits=args.key_bits,
+            **engine_format(args),
             pool_bytes=args.pool_memory,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
@@ -87,3 +88,9 @@ def run_serve(args) -> int:
         if engine is not None:  # the app's shutdown closed it, unless startup failed
             engine.close()
     return 0
+
+
+def engine_format(args) -> dict:
+    """``Engine`` options for ``--kv-format`` (none: the engine's default)."""
+    kv_format = getattr(args, "kv_format", None)
+    return {} if kv_format is None else {"kv_format": kv_format}
