@@ -5,6 +5,10 @@ Tool calls come back as ``message.tool_calls`` (arguments a JSON string) with
 its index, id and name (arguments ``""``), then chunks of its arguments, as the OpenAI SDK
 assembles them. A call is streamed once the model has written all of it. Reasoning
 (thinking models) is ``reasoning_content``, apart from ``content``.
+
+``response_format`` ``json_object`` / ``json_schema`` (``strict`` or not) constrains the
+reply with a grammar (``agentkv.Constraint``): JSON that parses, valid against the schema.
+A forced tool call (``tool_choice`` required / named) takes precedence over it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.constraints import Constraint
 from ..engine.results import ChatResult
+from ..errors import InvalidRequestError
 from ..tools import ReplyParser, ToolCall
 from .common import (
     HEARTBEAT,
@@ -72,6 +79,52 @@ class _OpenAIChat(BaseModel):
     logprobs: StrictBool | None = None
     response_format: dict | None = None
     cache_salt: StrictStr | None = None  # as vLLM: prompts share blocks only within a salt
+
+
+@dataclass
+class ChatRequest(TurnRequest):
+    """A Chat Completions turn, plus its ``response_format`` as a grammar."""
+
+    constraint: Constraint | None = None  # response_format, unless a tool call is forced
+
+
+def _response_format(value: dict | None) -> Constraint | None:
+    """``response_format`` -> the reply's constraint (None: free text)."""
+    kind = None if value is None else value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind != "json_schema":
+        raise bad_request(
+            "response_format.type must be text, json_object or json_schema", "response_format"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(
+            "response_format.json_schema must be an object with a name and a schema",
+            "response_format.json_schema",
+        )
+    name, strict = spec.get("name"), spec.get("strict")
+    if not isinstance(name, str) or not name:
+        raise bad_request(
+            "response_format.json_schema.name is required", "response_format.json_schema.name"
+        )
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(
+            "response_format.json_schema.strict must be a boolean",
+            "response_format.json_schema.strict",
+        )
+    schema = spec.get("schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise bad_request(
+            "response_format.json_schema.schema must be a JSON schema object",
+            "response_format.json_schema.schema",
+        )
+    try:
+        return Constraint.json_schema(schema, strict=bool(strict))
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), "response_format.json_schema.schema") from None
 
 
 def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
@@ -152,8 +205,7 @@ class OpenAIDialect:
         tools, choice = _tools(req)
         if req.logprobs:
             raise bad_request("logprobs are not supported by this server", "logprobs")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format type 'text' is supported", "response_format")
+        constraint = _response_format(req.response_format)
         messages = from_openai(req.messages)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             max_tokens = min(req.max_tokens, req.max_completion_tokens)
@@ -163,7 +215,7 @@ class OpenAIDialect:
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
         temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
-        return TurnRequest(
+        return ChatRequest(
             agent_id=resolve_agent(agent_header, req.user, *first_texts(messages)),
             messages=messages,
             model=model,
@@ -176,6 +228,7 @@ class OpenAIDialect:
             cache_salt=req.cache_salt,
             tools=tools,
             tool_choice=choice,
+            constraint=constraint,
         )
 
     @staticmethod
