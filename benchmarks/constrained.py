@@ -2,23 +2,26 @@
 
 The same chat turn (a ~300-token context, then a request for JSON) runs free and under
 each constraint: ``json_object``, ``json_schema`` (a list of weather records, long enough
-that the grammar is still open at ``max_tokens``) and ``tool_calls`` (one of three tools,
-parallel calls allowed). Every turn starts hot from a fork of one agent that holds the
-prompt, so it is nearly all decode; one unmeasured turn of each kind runs first. Rounds
-alternate free and constrained turns, so a busy machine slows both alike; ``decode_tps`` is
-the median over rounds of each turn's own decode rate (tokens after the first / time
-between the first and the last), and ``ratio`` is that over the free turns' rate.
-``agents`` > 1 runs that many turns as one batch (all under the constraint; ``mixed``: half
-free, half ``json_schema``), the rate each agent sees.
+that the grammar is still open at ``max_tokens``), ``tool_calls`` (one of three tools,
+parallel calls allowed) and ``tool_calls_auto`` (``required=False``: free text unless the
+model begins a call, as for ``tool_choice`` "auto"). Every turn starts hot from a fork of
+one agent that holds the prompt, so it is nearly all decode; one unmeasured turn of each
+kind runs first. Rounds alternate free and constrained turns, so a busy machine slows both
+alike; ``decode_tps`` is the median over rounds of each turn's own decode rate (tokens
+after the first / time between the first and the last), and ``ratio`` the median over
+rounds of its rate over the same round's free turn's. ``agents`` > 1 runs that many turns
+as one batch (all under the constraint; ``mixed``: half free, half ``json_schema``), the
+rate each agent sees.
 
 On a shared machine wall-clock rates swing with other processes, so each row also gives
 the process's CPU time per generated token (``cpu_ms_per_token``, all threads) and
-``cpu_ratio``, the free turns' CPU per token over this row's: what ``ratio`` would be on an
+``cpu_ratio``, the free turn's CPU per token over this row's: what ``ratio`` would be on an
 otherwise idle machine, where decode is CPU-bound. ``grammar_us`` is what the grammar adds
 to a decode step, measured apart from the model: the constrained turn's own tokens replayed
 through a fresh grammar, mask and advance per token; ``step_ratio`` is what that alone
 predicts, the free step time over the step time plus ``grammar_us`` for each constrained
-row. ``compile_ms`` is the median time to compile the constraint and start its grammar (the
+row. ``compile_ms`` is the first compile of the constraint (checked, compiled, its grammar
+started) and ``start_ms`` a later turn's start from the engine's compiled copy (the
 tokenizer's token table is built once before: ``tokenizer_ms``).
 
 ``--engines`` instead measures the grammar engines themselves on the model's tokenizer
@@ -72,6 +75,7 @@ def constraints() -> dict:
             {"type": "array", "items": WEATHER, "minItems": 64}
         ),
         "tool_calls": lambda: Constraint.tool_calls(TOOLS, parallel=True),
+        "tool_calls_auto": lambda: Constraint.tool_calls(TOOLS, required=False),
     }
 
 
@@ -119,34 +123,14 @@ def run(
                         count = sum(x.stats.generated_tokens for x in results)
                         tokens[kind].append(count)
                         cpu[kind].append(cpu_s * 1000 / count)
-                free = statistics.median(rates[None])
-                free_cpu = statistics.median(cpu[None])
-                step_us = 1e6 / free
                 for kind in kinds:
-                    tps = statistics.median(rates[kind])
-                    cpu_ms = statistics.median(cpu[kind])
-                    grammar_us = replay.get(kind)
-                    rows.append(
-                        {
-                            "constraint": kind or "none",
-                            "agents": n,
-                            "decode_tps": round(tps, 2),
-                            "ratio": round(tps / free, 3),
-                            "tokens": int(statistics.median(tokens[kind])),
-                            "cpu_ms_per_token": round(cpu_ms, 2),
-                            "cpu_ratio": round(free_cpu / cpu_ms, 3),
-                            "compile_ms": round(compile_ms[kind], 2)
-                            if kind in compile_ms
-                            else None,
-                            "grammar_us": None if grammar_us is None else round(grammar_us, 1),
-                            "step_ratio": None
-                            if grammar_us is None
-                            else round(step_us / (step_us + n * grammar_us), 4),
-                        }
-                    )
+                    row = {"constraint": kind or "none", "agents": n}
+                    row.update(_figures(kind, n, rates, cpu, tokens, replay.get(kind)))
+                    row.update(compile_ms.get(kind, {"compile_ms": None, "start_ms": None}))
+                    rows.append(row)
                     progress(
-                        f"constrained: {n} agent(s), {kind or 'none'}: {tps:.1f} tok/s "
-                        f"({tps / free:.3f}x free; CPU per token {free_cpu / cpu_ms:.3f}x)"
+                        f"constrained: {n} agent(s), {row['constraint']}: {row['decode_tps']} "
+                        f"tok/s ({row['ratio']}x free; CPU per token {row['cpu_ratio']}x)"
                     )
     extra = {
         "context_tokens": CONTEXT_TOKENS,
@@ -159,13 +143,33 @@ def run(
     return rows
 
 
-def _compile_ms(eng, make, repeats: int = 5) -> float:
+def _figures(kind, n: int, rates: dict, cpu: dict, tokens: dict, grammar_us) -> dict:
+    """A row's rates; each ratio is the median over rounds of that round's pair (this kind
+    vs the free turn of the same round), so a round slowed by other processes cancels out."""
+    step_us = 1e6 / statistics.median(rates[None])
+    pairs = list(zip(rates[kind], rates[None], cpu[kind], cpu[None]))
+    return {
+        "decode_tps": round(statistics.median(rates[kind]), 2),
+        "ratio": round(statistics.median(r / free for r, free, _, _ in pairs), 3),
+        "tokens": int(statistics.median(tokens[kind])),
+        "cpu_ms_per_token": round(statistics.median(cpu[kind]), 2),
+        "cpu_ratio": round(statistics.median(free / c for _, _, c, free in pairs), 3),
+        "grammar_us": None if grammar_us is None else round(grammar_us, 1),
+        "step_ratio": None
+        if grammar_us is None
+        else round(step_us / (step_us + n * grammar_us), 4),
+    }
+
+
+def _compile_ms(eng, make, repeats: int = 5) -> dict:
+    """The first compile of a constraint (checked, compiled) and then a start from the
+    engine's compiled copy (what a later turn with the same constraint pays)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         eng.grammars.start(make())
         times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return {"compile_ms": round(times[0], 2), "start_ms": round(statistics.median(times[1:]), 3)}
 
 
 def _grammar_us(eng, make, tokens: list[int]) -> float:

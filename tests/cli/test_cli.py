@@ -263,9 +263,9 @@ def test_bench_constrained_emits_its_json(python_env):
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     kinds = [row["constraint"] for row in rows]
-    assert kinds == ["none", "json_object", "json_schema", "tool_calls", "mixed"]
+    assert kinds == ["none", "json_object", "json_schema", "tool_calls", "tool_calls_auto", "mixed"]
     assert all(row["agents"] == 2 and row["tokens"] == 12 for row in rows)
-    bound = rows[1:4]
+    bound = rows[1:5]
     assert all(row["grammar_us"] > 0 and 0 < row["step_ratio"] < 1 for row in bound)
     engines = json.loads(
         agentkv("bench", "constrained", "--engines", "--json", env=python_env).stdout
