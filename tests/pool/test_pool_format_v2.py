@@ -242,3 +242,50 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
     reference = kernels.reference.paged_attention(q, paged, scale=0.125)
     np.testing.assert_allclose(np.array(body), np.array(fused), atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(np.array(reference), np.array(fused), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("tokens", [256, 300])  # no keys in the tail; 44 in it
+def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, tokens):
+    from helpers import text_for
+
+    from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
+
+    spec = synthetic_spec(layers=2, heads=2)
+    pool = pool_for(spec)
+    table = fill_table(pool, tokens, positional=True)
+    ids, spans, text = text_for(tokens)
+    store = AgentStore(tmp_path, spec, "synthetic", V2Q)
+    store.ensure_layout()
+    job = build_save_job(
+        pool.arena, table, agent_id="a", keep=0, tokens=table.token_ids(), spans=spans,
+        text=text, messages=None,
+    )  # fmt: skip
+    store.write(job, DurableState())
+    manifest, _ = store.read_manifest("a")
+    assert manifest.quant == V2Q and manifest.tail.shape == (2, 2, tokens % 64, 64)
+    np.testing.assert_array_equal(manifest.tail, pool.arena.read_tail(table.tail, tokens % 64))
+    caches = store.load_caches(manifest, "a", tokens)
+    for layer, cache in enumerate(caches):
+        keys, _ = cache.dequantized()  # in the model's space, read through float16
+        want = hadamard(mx.array(stored_keys(pool, table, layer)))
+        np.testing.assert_allclose(np.array(keys[0]), np.array(want), atol=2e-3)
+
+
+def test_a_trim_back_into_the_last_completed_group_restores_its_keys_exactly():
+    """A reply cancelled after its tokens completed a group: the kept keys come back from the
+    float16 copy of that group, bit for bit what a table that never went past them holds."""
+    spec = synthetic_spec(layers=2, heads=2)
+    pool = pool_for(spec)
+    table = fill_table(pool, 120, positional=True)  # group [64, 128) still filling
+    fill_table(pool, 140, positional=True, table=table)  # completes it
+    table.trim(120)
+    short = fill_table(pool, 120, positional=True)
+    np.testing.assert_array_equal(
+        pool.arena.read_tail(table.tail, 56), pool.arena.read_tail(short.tail, 56)
+    )
+    assert table.prev_group is None
+    table.trim(50)  # deeper, into [0, 64): not kept in float16, so dequantized
+    k, _ = _kv_for(spec, 0, 0, 50, rng=None, positional=True)
+    want = np.array(hadamard(k)[0].astype(mx.float16)).astype(np.float32)
+    got = pool.arena.read_tail(table.tail, 50)[0].astype(np.float32)
+    assert 0 < np.abs(got - want).max() < 0.5  # 4 bits per channel over the group

@@ -19,6 +19,9 @@ slot*, one per block table that holds tokens::
 
     tails[layer]   [slots * heads * ct, key_dim] float16
     row of (slot, head, token t) = (slot * heads + head) * ct + t % ct
+    prevs[layer]   the same rows: the float16 keys of the slot's last completed group, so a
+                   trim back into that group (a cancelled reply, a re-fed last token, an
+                   edited last message) restores its keys exactly (``BlockTable.prev_group``)
 
 ``WritePlan`` says, for one step, which new keys join a tail and which complete a group
 (the group's tail rows and new keys quantized together into the group's arena rows).
@@ -59,6 +62,8 @@ class WritePlan:
         self.tail_slots = mx.array(np.asarray([t.tail for t in tables], dtype=np.int32))
         direct, direct_src, gather = [], [], []
         group_src, group_rows, rest_src, rest_rows = [], [], [], []
+        prev_src, prev_rows = [], []
+        self.prev_groups: list[int | None] = [getattr(t, "prev_group", None) for t in tables]
         completing = []
         for b, (t, start) in enumerate(zip(tables, starts)):
             r = start % ct
@@ -91,6 +96,9 @@ class WritePlan:
                     rest_src.extend(seq[full:])
                     first = (t.tail * heads + h) * ct
                     rest_rows.extend(range(first, first + total - full))
+                    prev_src.extend(seq[full - ct : full])  # the last group completed
+                    prev_rows.extend(range(first, first + ct))
+                self.prev_groups[b] = start - r + full - ct
                 gathered += r
         # The tail rows a completing group needs, read (and evaluated) before the step writes
         # the tails: a scatter whose target is still read in the same graph is not in place.
@@ -103,6 +111,10 @@ class WritePlan:
         self.group_rows = _index(group_rows)
         self.rest_src = _index(rest_src)
         self.rest_rows = _index(rest_rows)
+        self.prev_src = _index(prev_src)
+        self.prev_rows = _index(prev_rows)
+        for table, group in zip(tables, self.prev_groups):
+            table.prev_group = group  # what its previous-group rows hold after this step
 
 
 def _index(values: list[int]) -> mx.array | None:
@@ -131,6 +143,7 @@ class KVArena:
         self._lazy = lazy
         self.ct = quant.channel_tokens if quant.channel_keys else 0
         self.tails: list[mx.array] = []
+        self.prevs: list[mx.array] = []
         self._free_tails: list[int] = []
         if self.ct:
             self._grow_tails(FIRST_TAIL_SLOTS)
@@ -154,14 +167,18 @@ class KVArena:
     def _grow_tails(self, slots: int) -> None:
         old = self.tail_slots
         dim = self.spec.key_head_dim
-        grown = []
-        for layer in range(self.spec.num_layers):
-            fresh = self._allocate(dim, "float16", self._lazy, slots * self.heads * self.ct)
-            if old:
-                fresh[: old * self.heads * self.ct] = self.tails[layer]
-            grown.append(fresh)
-        mx.eval(grown)
-        self.tails = grown
+
+        def grown(arrays):
+            out = []
+            for layer in range(self.spec.num_layers):
+                fresh = self._allocate(dim, "float16", self._lazy, slots * self.heads * self.ct)
+                if old:
+                    fresh[: old * self.heads * self.ct] = arrays[layer]
+                out.append(fresh)
+            mx.eval(out)
+            return out
+
+        self.tails, self.prevs = grown(self.tails), grown(self.prevs)
         self._free_tails.extend(range(slots - 1, old - 1, -1))
         if getattr(self, "_addresses", None) is not None:
             self._addresses = self._data_addresses()
@@ -181,22 +198,38 @@ class KVArena:
         base = (slot * self.heads + np.arange(self.heads)[:, None]) * self.ct + first
         return mx.array((base + np.arange(count)[None]).reshape(-1).astype(np.int32))
 
-    def copy_tail(self, src: int, dst: int, count: int) -> None:
-        """Rows [0, count) of tail slot ``src`` into slot ``dst`` (every layer, in place)."""
+    def copy_tail(self, src: int, dst: int, count: int, *, prev: bool = False) -> None:
+        """Rows [0, count) of tail slot ``src`` into slot ``dst`` (every layer, in place);
+        ``prev``: its previous-group rows too."""
+        self._copy_rows(self.tails, src, dst, count, count)
+        if prev:
+            self._copy_rows(self.prevs, src, dst, self.ct, self.ct)
+
+    def _copy_rows(self, arrays, src: int, dst: int, count: int, dst_count: int) -> None:
         if count:
-            take, put = self._tail_rows(src, 0, count), self._tail_rows(dst, 0, count)
-            rows = [self.tails[layer][take] for layer in range(self.spec.num_layers)]
+            take, put = self._tail_rows(src, 0, count), self._tail_rows(dst, 0, dst_count)
+            rows = [arrays[layer][take] for layer in range(self.spec.num_layers)]
             mx.eval(rows)  # read before the scatter, which then runs in place
             for layer, part in enumerate(rows):
-                self.tails[layer][put] = part
+                arrays[layer][put] = part
             self.settle()
 
-    def refill_tail(self, slot: int, blocks: list[int], keep: int) -> None:
+    def refill_tail(self, slot: int, blocks: list[int], keep: int, prev_group=None) -> None:
         """The tail of a table cut to ``keep`` tokens inside a complete channel group: the
-        group's first ``keep % ct`` keys, dequantized from its arena rows, into ``slot``."""
+        group's first ``keep % ct`` keys into ``slot``: exactly from the slot's previous-group
+        rows if they hold that group (``prev_group``, its first token), else dequantized
+        from its arena rows (they are quantized again when the group completes)."""
         first = keep // self.ct * self.ct
         count = keep - first
         if not count:
+            return
+        if prev_group == first:
+            take, put = self._tail_rows(slot, 0, count), self._tail_rows(slot, 0, count)
+            rows = [self.prevs[layer][take] for layer in range(self.spec.num_layers)]
+            mx.eval(rows)
+            for layer, part in enumerate(rows):
+                self.tails[layer][put] = part
+            self.settle()
             return
         rows = self.write_rows([blocks], [first], self.ct)  # the whole group: its scales
         rows = mx.array(rows)
@@ -268,6 +301,7 @@ class KVArena:
                 target[plan.group_rows] = part.reshape(-1, part.shape[-1])
             if plan.rest_src is not None:
                 tails[plan.rest_rows] = source[plan.rest_src]
+            self.prevs[layer][plan.prev_rows] = source[plan.prev_src]
         self.tails[layer] = tails
 
     def keys(self, layer: int) -> tuple[mx.array, ...]:
@@ -289,14 +323,14 @@ class KVArena:
 
     def settle(self) -> None:
         """Evaluate every arena (after a step) and count any write that was not in place."""
-        mx.eval(self._flat(), self.tails)
+        mx.eval(self._flat(), self.tails, self.prevs)
         if self._addresses is not None:
             now = self._data_addresses()
             self.copies += sum(a != b for a, b in zip(now, self._addresses))
             self._addresses = now
 
     def _data_addresses(self) -> list[int]:
-        return [_ext.data_address(a) for a in self._flat() + self.tails]
+        return [_ext.data_address(a) for a in self._flat() + self.tails + self.prevs]
 
     # -- block I/O between steps -------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class BlockTable:
         self.window = window
         self.tails = tails  # the arena, for per-channel keys (None: no tails)
         self.tail: int | None = None
+        self.prev_group: int | None = None  # first token of the group in the slot's prevs
         self.blocks: list[int] = []
         self.length = 0
         self.window_from = 0
@@ -178,7 +179,9 @@ class BlockTable:
         twin = BlockTable(self.pool, self.seed, window=self.window, tails=self.tails)
         if self.tail is not None:
             twin.tail = self.tails.take_tail()
-            self.tails.copy_tail(self.tail, twin.tail, self.length % self.tails.ct)
+            prev = self.prev_group is not None
+            self.tails.copy_tail(self.tail, twin.tail, self.length % self.tails.ct, prev=prev)
+            twin.prev_group = self.prev_group
         twin.blocks = list(self.blocks)
         twin.length = self.length
         twin.window_from = self.window_from
@@ -197,7 +200,8 @@ class BlockTable:
         if self.tail is not None and keep < self.length // self.tails.ct * self.tails.ct:
             # Cut inside a quantized channel group: its kept keys go back to the tail
             # (dequantized: they are quantized again when the group completes).
-            self.tails.refill_tail(self.tail, self.blocks, keep)
+            self.tails.refill_tail(self.tail, self.blocks, keep, self.prev_group)
+            self.prev_group = None  # the group before it was never kept in float16
         count = blocks_for(keep)
         for index in range(len(self.blocks) - 1, count - 1, -1):
             self._drop(index)
@@ -240,6 +244,7 @@ class BlockTable:
         if self.tail is not None:
             self.tails.give_tail(self.tail)
             self.tail = None
+            self.prev_group = None
 
     def _drop(self, index: int) -> None:
         block = self.blocks[index]

@@ -133,7 +133,8 @@ class Manifest:
 
 
 def _crc(data) -> int:
-    return _ext.crc32c(memoryview(np.ascontiguousarray(data)).cast("B"))
+    array = np.ascontiguousarray(data)
+    return _ext.crc32c(memoryview(array.reshape(-1).view(np.uint8)) if array.size else b"")
 
 
 def encode_manifest(m: Manifest) -> bytes:
