@@ -61,7 +61,8 @@ def test_json_object_yields_an_object_and_parallel_calls_each_validate(engine):
     both = Constraint.tool_calls(tools, parallel=True)
     r = engine.chat("c-calls", ASK, max_tokens=96, constraint=both)
     blocks = r.text.split("\n</tool_call>")
-    assert blocks[-1] == "" and len(blocks) >= 2
+    # Every complete call validates; a reply cut by max_tokens may end inside one more.
+    assert len(blocks) >= 2 and (blocks[-1] == "" or r.finish_reason == "length")
     for block in blocks[:-1]:
         call = json.loads(block.strip().removeprefix("<tool_call>\n"))
         jsonschema.validate(call["arguments"], tools[call["name"]])

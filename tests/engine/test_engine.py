@@ -534,12 +534,12 @@ def test_an_agent_stored_in_another_format_is_converted_once(fresh_engine, tmp_p
         {"role": "user", "content": "Another?"},
     ]
     r2 = eng8.chat("fmt", follow, max_tokens=6)
-    assert r2.stats.cache == "warm" and r2.stats.kv_format == "q8"
-    assert "converted from the stored q4 KV format to q8" in r2.stats.reuse_note
+    assert r2.stats.cache == "warm" and r2.stats.kv_format == "q8.v2"
+    assert "converted from the stored q4.v2 KV format to q8.v2" in r2.stats.reuse_note
     assert r2.stats.reused_tokens == r.stats.prompt_tokens + r.stats.generated_tokens - 1
     eng8.flush()
     manifest, _ = eng8.store.read_manifest("fmt")
-    assert manifest.quant.label == "q8"  # saved in the new format
+    assert manifest.quant.label == "q8.v2"  # saved in the new format
     eng8.close()
     again = fresh_engine(kv_bits=8).chat(
         "fmt", follow + [{"role": "assistant", "content": r2.text}], max_tokens=2

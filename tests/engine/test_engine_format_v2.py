@@ -42,7 +42,7 @@ def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_p
 
 @pytest.mark.slow
 def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_engine, tmp_path):
-    v1 = fresh_engine(cache_dir=tmp_path / "kv")
+    v1 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1)
     first = v1.chat("conv", PROMPT, max_tokens=8)
     v1.close()
     v2 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2)
@@ -64,6 +64,6 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_
         {"role": "assistant", "content": again.text},
         {"role": "user", "content": "Thanks."},
     ]
-    back = fresh_engine(cache_dir=tmp_path / "kv").chat("conv", history, max_tokens=2)
+    back = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1).chat("conv", history, max_tokens=2)
     assert back.stats.cache == "warm"
     assert "converted from the stored q4.v2 KV format to q4" in back.stats.reuse_note

@@ -133,14 +133,28 @@ def held_kv(eng: Engine, agent: str, tokens: int) -> tuple[list[np.ndarray], int
     [heads, n, width]; and the first token its sliding layers still hold (the rows of the
     blocks before it were handed back when the window passed them)."""
     table = eng.residency.get(agent).table
-    return table_arrays(eng.pool, table, tokens), table.window_from * BLOCK_TOKENS
+    arrays = table_arrays(eng.pool, table, tokens)
+    arena = eng.pool.arena
+    if arena.ct:  # format 2: the filling group's keys are the tail's, not the arena rows'
+        full = tokens // arena.ct * arena.ct
+        per_layer = len(arena.components)
+        arrays = [
+            a[:, :full] if i % per_layer < arena.key_parts else a for i, a in enumerate(arrays)
+        ]
+        arrays += list(arena.read_tail(table.tail, tokens - full))
+    return arrays, table.window_from * BLOCK_TOKENS
 
 
 def kept_rows(eng: Engine, arrays: list[np.ndarray], first: int) -> list[np.ndarray]:
-    """``arrays`` with the sliding layers' rows before ``first`` cut."""
-    per_layer = len(arrays) // eng.spec.num_layers
+    """``arrays`` with the sliding layers' rows before ``first`` cut (format 2's tails, after
+    every layer's components, are the tokens after the last whole group: kept as they are)."""
+    per_layer = len(eng.pool.arena.components)
     sliding = [layer.kind is LayerKind.SLIDING for layer in eng.spec.layers]
-    return [a[:, first:] if sliding[i // per_layer] else a for i, a in enumerate(arrays)]
+    layers = eng.spec.num_layers
+    return [
+        a[:, first:] if i < layers * per_layer and sliding[i // per_layer] else a
+        for i, a in enumerate(arrays)
+    ]
 
 
 def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
@@ -154,7 +168,7 @@ def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
         assert sliding == [WINDOW] * kinds.count(LayerKind.SLIDING)
         assert spec.attention_sinks is sinks
         assert (spec.key_head_dim, spec.value_head_dim) == (head_dim, head_dim)
-        assert eng.quant.group_size == group and eng.quant.label == "q4"
+        assert eng.quant.group_size == group and eng.quant.label == "q4.v2"
         config = {**COMMON, **ARCHITECTURES[name]}
         assert eng.loaded.query_heads == config["num_attention_heads"]  # sizes prefill chunks
         assert eng.context_limit == config["max_position_embeddings"]
@@ -224,7 +238,8 @@ def test_saved_kv_reloads_identically(arch, tmp_path):
         first = max(first_before, first_after)
         assert first < size
         before, after = kept_rows(eng, before, first), kept_rows(eng, after, first)
-    assert len(before) == len(after) == eng.spec.num_layers * len(eng.pool.arena.components)
+    tails = eng.spec.num_layers if eng.pool.arena.ct else 0
+    assert len(before) == len(after) == eng.spec.num_layers * len(eng.pool.arena.components) + tails
     for i, (want, got) in enumerate(zip(before, after)):
         assert mx.array_equal(mx.array(got), mx.array(want)), f"array {i}"
 
@@ -240,7 +255,7 @@ def test_the_group_size_fits_the_head_dim(arch, tmp_path):
     with pytest.raises(InvalidRequestError, match="head dim 32 does not split into groups of 64"):
         Engine(model=str(model), cache_dir=tmp_path / "kv", group_size=64, warmup=False)
     with Engine(model=str(model), cache_dir=tmp_path / "kv", kv_bits=8, warmup=False) as eng:
-        assert (eng.quant.group_size, eng.quant.label) == (32, "q8")
+        assert (eng.quant.group_size, eng.quant.label) == (32, "q8.v2")
 
 
 @pytest.mark.slow

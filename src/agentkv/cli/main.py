@@ -46,18 +46,20 @@ def _engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> N
         type=int,
         default=None,
         choices=(2, 3, 4, 5, 6, 8, 16),
-        help="bits for keys only (default: --kv-bits); keys are the more sensitive: "
-        "--key-bits 8 with 4-bit values costs ~1%% perplexity where all-4-bit costs ~18%% "
-        "on the embedded model (benchmarks/RESULTS.md)",
+        help="bits for keys only (default: --kv-bits); keys are the more sensitive: on the "
+        "embedded model at 2K context --key-bits 8 with 4-bit values costs ~0.4%% perplexity "
+        "where all-4-bit costs ~2.5%% (format 2; format 1: ~1%% and ~18%%; "
+        "benchmarks/RESULTS.md)",
     )
     parser.add_argument(
         "--kv-format",
         type=int,
         default=None,
         choices=(1, 2),
-        help="stored KV layout: 2 keeps keys rotated and quantized per channel (the same "
-        "bytes, a fraction of 1's quality loss at 4 bits; docs/kv-format-v2.md), 1 per token "
-        "(default: the engine's); agents stored in the other convert once",
+        help="stored KV layout (default 2): 2 keeps keys rotated and quantized per channel "
+        "(the same bytes as 1; at 4 bits +2.5%% perplexity where 1, per-token keys, costs "
+        "+18%% on the embedded model; docs/kv-format-v2.md); agents stored in the other "
+        "convert once",
     )
 
 

@@ -91,9 +91,11 @@ class Engine:
 
     ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
     float16); ``group_size``: values per scale (None: fitted to the head dims).
-    ``kv_format=2`` keeps keys rotated and quantized per channel (docs/kv-format-v2.md:
-    the same bytes, a fraction of format 1's quality loss at 4 bits; the CPU kernels only
-    so far); agents stored in the other format convert once.
+    ``kv_format`` (default 2) is the stored layout: 2 keeps keys rotated and quantized per
+    channel (docs/kv-format-v2.md: the same bytes as 1, at 4 bits +2.5% perplexity on the
+    embedded model where 1, per-token keys, costs +18%); agents stored in the other format
+    convert once. Where format 2 cannot hold a model's KV (16-bit or 3/5/6-bit keys, a
+    head dim that is not a power of two) the engine uses 1.
     """
 
     def __init__(
@@ -112,7 +114,7 @@ class Engine:
         max_queue: int = 64,
         schedule: str = "interleave",
         warmup: bool = True,
-        kv_format: int = 1,
+        kv_format: int = 2,
     ):
         # Checked before the model loads; the group size is fitted to its head dims after.
         wanted = KVQuant.from_bits(
