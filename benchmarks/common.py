@@ -105,18 +105,19 @@ def extend_table(pool, table, ids, *, seed: int = 0):
     """Append ``ids`` to ``table`` with random KV (as ``synthetic_table``)."""
     import mlx.core as mx
 
-    spec, arena, quant = pool.spec, pool.arena, pool.quant
+    from agentkv.pool.arena import WritePlan
+
+    spec, arena = pool.spec, pool.arena
     mx.random.seed(seed)
     for at in range(0, len(ids), 2048):
         n = min(2048, len(ids) - at)
         start = table.length
         table.grow(n, arena.copy_rows)
-        rows = mx.array(arena.write_rows([table.blocks], [start], n))
+        plan = WritePlan(arena, [table], [start], n)  # the pool's format, as a forward pass
         for layer in range(spec.num_layers):
             k = mx.random.normal((1, spec.kv_heads, n, spec.key_head_dim))
             v = mx.random.normal((1, spec.kv_heads, n, spec.value_head_dim))
-            parts = (*quant.quantize(k, quant.key_bits), *quant.quantize(v, quant.value_bits))
-            arena.write(layer, parts, rows)
+            arena.append(layer, k, v, plan)
         arena.settle()
         table.written(ids[at : at + n])
     return table

@@ -1,8 +1,9 @@
 """Reload: agentkv load-to-ready vs mlx-lm's load_prompt_cache vs the page-cache limit.
 
-For each size, the same Q4 cache content (the embedded model's geometry: 30
-layers, 3 KV heads, head dim 64; synthetic values: load time does not depend on
-them) is stored twice: as an agentkv agent (its complete blocks in shared block
+For each size and KV format (1, and 2: the engine's default, whose manifest also carries
+the float16 keys of the channel group still filling), the same Q4 cache content (the
+embedded model's geometry: 30 layers, 3 KV heads, head dim 64; synthetic values: load time
+does not depend on them) is stored twice: as an agentkv agent (its complete blocks in shared block
 files, its tail in a segment) and as an mlx-lm prompt-cache file of
 QuantizedKVCache layers; ``agentkv_load_prompt_cache_ms`` is that mlx-lm file
 read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader).
@@ -52,104 +53,111 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
 
     from agentkv import load_prompt_cache as agentkv_load_prompt_cache
     from agentkv.kv.blocks import BLOCK_TOKENS
-    from agentkv.kv.quant import KVQuant
+    from agentkv.kv.quant import V2, KVQuant
     from agentkv.model.load import load_model
     from agentkv.pool import KVPool
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 
     progress("reload: loading the embedded model for its cache geometry...")
     spec = load_model().spec
-    quant = KVQuant(4, 4, 64)
     rows = []
+    formats = [(1, KVQuant(4, 4, 64)), (2, KVQuant(4, 4, 64, **V2))]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
-        store = AgentStore(Path(tmp) / "kv", spec, "bench", quant)
-        store.ensure_layout()
-        for tokens in token_counts:
-            progress(f"reload: {tokens} tokens: building the cache...")
-            block_count = -(-tokens // BLOCK_TOKENS)
-            pool = KVPool(
-                spec,
-                quant,
-                pool_bytes=(block_count + 1) * BLOCK_TOKENS * spec.bytes_per_token(quant),
-            )
-            table = synthetic_table(pool, tokens, seed=tokens)
-            agent = f"reload-{tokens}"
-            ends = np.arange(1, tokens + 1)
-            job = build_save_job(
-                pool.arena,
-                table,
-                agent_id=agent,
-                keep=0,
-                tokens=table.token_ids(),
-                spans=np.stack([ends - 1, ends], axis=1),
-                text=b"x" * tokens,
-                messages=None,
-            )
-            store.write(job, DurableState())
-            mlx_file = Path(tmp) / f"mlx-lm-{tokens}.safetensors"
-            save_prompt_cache(str(mlx_file), _mlx_lm_caches(pool, table))
-            table.release()
-            del job
-            loader = KVPool(spec, quant, pool_bytes=pool.budget_bytes)  # the resuming process
+        for kv_format, quant in formats:
+            store = AgentStore(Path(tmp) / f"kv{kv_format}", spec, "bench", quant)
+            store.ensure_layout()
+            for tokens in token_counts:
+                progress(f"reload: {tokens} tokens: building the cache...")
+                block_count = -(-tokens // BLOCK_TOKENS)
+                pool = KVPool(
+                    spec,
+                    quant,
+                    pool_bytes=(block_count + 1) * BLOCK_TOKENS * spec.bytes_per_token(quant),
+                )
+                table = synthetic_table(pool, tokens, seed=tokens)
+                agent = f"reload-{tokens}"
+                ends = np.arange(1, tokens + 1)
+                job = build_save_job(
+                    pool.arena,
+                    table,
+                    agent_id=agent,
+                    keep=0,
+                    tokens=table.token_ids(),
+                    spans=np.stack([ends - 1, ends], axis=1),
+                    text=b"x" * tokens,
+                    messages=None,
+                )
+                store.write(job, DurableState())
+                mlx_file = Path(tmp) / f"mlx-lm-{tokens}.safetensors"
+                save_prompt_cache(str(mlx_file), _mlx_lm_caches(pool, table))
+                table.release()
+                del job
+                loader = KVPool(spec, quant, pool_bytes=pool.budget_bytes)  # the resuming process
 
-            def agentkv_load(agent=agent, loader=loader):
+                def agentkv_load(agent=agent, loader=loader, store=store):
+                    manifest, _ = store.read_manifest(agent)
+                    count = -(-manifest.token_count // BLOCK_TOKENS)
+                    sources = store.block_sources(manifest, agent, count)
+                    slots = [loader.blocks.allocate() for _ in sources]
+                    store.read_into(loader.arena, agent, list(zip(sources, slots)))
+                    if manifest.tail is not None:  # format 2: the filling group's keys
+                        tail = loader.arena.take_tail()
+                        loader.arena.write_tail(tail, manifest.tail)
+                        loader.arena.give_tail(tail)
+                    loader.blocks.release_all(slots)
+                    return slots
+
+                def mlx_lm_load(mlx_file=mlx_file):
+                    loaded = load_prompt_cache(str(mlx_file))
+                    mx.eval([(c.keys, c.values) for c in loaded])
+                    return loaded
+
+                def same_file_through_agentkv(mlx_file=mlx_file):
+                    loaded = agentkv_load_prompt_cache(str(mlx_file))
+                    mx.eval([(c.keys, c.values) for c in loaded])
+                    return loaded
+
                 manifest, _ = store.read_manifest(agent)
-                count = -(-manifest.token_count // BLOCK_TOKENS)
-                sources = store.block_sources(manifest, agent, count)
-                slots = [loader.blocks.allocate() for _ in sources]
-                store.read_into(loader.arena, agent, list(zip(sources, slots)))
-                loader.blocks.release_all(slots)
-                return slots
+                files = [store.file_path(agent, name) for name in sorted(manifest.segments)]
+                files.append(store.agent_dir(agent) / "manifest.safetensors")
+                for f in files + [mlx_file]:
+                    f.read_bytes()  # both files in the page cache before timing
+                buffer = bytearray(max(f.stat().st_size for f in files))
 
-            def mlx_lm_load(mlx_file=mlx_file):
-                loaded = load_prompt_cache(str(mlx_file))
-                mx.eval([(c.keys, c.values) for c in loaded])
-                return loaded
+                def read_files(files=files, buffer=buffer):
+                    for f in files:
+                        with open(f, "rb", buffering=0) as fh:
+                            fh.readinto(buffer)
 
-            def same_file_through_agentkv(mlx_file=mlx_file):
-                loaded = agentkv_load_prompt_cache(str(mlx_file))
-                mx.eval([(c.keys, c.values) for c in loaded])
-                return loaded
-
-            manifest, _ = store.read_manifest(agent)
-            files = [store.file_path(agent, name) for name in sorted(manifest.segments)]
-            files.append(store.agent_dir(agent) / "manifest.safetensors")
-            for f in files + [mlx_file]:
-                f.read_bytes()  # both files in the page cache before timing
-            buffer = bytearray(max(f.stat().st_size for f in files))
-
-            def read_files(files=files, buffer=buffer):
-                for f in files:
-                    with open(f, "rb", buffering=0) as fh:
-                        fh.readinto(buffer)
-
-            ours, theirs, reads, compat = [], [], [], []
-            for _ in range(repeats):  # in rotation, so each runs after the others' traffic
-                ours.append(timed(agentkv_load)[0])
-                theirs.append(timed(mlx_lm_load)[0])
-                reads.append(timed(read_files)[0])
-                compat.append(timed(same_file_through_agentkv)[0])
-            cache_bytes = sum(f.stat().st_size for f in files)
-            gbps = cache_bytes / median_ms(reads) / 1e6
-            row = {
-                "tokens": tokens,
-                "kv_bits": 4,
-                "cache_bytes": cache_bytes,
-                "agentkv_load_ms": median_ms(ours),
-                "mlx_lm_load_ms": median_ms(theirs),
-                "page_cache_read_ms": round(cache_bytes / gbps / 1e6, 3),
-                "agentkv_first_load_ms": round(ours[0] * 1000, 3),
-                "mlx_lm_first_load_ms": round(theirs[0] * 1000, 3),
-                "mlx_lm_file_bytes": mlx_file.stat().st_size,
-                "agentkv_load_prompt_cache_ms": median_ms(compat),
-                "page_cache_gbps": round(gbps, 2),
-            }
-            row["speedup_vs_mlx_lm"] = round(row["mlx_lm_load_ms"] / row["agentkv_load_ms"], 2)
-            row["vs_read_limit"] = round(row["agentkv_load_ms"] / row["page_cache_read_ms"], 2)
-            rows.append(row)
-            progress(
-                f"reload: {tokens} tokens: agentkv {row['agentkv_load_ms']} ms, "
-                f"mlx-lm {row['mlx_lm_load_ms']} ms, read limit {row['page_cache_read_ms']} ms"
-            )
+                ours, theirs, reads, compat = [], [], [], []
+                for _ in range(repeats):  # in rotation, so each runs after the others' traffic
+                    ours.append(timed(agentkv_load)[0])
+                    theirs.append(timed(mlx_lm_load)[0])
+                    reads.append(timed(read_files)[0])
+                    compat.append(timed(same_file_through_agentkv)[0])
+                cache_bytes = sum(f.stat().st_size for f in files)
+                gbps = cache_bytes / median_ms(reads) / 1e6
+                row = {
+                    "tokens": tokens,
+                    "kv_bits": 4,
+                    "kv_format": kv_format,
+                    "cache_bytes": cache_bytes,
+                    "agentkv_load_ms": median_ms(ours),
+                    "mlx_lm_load_ms": median_ms(theirs),
+                    "page_cache_read_ms": round(cache_bytes / gbps / 1e6, 3),
+                    "agentkv_first_load_ms": round(ours[0] * 1000, 3),
+                    "mlx_lm_first_load_ms": round(theirs[0] * 1000, 3),
+                    "mlx_lm_file_bytes": mlx_file.stat().st_size,
+                    "agentkv_load_prompt_cache_ms": median_ms(compat),
+                    "page_cache_gbps": round(gbps, 2),
+                }
+                row["speedup_vs_mlx_lm"] = round(row["mlx_lm_load_ms"] / row["agentkv_load_ms"], 2)
+                row["vs_read_limit"] = round(row["agentkv_load_ms"] / row["page_cache_read_ms"], 2)
+                rows.append(row)
+                progress(
+                    f"reload: format {kv_format}, {tokens} tokens: "
+                    f"agentkv {row['agentkv_load_ms']} ms, "
+                    f"mlx-lm {row['mlx_lm_load_ms']} ms, read limit {row['page_cache_read_ms']} ms"
+                )
     emit("reload", rows, as_json, {"repeats": repeats})
     return rows

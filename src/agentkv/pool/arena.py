@@ -240,25 +240,25 @@ class KVArena:
             self.tails[layer][put] = keys[:, :count].reshape(-1, keys.shape[-1]).astype(mx.float16)
         self.settle()
 
+    def _slot_views(self, slot: int) -> list[np.ndarray]:
+        """Each layer's rows of a tail slot as a writable NumPy view [heads, ct, key_dim] of
+        the evaluated tails (between steps: no MLX op, no copy)."""
+        mx.eval(self.tails)
+        first, last = slot * self.heads * self.ct, (slot + 1) * self.heads * self.ct
+        return [
+            np.asarray(memoryview(t))[first:last].reshape(self.heads, self.ct, -1)
+            for t in self.tails
+        ]
+
     def read_tail(self, slot: int, count: int) -> np.ndarray:
-        """Rows [0, count) of a tail slot: float16 [layers, heads, count, key_dim]."""
-        dim = self.spec.key_head_dim
-        if not count:
-            return np.zeros((self.spec.num_layers, self.heads, 0, dim), dtype=np.float16)
-        rows = self._tail_rows(slot, 0, count)
-        out = [self.tails[layer][rows] for layer in range(self.spec.num_layers)]
-        mx.eval(out)
-        return np.stack([np.asarray(a).reshape(self.heads, count, dim) for a in out])
+        """Rows [0, count) of a tail slot: float16 [layers, heads, count, key_dim] (a copy)."""
+        return np.stack([view[:, :count] for view in self._slot_views(slot)])
 
     def write_tail(self, slot: int, keys: np.ndarray) -> None:
-        """Set a tail slot's first rows from ``read_tail``'s layout."""
-        count = keys.shape[2]
-        if count:
-            put = self._tail_rows(slot, 0, count)
-            for layer in range(self.spec.num_layers):
-                rows = mx.array(keys[layer].reshape(-1, keys.shape[-1]))
-                self.tails[layer][put] = rows
-            self.settle()
+        """Set a tail slot's first rows from ``read_tail``'s layout (in place)."""
+        if keys.shape[2]:
+            for view, layer_keys in zip(self._slot_views(slot), keys):
+                view[:, : keys.shape[2]] = layer_keys
 
     @property
     def block_bytes(self) -> int:
