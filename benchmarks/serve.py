@@ -15,7 +15,9 @@ first text received).
   and is started again; every agent's first turn after the restart should
   find its cache on disk (``warm``). Requests/s and tokens/s count the time
   the server was up and serving (not the restart).
-* tools (``--tools``, instead of the two above): a tool round trip per agent -- a named
+* tools (``--tools``, instead of the two above): per round, decode tokens/s of a hot turn
+  under a ``response_format`` JSON schema vs a free one (client-side, after the first
+  token), and a tool round trip per agent -- a named
   ``tool_choice`` call (valid thanks to the tool-call grammar), the tool's result, the
   answer -- and the answer's TTFT (the turn after the tool result, hot: the call and its
   result re-render to the text the cache holds) against the same prompt sent cold (a new
@@ -58,8 +60,10 @@ def stream_turn(
     *,
     tools: list[dict] | None = None,
     salt: str | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """One streamed OpenAI chat turn; TTFT and counts as the client sees them."""
+    """One streamed OpenAI chat turn; TTFT and counts as the client sees them (``extra``:
+    more request fields, e.g. ``response_format``)."""
     import httpx
 
     if url not in _MODELS:
@@ -76,6 +80,7 @@ def stream_turn(
         body["tools"] = tools
     if salt is not None:
         body["cache_salt"] = salt
+    body.update(extra or {})
     sent = time.perf_counter()
     out = {"agent": agent, "ttft_s": None, "text": "", "error": None}
     try:
@@ -107,10 +112,32 @@ def stream_turn(
                             if out["ttft_s"] is None:
                                 out["ttft_s"] = time.perf_counter() - sent
                             out["text"] += piece
+                            out["last_s"] = time.perf_counter() - sent
     except Exception as exc:  # counted as an error, the run goes on
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["total_s"] = time.perf_counter() - sent
     return out
+
+
+def decode_tps(turn: dict) -> float | None:
+    """Tokens per second after the first one, as the client received them."""
+    tokens = (turn.get("usage") or {}).get("completion_tokens", 0)
+    if tokens < 2 or turn.get("ttft_s") is None or turn.get("last_s") is None:
+        return None
+    span = turn["last_s"] - turn["ttft_s"]
+    return round((tokens - 1) / span, 2) if span > 0 else None
+
+
+REPORT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "rain": {"type": "boolean"},
+        "advice": {"type": "string", "maxLength": 60},
+    },
+    "required": ["city", "rain", "advice"],
+    "additionalProperties": False,
+}
 
 
 def _long_prompt(paragraphs: int) -> list[dict]:
@@ -292,6 +319,24 @@ def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
             for r in (hot, cold):
                 if r["error"]:
                     raise RuntimeError(f"tools: {r['error']}")
+            # Decode under a JSON schema vs free, the same hot agent, the next two turns.
+            ask = messages + [
+                {"role": "assistant", "content": hot["text"]},
+                {"role": "user", "content": "Describe the weather in Paris for a traveller."},
+            ]
+            free = stream_turn(server.url, agent, ask, 64)
+            schema = {
+                "type": "json_schema",
+                "json_schema": {"name": "report", "schema": REPORT_SCHEMA, "strict": True},
+            }
+            bound_ask = ask + [
+                {"role": "assistant", "content": free["text"]},
+                {"role": "user", "content": "Now as a JSON report."},
+            ]
+            bound = stream_turn(server.url, agent, bound_ask, 48, extra={"response_format": schema})
+            for r in (free, bound):
+                if r["error"]:
+                    raise RuntimeError(f"tools: {r['error']}")
             rows.append(
                 {
                     "call_cache": call_headers.get("x-agentkv-cache"),
@@ -305,13 +350,22 @@ def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
                     "cold_cache": cold["cache"],
                     "cold_prefill_tokens": cold["agentkv"]["prefill_tokens"],
                     "cold_ttft_ms": round(cold["ttft_s"] * 1000, 1),
+                    "free_decode_tps": decode_tps(free),
+                    "json_schema_decode_tps": decode_tps(bound),
+                    "json_schema_valid": _valid_json(bound["text"]),
                 }
             )
     finally:
         server.stop()
     hot_ms = statistics.median(r["answer_ttft_ms"] for r in rows)
     cold_ms = statistics.median(r["cold_ttft_ms"] for r in rows)
+    ratios = [
+        r["json_schema_decode_tps"] / r["free_decode_tps"]
+        for r in rows
+        if r["json_schema_decode_tps"] and r["free_decode_tps"]
+    ]
     return {
+        "constrained_vs_free_decode": round(statistics.median(ratios), 3) if ratios else None,
         "rounds": rows,
         "answer_ttft_p50_ms": hot_ms,
         "cold_ttft_p50_ms": cold_ms,
@@ -320,6 +374,14 @@ def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
             (r["answer_cache"], r["answer_match"]) == ("hot", "extend") for r in rows
         ),
     }
+
+
+def _valid_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _percentile(sorted_values: list[float], pct: float) -> float:
@@ -383,6 +445,7 @@ def _run_tools(rounds: int, paragraphs: int, as_json: bool) -> dict:
             )
         print(
             f"answer after a tool result: TTFT p50 {t['answer_ttft_p50_ms']:.0f} ms hot vs "
-            f"{t['cold_ttft_p50_ms']:.0f} ms cold ({t['speedup']}x)"
+            f"{t['cold_ttft_p50_ms']:.0f} ms cold ({t['speedup']}x); decode under a JSON "
+            f"schema {t['constrained_vs_free_decode']}x free"
         )
     return result

@@ -382,7 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument(
         "--tools",
         action="store_true",
-        help="instead: tool round trips (call, result, answer); the answer's TTFT hot vs cold",
+        help="instead: tool round trips (call, result, answer), the answer's TTFT hot vs "
+        "cold; decode tokens/s under a JSON schema vs free",
     )
     serve_bench.add_argument(
         "--tool-rounds", type=_positive_int, default=5, help="round trips with --tools (default 5)"
