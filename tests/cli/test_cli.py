@@ -275,3 +275,17 @@ def test_bench_constrained_emits_its_json(python_env):
     )
     assert engines["rows"][0]["engine"].startswith("llguidance")
     assert engines["rows"][0]["schema_mask_us"] > 0
+
+
+@pytest.mark.slow
+def test_bench_serve_tools_emits_its_json(python_env):
+    out = agentkv(
+        "bench", "serve", "--tools", "--tool-rounds", "1", "--paragraphs", "6", "--json",
+        env=python_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    tools = json.loads(out.stdout)["tools"]
+    assert tools["all_hot_extend"] is True and tools["speedup"] > 1
+    (row,) = tools["rounds"]
+    assert row["json_schema_valid"] is True and row["free_decode_tps"] > 0
+    assert tools["constrained_vs_free_decode"] > 0
