@@ -41,7 +41,7 @@ from .errors import bad_request, openai_error_body
 from .identity import first_texts, resolve_agent
 from .messages import from_openai
 from .requests import TurnRequest
-from .tooling import CHOICES, ToolChoice, check_choice, check_function, check_unique
+from .tooling import ToolChoice, check_function, check_unique, openai_tool_choice
 
 ARGUMENT_PIECE = 16  # characters of arguments per streamed chunk
 
@@ -147,24 +147,21 @@ def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
                 )
             )
         check_unique(tools, "tools")
-    choice = req.tool_choice
-    if choice is None:
-        mode, name = ("auto" if tools else "none"), None
-    elif isinstance(choice, str):
-        if choice not in CHOICES:
-            raise bad_request(f"tool_choice must be one of {CHOICES} or a function", "tool_choice")
-        mode, name = choice, None
-    else:
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request(
-                "tool_choice must be {'type': 'function', 'function': {'name': ...}}",
-                "tool_choice",
-            )
-        mode = "named"
-    parallel = req.parallel_tool_calls is not False
-    return tools, check_choice(ToolChoice(mode, name, parallel), tools, "tool_choice")
+    choice = openai_tool_choice(
+        req.tool_choice,
+        tools,
+        req.parallel_tool_calls,
+        name_of=lambda c: (
+            c["function"].get("name") if isinstance(c.get("function"), dict) else None
+        ),
+        form="{'type': 'function', 'function': {'name': ...}}",
+    )
+    return tools, choice
+
+
+def _function_name(choice: dict):
+    function = choice.get("function")
+    return function.get("name") if isinstance(function, dict) else None
 
 
 def _calls(req: TurnRequest, parser: ReplyParser) -> list[ToolCall]:

@@ -55,11 +55,10 @@ from .messages import check_results, tool_call, tool_result
 from .requests import TurnRequest
 from .response_store import ResponseStore, valid_id
 from .tooling import (
-    CHOICES,
     ToolChoice,
-    check_choice,
     check_function,
     check_unique,
+    openai_tool_choice,
     parse_arguments,
 )
 
@@ -203,23 +202,14 @@ def _tools(req: _Responses) -> tuple[list[dict] | None, list[dict], ToolChoice |
             function = checked["function"]
             echo.append({"type": "function", **function, "strict": strict})
         check_unique(tools, "tools")
-    choice = req.tool_choice
-    if choice is None:
-        mode, name = ("auto" if tools else "none"), None
-    elif isinstance(choice, str):
-        if choice not in CHOICES:
-            raise bad_request(f"tool_choice must be one of {CHOICES} or a function", "tool_choice")
-        mode, name = choice, None
-    else:
-        name = choice.get("name")
-        if choice.get("type") != "function" or not isinstance(name, str):
-            raise bad_request(
-                "tool_choice must be none, auto, required or {'type': 'function', 'name': ...}",
-                "tool_choice",
-            )
-        mode = "named"
-    parallel = req.parallel_tool_calls is not False
-    return tools, echo, check_choice(ToolChoice(mode, name, parallel), tools, "tool_choice")
+    choice = openai_tool_choice(
+        req.tool_choice,
+        tools,
+        req.parallel_tool_calls,
+        name_of=lambda c: c.get("name"),
+        form="none, auto, required or {'type': 'function', 'name': ...}",
+    )
+    return tools, echo, choice
 
 
 def _format(text: dict | None) -> tuple[dict, Constraint | None]:

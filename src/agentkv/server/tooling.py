@@ -80,6 +80,25 @@ def check_unique(tools: list[dict], param: str) -> list[dict]:
     return tools
 
 
+def openai_tool_choice(choice, tools: list[dict], parallel_tool_calls, *, name_of, form: str):
+    """OpenAI's ``tool_choice`` (none / auto / required / a function), checked against
+    ``tools``. Chat Completions and Responses spell the named form apart: ``name_of`` reads
+    its name, ``form`` is what the error says it must be."""
+    if choice is None:
+        mode, name = ("auto" if tools else "none"), None
+    elif isinstance(choice, str):
+        if choice not in CHOICES:
+            raise bad_request(f"tool_choice must be one of {CHOICES} or a function", "tool_choice")
+        mode, name = choice, None
+    else:
+        name = name_of(choice)
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request(f"tool_choice must be {form}", "tool_choice")
+        mode = "named"
+    parallel = parallel_tool_calls is not False
+    return check_choice(ToolChoice(mode, name, parallel), tools, "tool_choice")
+
+
 def check_choice(choice: ToolChoice, tools: list[dict] | None, param: str) -> ToolChoice:
     if not tools and choice.mode in ("required", "named"):
         raise bad_request(f"{param} {choice.mode!r} needs tools", param)
