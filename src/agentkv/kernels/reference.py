@@ -18,7 +18,7 @@ def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
 def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
     """Each row's blocks gathered (``mx.take``) into a contiguous cache, then the
     ``mx.quantized_matmul`` attention of ``kv/attention.py``."""
-    from ..kv.attention import _channel_keys_as_float, quantized_attention
+    from ..kv.attention import channel_keys_as_float, quantized_attention
     from ..kv.quant import V2, KVQuant
 
     quant = KVQuant(paged.key_bits, paged.value_bits, paged.group)
@@ -44,7 +44,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
             slot = int(paged.tail_slots[b].item())
             tail = paged.tail[slot * heads * ct : (slot + 1) * heads * ct]
             tail = tail.reshape(1, heads, ct, -1)
-            keys, row_quant = _channel_keys_as_float(keys, tail, quant, None)
+            keys, row_quant = channel_keys_as_float(keys, tail, quant, None)
         q_pos = mx.arange(n - L, n)[:, None]
         mask = t[None, :] <= q_pos
         if paged.window:

@@ -82,7 +82,7 @@ def cache_attention(
     rotation is the caller's.
     """
     if quant.channel_keys and not fused_available(quant, queries, mask):
-        keys, quant = _channel_keys_as_float(keys, tail, quant, left_padding)
+        keys, quant = channel_keys_as_float(keys, tail, quant, left_padding)
     if fused_available(quant, queries, mask):
         from .. import _ext
 
@@ -107,7 +107,7 @@ def cache_attention(
     )
 
 
-def _channel_keys_as_float(keys: tuple, tail: mx.array, quant: KVQuant, left_padding):
+def channel_keys_as_float(keys: tuple, tail: mx.array, quant: KVQuant, left_padding):
     """Format-2 keys of a contiguous cache as float16 (the reference path): complete groups
     dequantized, the filling one from the tail. Returns (keys, the format to read them as)."""
     if left_padding is not None:

@@ -171,13 +171,13 @@ class AgentKVCache(CacheBase):
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """The held keys and values as float32 [1, heads, held, dim], in the model's space
         (format 2: per-channel groups and the tail read, the rotation undone)."""
-        from .attention import _channel_keys_as_float
+        from .attention import channel_keys_as_float
         from .quant import dequantize_tokens
 
         q = self.quant
         keys, values = self.keys_and_values()
         if q.channel_keys:
-            (k,), _ = _channel_keys_as_float(keys, self.tail, q, None)
+            (k,), _ = channel_keys_as_float(keys, self.tail, q, None)
             k = k.astype(mx.float32)
         else:
             k = dequantize_tokens(keys, q.key_bits, q.group_size)
