@@ -1,4 +1,6 @@
-"""BatchQuantizedKVCache: mlx-lm's BatchGenerator batching agentkv Q4 caches."""
+"""BatchQuantizedKVCache: mlx-lm's BatchGenerator batching agentkv Q4 caches, in format 1
+(per-token keys) and formats 2 / 3 (per-channel keys with each row's filling group in a
+float16 tail)."""
 
 import mlx.core as mx
 import numpy as np
@@ -8,7 +10,10 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V2, V3, KVQuant
+
+FORMATS = [KVQuant(), KVQuant(**V2), KVQuant(**V3)]
+IDS = ["v1", "v2", "v3"]
 
 CONTEXTS = [
     "The history of the harbour town begins with a fire. " * 12,
@@ -19,12 +24,12 @@ CONTEXTS = [
 FOLLOW = [" Then", " and the bread", " It is used", " the meeting"]
 
 
-@pytest.fixture(scope="module")
-def model_and_caches(engine):
+@pytest.fixture(scope="module", params=FORMATS, ids=IDS)
+def model_and_caches(engine, request):
     model, tok = engine.loaded.model, engine.loaded.tokenizer
     caches = []
     for text in CONTEXTS:
-        layer_caches = [AgentKVCache(KVQuant()) for _ in model.layers]
+        layer_caches = [AgentKVCache(request.param) for _ in model.layers]
         model(mx.array([tok.encode(text)]), cache=layer_caches)
         mx.eval([c.components for c in layer_caches])
         caches.append(layer_caches)
@@ -61,12 +66,14 @@ def test_batch_generator_equals_each_agent_alone(model_and_caches, agents):
     assert [got[u] for u in uids] == alone
 
 
-def test_the_batch_stays_quantized_and_rows_come_back_exactly():
+@pytest.mark.parametrize("quant", FORMATS, ids=IDS)
+def test_the_batch_stays_quantized_and_rows_come_back_exactly(quant):
     spec = synthetic_spec(layers=1, heads=2)
-    rows = [positional_caches(spec, n)[0] for n in (300, 17, 0, 512)]
+    rows = [positional_caches(spec, n, quant)[0] for n in (300, 17, 0, 512)]
     batch = AgentKVCache.merge(rows)
     assert isinstance(batch, BatchQuantizedKVCache)
-    assert [x.dtype for x in batch.keys] == [mx.uint32, mx.float16, mx.float16]
+    want = [mx.uint32, mx.float16, mx.float16] + [mx.float16] * quant.token_scales
+    assert [x.dtype for x in batch.keys] == want
     assert batch.left_padding.tolist() == [212, 495, 512, 0]
     assert batch.offset.tolist() == [300, 17, 0, 512]
     for i, original in enumerate(rows):
@@ -75,11 +82,17 @@ def test_the_batch_stays_quantized_and_rows_come_back_exactly():
         if original.held:
             for x, y in zip(held_arrays(original), held_arrays(back)):
                 assert np.array_equal(x, y)
+        if quant.channel_keys and original.held:
+            n = original.offset % quant.channel_tokens
+            assert np.array_equal(
+                np.array(original.tail[..., :n, :]), np.array(back.tail[..., :n, :])
+            )
 
 
-def test_update_filter_extend_and_mask():
+@pytest.mark.parametrize("quant", FORMATS, ids=IDS)
+def test_update_filter_extend_and_mask(quant):
     spec = synthetic_spec(layers=1, heads=2)
-    a, b = (positional_caches(spec, n)[0] for n in (40, 10))
+    a, b = (positional_caches(spec, n, quant)[0] for n in (40, 10))
     batch = BatchQuantizedKVCache.merge([a, b])
     mask = batch.make_mask(3)
     assert mask.shape == (2, 1, 3, 43)
@@ -93,23 +106,45 @@ def test_update_filter_extend_and_mask():
         assert np.array_equal(x, y)
     batch.filter([1])  # the padding row 0 needed is dropped with it
     assert batch.left_padding.tolist() == [0] and batch.size() == 13
-    other = BatchQuantizedKVCache.merge([positional_caches(spec, 20)[0]])
+    other = BatchQuantizedKVCache.merge([positional_caches(spec, 20, quant)[0]])
     batch.extend(other)
     assert batch.left_padding.tolist() == [7, 0] and batch.offset.tolist() == [13, 20]
     for x, y in zip(held_arrays(solo), held_arrays(batch.extract(0))):
         assert np.array_equal(x, y)
 
 
-def test_state_round_trip_then_one_more_step_is_identical():
+@pytest.mark.parametrize("quant", FORMATS, ids=IDS)
+def test_state_round_trip_then_one_more_step_is_identical(quant):
     spec = synthetic_spec(layers=1, heads=2)
-    batch = AgentKVCache.merge([positional_caches(spec, n)[0] for n in (33, 70)])
+    batch = AgentKVCache.merge([positional_caches(spec, n, quant)[0] for n in (33, 70)])
     clone = BatchQuantizedKVCache.from_state(batch.state)
     step = mx.random.normal((2, 2, 1, 64))
     k1, v1 = batch.update_and_fetch(step, step)
     k2, v2 = clone.update_and_fetch(step, step)
     for x, y in zip((*k1, *v1), (*k2, *v2)):
         assert mx.array_equal(x, y)
-    single = positional_caches(spec, 33)[0]
+    single = positional_caches(spec, 33, quant)[0]
     again = AgentKVCache.from_state(single.state)
     for x, y in zip(held_arrays(single), held_arrays(again)):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("quant", FORMATS[1:], ids=IDS[1:])
+def test_a_trim_into_a_group_leaves_each_row_as_its_cache_alone(quant):
+    """Per-channel rows cut inside a quantized group get its kept keys back in their tails,
+    and the next tokens complete the group with the same bits as each cache alone."""
+    spec = synthetic_spec(layers=1, heads=2)
+    rows = [positional_caches(spec, n, quant)[0] for n in (150, 90)]
+    batch = AgentKVCache.merge(rows)
+    assert batch.trim(30) == 30  # row 0: 150 -> 120, inside [64, 128); row 1: 90 -> 60
+    new = mx.random.normal((2, 2, 10, 64))
+    batch.update_and_fetch(new, new)
+    for i, original in enumerate(rows):
+        alone = AgentKVCache.from_state(original.state)
+        alone.trim(30)
+        alone.update_and_fetch(new[i : i + 1], new[i : i + 1])
+        back = batch.extract(i)
+        for x, y in zip(held_arrays(alone), held_arrays(back)):
+            assert np.array_equal(x, y)
+        n = alone.offset % quant.channel_tokens
+        assert np.array_equal(np.array(alone.tail[..., :n, :]), np.array(back.tail[..., :n, :]))

@@ -97,8 +97,3 @@ def test_mlx_lm_reads_what_save_prompt_cache_writes_for_format_2(tmp_path, quant
     want, _ = _kv_for(spec, 0, 0, 300, rng=None, positional=True)
     assert float(mx.abs(k - want).max()) < 0.25  # requantized per token: format 1's error
 
-
-def test_mlx_lm_batching_of_format_2_caches_is_refused_clearly():
-    spec = synthetic_spec(layers=1, heads=2)
-    with pytest.raises(NotImplementedError, match="format 2"):
-        AgentKVCache.merge([contiguous(spec, 70), contiguous(spec, 90)])

@@ -12,6 +12,14 @@ between agents and batches through the merge/extract kernels::
 
 ``offset[b]`` is the absolute position of row b's next token (agents differ),
 and masks work in buffer rows, where every row's distances are its own.
+
+Formats 2 and 3 (per-channel keys, ``quant.channel_keys``): a row's channel groups start at
+its first token (``left_padding[b]``), as in its own cache; the group still filling is row
+b of ``tails`` [B, heads, ct, key_dim] (float16), quantized when it completes. While
+mlx-lm runs a right-padded prompt (``prepare(right_padding=...)`` .. ``finalize``), the
+padding a row gets at its end never joins its groups: only a row's own tokens are written
+to its keys, and each row attends alone over its own rows (the same computation as the
+agent's cache alone). ``finalize`` rolls the padding to the left, groups and all.
 """
 
 from __future__ import annotations
@@ -23,7 +31,15 @@ from ..kernels import RowSource
 from .attention import cache_attention, remember_mask
 from .base import CacheBase
 from .blocks import BLOCK_TOKENS
-from .quant import KVQuant
+from .quant import KVQuant, hadamard
+
+
+def _stack_tails(tails: list) -> mx.array | None:
+    """Rows' tails [1, heads, ct, dim] as one [B, ...] (zeros for a row without one yet)."""
+    shape = next((t.shape for t in tails if t is not None), None)
+    if shape is None:
+        return None
+    return mx.concatenate([mx.zeros(shape, mx.float16) if t is None else t for t in tails])
 
 
 def _capacity(rows: int) -> int:
@@ -42,6 +58,8 @@ class BatchQuantizedKVCache(CacheBase):
         self.offset = mx.array([-p for p in left_padding], dtype=mx.int32)
         self._idx = 0
         self._right_padding = None
+        self.tails: mx.array | None = None  # channel keys: each row's filling group
+        self._prompt: tuple[int, list[int]] | None = None  # right-padded: (first row, lengths)
 
     # -- building ---------------------------------------------------------------
 
@@ -51,16 +69,17 @@ class BatchQuantizedKVCache(CacheBase):
         quant, window = caches[0].quant, caches[0].window
         if any(c.quant != quant for c in caches):
             raise ValueError("caches in one batch must share a storage format")
-        if quant.channel_keys:
-            raise NotImplementedError(
-                "mlx-lm's batch generation over KV format 2 (per-channel keys) is not supported "
-                "yet; use format 1 caches (AgentKVCache(KVQuant(4, 4))) or agentkv's Engine, "
-                "whose block pool batches format 2"
+        if quant.channel_keys and any(c.start % quant.channel_tokens for c in caches):
+            raise ValueError(
+                "a per-channel cache whose first held token is not on a channel group cannot "
+                "join a batch"
             )
         held = [c.held for c in caches]
         used = max(held)
         batch = cls(quant, [used - h for h in held], window=window)
         batch.offset = mx.array([c.offset for c in caches], dtype=mx.int32)
+        if quant.channel_keys:
+            batch.tails = _stack_tails([c.tail for c in caches])
         if used == 0:
             return batch
         rows = [(c.components, 0, 0, h) for c, h in zip(caches, held)]
@@ -96,24 +115,78 @@ class BatchQuantizedKVCache(CacheBase):
     # -- the cache protocol -------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        q = self.quant
+        if q.channel_keys:
+            return self._update_channels(q.rotated(keys), q.rotated(values))
         n = keys.shape[2]
         q_keys = self.quant.quantize(keys, self.quant.key_bits)
         q_values = self.quant.quantize(values, self.quant.value_bits)
-        if self.keys is None or self._idx + n > self.capacity:
-            capacity = _capacity(self._idx + n)
+        self._store(q_keys, q_values, n)
+        return self.keys_and_values()
 
-            def grow(old, new):
-                grown = mx.zeros((*new.shape[:2], capacity, new.shape[-1]), dtype=new.dtype)
-                if old is not None and self._idx:
-                    grown[..., : self._idx, :] = old[..., : self._idx, :]
-                return grown
-
-            old = self.components or [None] * (len(q_keys) + len(q_values))
-            self._set(tuple(grow(o, x) for o, x in zip(old, (*q_keys, *q_values))), self._idx)
+    def _store(self, q_keys: tuple, q_values: tuple, n: int) -> None:
+        """Write n new rows of every component at ``_idx`` (growing the buffers)."""
+        self._grow(n, (*q_keys, *q_values))
         lo, hi = self._idx, self._idx + n
         for dst, src in zip(self.components, (*q_keys, *q_values)):
             dst[..., lo:hi, :] = src
         self._idx = hi
+        self.offset = self.offset + n
+
+    def _grow(self, n: int, parts: tuple) -> None:
+        """Room for n more rows; ``parts``: one array per component (dtypes and widths)."""
+        if self.keys is not None and self._idx + n <= self.capacity:
+            return
+        capacity = _capacity(self._idx + n)
+
+        def grow(old, new):
+            grown = mx.zeros((*new.shape[:2], capacity, new.shape[-1]), dtype=new.dtype)
+            if old is not None and self._idx:
+                grown[..., : self._idx, :] = old[..., : self._idx, :]
+            return grown
+
+        old = self.components or [None] * len(parts)
+        self._set(tuple(grow(o, x) for o, x in zip(old, parts)), self._idx)
+
+    def _row_end(self, b: int, idx: int) -> int:
+        """Where row b's own tokens end when the buffers hold ``idx`` rows (before the
+        padding of a right-padded prompt)."""
+        if self._prompt is None:
+            return idx
+        first, lengths = self._prompt
+        return first + min(lengths[b], idx - first)
+
+    def _update_channels(self, keys: mx.array, values: mx.array):
+        """Formats 2/3: values per token; each row's own new keys join its tail, and the
+        groups they complete are quantized into its rows (as its cache alone would)."""
+        q, ct = self.quant, self.quant.channel_tokens
+        b_rows, heads, n, dim = keys.shape
+        q_values = q.quantize(values, q.value_bits)
+        template = q.quantize_channels(mx.zeros((b_rows, heads, ct, dim), mx.float16))
+        self._grow(n, (*template, *q_values))
+        lo = self._idx
+        for dst, src in zip(self.values, q_values):
+            dst[..., lo : lo + n, :] = src
+        if self.tails is None:
+            self.tails = mx.zeros((b_rows, heads, ct, dim), mx.float16)
+        new = keys.astype(mx.float16)
+        pads = self.left_padding.tolist()
+        for b in range(b_rows):
+            start = self._row_end(b, lo)
+            own = self._row_end(b, lo + n) - start
+            if own == 0:
+                continue
+            r = (start - pads[b]) % ct
+            row = new[b : b + 1, :, :own]
+            source = mx.concatenate([self.tails[b : b + 1, :, :r], row], axis=2) if r else row
+            full = (r + own) // ct * ct
+            if full:
+                first = start - r
+                for dst, src in zip(self.keys, q.quantize_channels(source[..., :full, :])):
+                    dst[b : b + 1, :, first : first + full, :] = src
+            if r + own > full:
+                self.tails[b : b + 1, :, : r + own - full, :] = source[..., full:, :]
+        self._idx = lo + n
         self.offset = self.offset + n
         return self.keys_and_values()
 
@@ -126,16 +199,62 @@ class BatchQuantizedKVCache(CacheBase):
         )
 
     def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        return cache_attention(
-            queries,
-            keys,
-            values,
-            scale=scale,
-            mask=mask,
-            quant=self.quant,
-            sinks=sinks,
-            left_padding=self.left_padding,
-        )
+        q = self.quant
+        if not q.channel_keys:
+            return cache_attention(
+                queries,
+                keys,
+                values,
+                scale=scale,
+                mask=mask,
+                quant=q,
+                sinks=sinks,
+                left_padding=self.left_padding,
+            )
+        queries = hadamard(queries) if q.rotate else queries  # q.(H k) == (H q).(H k)
+        if self._prompt is None:
+            out = cache_attention(
+                queries, keys, values, scale=scale, mask=mask, quant=q, sinks=sinks,
+                left_padding=self.left_padding, tail=self.tails,
+            )  # fmt: skip
+        else:
+            out = self._rows_alone(queries, scale=scale, sinks=sinks)
+        return hadamard(out) if q.rotate else out  # values are stored as H v
+
+    def _rows_alone(self, queries, *, scale, sinks):
+        """A right-padded prompt: each row's own queries over its own rows, as its cache
+        alone computes them; the padding's queries get zeros (mlx-lm drops them)."""
+        from mlx_lm.models.base import create_causal_mask
+
+        n = queries.shape[2]
+        pads = self.left_padding.tolist()
+        outs = []
+        for b in range(queries.shape[0]):
+            end = self._row_end(b, self._idx)
+            own = end - (self._idx - n)
+            out = None
+            if own > 0:
+                held = end - pads[b]
+                mask = None if own == 1 and not self.window else "causal"
+                if self.window:
+                    mask = remember_mask(
+                        create_causal_mask(own, offset=held - own, window_size=self.window),
+                        self.window,
+                    )
+                out = cache_attention(
+                    queries[b : b + 1, :, :own],
+                    tuple(x[b : b + 1, :, pads[b] : end] for x in self.keys),
+                    tuple(x[b : b + 1, :, pads[b] : end] for x in self.values),
+                    scale=scale, mask=mask, quant=self.quant, sinks=sinks,
+                    tail=self.tails[b : b + 1],
+                )  # fmt: skip
+            if own < n:
+                v0, bits = self.values[0], self.quant.value_bits
+                dim_v = v0.shape[-1] if bits == 16 else v0.shape[-1] * 32 // bits
+                rest = mx.zeros((1, queries.shape[1], n - max(own, 0), dim_v), mx.float32)
+                out = rest if out is None else mx.concatenate([out, rest], axis=2)
+            outs.append(out)
+        return mx.concatenate(outs)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
         from mlx_lm.models.base import create_causal_mask
@@ -155,6 +274,10 @@ class BatchQuantizedKVCache(CacheBase):
             self.offset = self.offset - extra
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding, dtype=mx.int32)
+            if self.quant.channel_keys:
+                if lengths is None:
+                    lengths = [max(right_padding) - p for p in right_padding]
+                self._prompt = (self._idx, [int(n) for n in lengths])
 
     def finalize(self):
         """After a right-padded prompt: roll each row so its padding is on the left."""
@@ -169,6 +292,7 @@ class BatchQuantizedKVCache(CacheBase):
         self.offset = self.offset - padding
         self.left_padding = self.left_padding + padding
         self._right_padding = None
+        self._prompt = None
 
     def filter(self, batch_indices) -> None:
         """Keep only these rows (in place), dropping padding no row needs any more."""
@@ -184,6 +308,8 @@ class BatchQuantizedKVCache(CacheBase):
         used = max(lengths, default=0)
         self.left_padding = mx.array([used - n for n in lengths], dtype=mx.int32)
         self._merge_rows([(self.components, i, pads[i], n) for i, n in zip(indices, lengths)], used)
+        if self.tails is not None:
+            self.tails = self.tails[mx.array(indices)] if indices else None
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
         """Append the rows of ``other`` (in place)."""
@@ -194,6 +320,14 @@ class BatchQuantizedKVCache(CacheBase):
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.array([used - n for *_, n in rows], dtype=mx.int32)
         self._merge_rows(rows, used)
+        if self.quant.channel_keys:
+            mine_t = [
+                None if self.tails is None else self.tails[i : i + 1] for i in range(len(mine))
+            ]
+            theirs_t = [
+                None if other.tails is None else other.tails[i : i + 1] for i in range(len(theirs))
+            ]
+            self.tails = _stack_tails(mine_t + theirs_t)
 
     def extract(self, idx: int):
         """Row ``idx`` as that agent's ``AgentKVCache`` (the extract kernel, one pass)."""
@@ -212,10 +346,24 @@ class BatchQuantizedKVCache(CacheBase):
                 tuple(arrays[: len(self.keys)]),
                 tuple(arrays[len(self.keys) :]),
             )
+        if self.quant.channel_keys and self.tails is not None:
+            cache.tail = mx.array(self.tails[idx : idx + 1])
         return cache
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
+        q = self.quant
+        if q.channel_keys and n and self.keys is not None:
+            # A row cut inside a quantized group gets the group's kept keys back in its tail
+            # (dequantized, as its own cache's trim does).
+            ct, keep = q.channel_tokens, self._idx - n
+            for b, pad in enumerate(self.left_padding.tolist()):
+                done, kept = (self._idx - pad) // ct * ct, keep - pad
+                if kept > 0 and kept < done and kept % ct:
+                    first = pad + kept // ct * ct
+                    group = tuple(x[b : b + 1, :, first : first + ct, :] for x in self.keys)
+                    floats = q.dequantize_keys(group)[..., : kept % ct, :]
+                    self.tails[b : b + 1, :, : kept % ct, :] = floats.astype(mx.float16)
         self._idx -= n
         self.offset = self.offset - n
         return n
@@ -234,7 +382,7 @@ class BatchQuantizedKVCache(CacheBase):
     def state(self):
         keys, values = self.keys_and_values() if self.keys is not None else (None, None)
         q = self.quant
-        return (
+        state = (
             keys,
             values,
             self.offset,
@@ -245,15 +393,26 @@ class BatchQuantizedKVCache(CacheBase):
             q.value_bits,
             q.group_size,
         )
+        if not q.channel_keys:
+            return state
+        return (*state, q.channel_tokens, int(q.rotate), int(q.token_scales), self.tails)
 
     @state.setter
     def state(self, v):
-        keys, values, self.offset, self.left_padding, self._idx, window, *bits = v
-        self.quant = KVQuant(*bits)
+        keys, values, self.offset, self.left_padding, self._idx, window, *fmt = v
+        self.tails = None
+        if len(fmt) > 3:  # per-channel keys: channel tokens, rotation, token scales, tails
+            ct, rotate, token_scales, self.tails = fmt[3:7]
+            extra = {"key_scheme": "channel", "rotate": bool(int(rotate))}
+            extra |= {"channel_tokens": int(ct), "token_scales": bool(int(token_scales))}
+            self.quant = KVQuant(*(int(x) for x in fmt[:3]), **extra)
+        else:
+            self.quant = KVQuant(*(int(x) for x in fmt))
         self.window = window or None
         self.keys = tuple(keys) if keys is not None else None
         self.values = tuple(values) if values is not None else None
         self._right_padding = None
+        self._prompt = None
 
     @classmethod
     def from_state(cls, state) -> BatchQuantizedKVCache:

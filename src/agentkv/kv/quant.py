@@ -276,6 +276,8 @@ V3 = {**V2, "token_scales": True}  # KVQuant(**V3): format 3 at 4 bits
 def hadamard(x: mx.array) -> mx.array:
     """``x`` times the orthonormal Walsh-Hadamard matrix of its last axis (fast transform;
     H is symmetric and its own inverse)."""
+    if x.size == 0:  # no tokens: MLX's transform refuses empty arrays
+        return x
     return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
 
 
