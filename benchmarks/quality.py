@@ -36,8 +36,6 @@ from pathlib import Path
 from .common import emit, median_ms, progress, timed
 from .kv_candidates import texts
 
-V3 = {"key_scheme": "channel", "rotate": True, "token_scales": True}  # agentkv.kv.quant.V3
-
 FORMATS = {  # name: KVQuant arguments
     "fp16": {"key_bits": 16, "value_bits": 16},
     "q8": {"key_bits": 8, "value_bits": 8},
@@ -47,8 +45,6 @@ FORMATS = {  # name: KVQuant arguments
     "k16v4": {"key_bits": 16, "value_bits": 4},
     "q4.v2": {"key_bits": 4, "value_bits": 4, "key_scheme": "channel", "rotate": True},
     "k8v4.v2": {"key_bits": 8, "value_bits": 4, "key_scheme": "channel", "rotate": True},
-    "q4.v3": {"key_bits": 4, "value_bits": 4, **V3},
-    "k8v4.v3": {"key_bits": 8, "value_bits": 4, **V3},
 }
 
 

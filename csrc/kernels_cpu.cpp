@@ -38,8 +38,8 @@ void paged_attention_point(const float* q, const uint32_t* kw, const uint16_t* k
                            const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
                            const uint16_t* vb, const int* tables, const int* lengths,
                            const int* dims, const float* sinks, const float* scale,
-                           const uint16_t* tail, const int* tail_slots, const uint16_t* kt,
-                           float* out, uint3 thread_position_in_grid) {
+                           const uint16_t* tail, const int* tail_slots, float* out,
+                           uint3 thread_position_in_grid) {
 #include "kernels/paged_attention.metal"
 }
 
@@ -94,18 +94,15 @@ struct Column {
 
 mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables_in,
-                          const mx::array& lengths_in, const std::array<int, 15>& dims,
+                          const mx::array& lengths_in, const std::array<int, 14>& dims,
                           const std::optional<mx::array>& sinks_in, float scale_value, int threads,
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in) {
-  const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
-              group, window, has_sinks, channel_tokens, has_token_scales] = dims;
-  if (keys.size() != (has_token_scales ? 4u : 3u) || values.size() != 3 ||
-      (has_token_scales && channel_tokens == 0)) {
-    throw std::invalid_argument(
-        "paged attention: keys and values are words, scales, biases (keys of format 3 also "
-        "token scales)");
+  if (keys.size() != 3 || values.size() != 3) {
+    throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
+  const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
+              group, window, has_sinks, channel_tokens] = dims;
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8; };
   if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
       dim > 256 || dim_v < 1 || dim_v > 256 || block_tokens < 1 || !supported(kbits) ||
@@ -128,11 +125,9 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
   }
   mx::array tail =
       tail_in ? mx::contiguous(mx::view(*tail_in, mx::uint16)) : mx::zeros({1}, mx::uint16);
-  mx::array kt =
-      has_token_scales ? mx::contiguous(mx::view(keys[3], mx::uint16)) : mx::zeros({1}, mx::uint16);
   mx::array tail_slots = tail_slots_in ? mx::contiguous(mx::astype(*tail_slots_in, mx::int32))
                                        : mx::zeros({n_rows}, mx::int32);
-  std::vector<mx::array> to_eval = {q, tables, lengths, sinks, tail, tail_slots, kt};
+  std::vector<mx::array> to_eval = {q, tables, lengths, sinks, tail, tail_slots};
   to_eval.insert(to_eval.end(), parts.begin(), parts.end());
   mx::eval(to_eval);
   if (q.size() != static_cast<size_t>(n_rows) * q_heads * n_queries * dim ||
@@ -141,9 +136,6 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     throw std::invalid_argument("paged attention: queries, tables or lengths do not match dims");
   }
   const uint64_t rows = parts[0].size() / (dim * kbits / 32);
-  if (has_token_scales && kt.size() != rows) {
-    throw std::invalid_argument("paged attention: one token scale per key row");
-  }
   const int* tbl = tables.data<int>();
   const int* len = lengths.data<int>();
   if (channel_tokens > 0) {
@@ -179,7 +171,7 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
                           parts[2].data<uint16_t>(), parts[3].data<uint32_t>(),
                           parts[4].data<uint16_t>(), parts[5].data<uint16_t>(), tbl, len,
                           dims.data(), sinks.data<float>(), scale, tail.data<uint16_t>(),
-                          tail_slots.data<int>(), kt.data<uint16_t>(), out.data<float>(), point);
+                          tail_slots.data<int>(), out.data<float>(), point);
   });
   return out;
 }

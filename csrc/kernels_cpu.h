@@ -17,7 +17,7 @@ namespace mx = mlx::core;
 // kernels/paged_attention.metal over its grid: dims as the body documents them.
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
-                          const mx::array& lengths, const std::array<int, 15>& dims,
+                          const mx::array& lengths, const std::array<int, 14>& dims,
                           const std::optional<mx::array>& sinks, float scale, int threads,
                           const std::optional<mx::array>& tail = std::nullopt,
                           const std::optional<mx::array>& tail_slots = std::nullopt);

@@ -126,12 +126,6 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     for (int i = 0; i < 3 && !paged; ++i) {
       v.s_strides[i] = parts[1].strides()[i];
     }
-    if (parts.size() == 4) {  // format 3: token scales
-      v.token_scales = parts[3].data<uint16_t>();
-      for (int i = 0; i < 3 && !paged; ++i) {
-        v.t_strides[i] = parts[3].strides()[i];
-      }
-    }
     v.dim = first.shape(-1) * 32 / bits;
   }
 
@@ -225,17 +219,6 @@ class QuantizedAttention : public mx::UnaryPrimitive {
 
 namespace {
 
-// Keys: 1 part (float16), 3 (words, scales, biases) or, per-channel only, 4 (and float16
-// token scales of width 1; `ndim`: 4 contiguous, 2 paged).
-bool parts_ok(const std::vector<mx::array>& keys, int bits, int channel_tokens, int ndim) {
-  if (keys.size() == 4) {
-    const mx::array& t = keys[3];
-    return bits != 16 && channel_tokens > 0 && t.ndim() == ndim && t.dtype().size() == 2 &&
-           t.shape(-1) == 1;
-  }
-  return keys.size() == (bits == 16 ? 1u : 3u);
-}
-
 // The head dimension stored in one kind's components; throws unless they agree.
 int head_dim(const std::vector<mx::array>& parts, int bits, int group, int per_scale = 0) {
   per_scale = per_scale > 0 ? per_scale : group;
@@ -281,9 +264,8 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
         "fused attention: per-channel keys need channel_tokens 32 or 64, quantized keys and "
         "a tail");
   }
-  if (!parts_ok(keys, key_bits, channel_tokens, 4) ||
-      values.size() != (value_bits == 16 ? 1u : 3u)) {
-    throw std::invalid_argument("fused attention: wrong number or kind of key or value components");
+  if (keys.size() != (key_bits == 16 ? 1u : 3u) || values.size() != (value_bits == 16 ? 1u : 3u)) {
+    throw std::invalid_argument("fused attention: wrong number of key or value components");
   }
   if (queries.dtype() != mx::float32 || queries.ndim() != 4) {
     throw std::invalid_argument("fused attention: queries must be float32 [B, Hq, L, D]");
@@ -362,9 +344,8 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
         "paged attention: per-channel keys need channel_tokens 32 or 64 dividing the block, "
         "quantized keys, a tail and tail_slots");
   }
-  if (!parts_ok(keys, key_bits, channel_tokens, 2) ||
-      values.size() != (value_bits == 16 ? 1u : 3u)) {
-    throw std::invalid_argument("paged attention: wrong number or kind of key or value components");
+  if (keys.size() != (key_bits == 16 ? 1u : 3u) || values.size() != (value_bits == 16 ? 1u : 3u)) {
+    throw std::invalid_argument("paged attention: wrong number of key or value components");
   }
   if (queries.dtype() != mx::float32 || queries.ndim() != 4) {
     throw std::invalid_argument("paged attention: queries must be float32 [B, Hq, L, D]");

@@ -13,19 +13,16 @@
 //          vs, vb  half[rows * Dv / group]
 //          tables  int[B * M]    row b's blocks, in token order
 //          lengths int[B]        tokens of row b, these queries included
-//          dims    int[15]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
-//                                group, window (0: none), has_sinks, channel_tokens,
-//                                has_token_scales
+//          dims    int[14]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
+//                                group, window (0: none), has_sinks, channel_tokens
 //          sinks   float[Hq]     (read only if has_sinks)
 //          scale   float[1]
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
 //          tail_slots int[B]
-//          kt      half[rows]    key token scales (read only if has_token_scales)
 // Per-channel keys (KV format 2, channel_tokens > 0): ks/kb hold one scale and bias per
 // channel per group of channel_tokens tokens, spread over the group's rows (D /
 // channel_tokens per row); the tokens after the row's last complete group are float16
 // keys in its tail slot. Rotation (format 2) is the caller's: queries in, output out.
-// Format 3 (has_token_scales): a key row reads back as kt[row] * (x * scale + bias).
 // output:  out     float[B * Hq * L * Dv]
 // grid:    (L, Hq, B)
 const int n_rows = dims[0];
@@ -42,7 +39,6 @@ const int group = dims[10];
 const int window = dims[11];
 const int has_sinks = dims[12];
 const int channel_tokens = dims[13];
-const int has_token_scales = dims[14];
 const int i = (int)thread_position_in_grid.x;
 const int h = (int)thread_position_in_grid.y;
 const int b = (int)thread_position_in_grid.z;
@@ -105,9 +101,6 @@ for (int t = lo; t <= p; ++t) {
       const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
       const unsigned int g = first + (unsigned int)d;
       s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
-    }
-    if (has_token_scales) {
-      s *= kv_half(kt[row]);
     }
   } else {
     for (int d = 0; d < dim; ++d) {

@@ -156,23 +156,6 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
   }
 }
 
-// Format 3: where the token scales of rows [t0, t1) of batch row b, KV head h are.
-void token_scale_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* out) {
-  if (a.tables != nullptr) {
-    const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
-    for (int t = t0; t < t1; ++t) {
-      out[t - t0] =
-          (static_cast<int64_t>(table[t / a.block_tokens]) * a.kv_heads + h) * a.block_tokens +
-          t % a.block_tokens;
-    }
-    return;
-  }
-  const int64_t base = b * a.k.t_strides[0] + h * a.k.t_strides[1];
-  for (int t = t0; t < t1; ++t) {
-    out[t - t0] = base + t * a.k.t_strides[2];
-  }
-}
-
 // Per-channel keys: where rows [t0, t1) of batch row b, KV head h lie in the float16 tail
 // (-1: a whole group, in the arena or cache). Contiguous caches: row b's tail is slot b.
 void tail_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* out) {

@@ -44,10 +44,6 @@ struct KVView {
   // tail_slots[b] (paged) or b (contiguous: tail [B, Hkv, channel_tokens, D]).
   int channel_tokens = 0;
   const uint16_t* tail = nullptr;
-  // Format 3: a float16 token scale per key row (paged: element `row`; contiguous: strides
-  // below) multiplies the row's dequantized channels. Null: format 2.
-  const uint16_t* token_scales = nullptr;
-  int64_t t_strides[3] = {0, 0, 0};
 };
 
 // Paged caches hold every token row of a block together, per head:

@@ -1,7 +1,6 @@
-"""KV formats 2 and 3 (per-channel rotated keys; 3 with token scales) through the engine on
-the embedded model: a restart resumes exactly where a hot agent stands (the float16 tail of
-the filling channel group is saved in the manifest), and agents stored in format 1 convert
-once."""
+"""KV format 2 (per-channel rotated keys) through the engine on the embedded model: a restart
+resumes exactly where a hot agent stands (the float16 tail of the filling channel group is
+saved in the manifest), and agents stored in format 1 convert once."""
 
 import pytest
 
@@ -19,24 +18,22 @@ def follow_up(reply: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_format", [2, 3])
-def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_path, kv_format):
-    label = f"q4.v{kv_format}"
-    hot = fresh_engine(cache_dir=tmp_path / "hot", kv_format=kv_format)
-    assert hot.quant.label == label
+def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_path):
+    hot = fresh_engine(cache_dir=tmp_path / "hot", kv_format=2)
+    assert hot.quant.label == "q4.v2"
     first = hot.chat("v2", PROMPT, max_tokens=12)
-    assert first.stats.kv_format == label
+    assert first.stats.kv_format == "q4.v2"
     stored = first.stats.prompt_tokens + first.stats.generated_tokens - 1
     assert stored % 64  # the last channel group is still filling: its keys are the tail
     second_hot = hot.chat("v2", follow_up(first.text), max_tokens=12)
     assert second_hot.stats.cache == "hot"
 
-    before = fresh_engine(cache_dir=tmp_path / "warm", kv_format=kv_format)
+    before = fresh_engine(cache_dir=tmp_path / "warm", kv_format=2)
     assert before.chat("v2", PROMPT, max_tokens=12).text == first.text
     before.close()
-    after = fresh_engine(cache_dir=tmp_path / "warm", kv_format=kv_format)
+    after = fresh_engine(cache_dir=tmp_path / "warm", kv_format=2)
     manifest, _ = after.store.read_manifest("v2")
-    assert manifest.quant.label == label and manifest.tail.shape[2] == stored % 64
+    assert manifest.quant.label == "q4.v2" and manifest.tail.shape[2] == stored % 64
     second_warm = after.chat("v2", follow_up(first.text), max_tokens=12)
     assert second_warm.stats.cache == "warm"
     assert second_warm.stats.reused_tokens == stored
@@ -44,28 +41,24 @@ def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_format", [2, 3])
-def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(
-    fresh_engine, tmp_path, kv_format
-):
-    label = f"q4.v{kv_format}"
+def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_engine, tmp_path):
     v1 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1)
     first = v1.chat("conv", PROMPT, max_tokens=8)
     v1.close()
-    v2 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=kv_format)
+    v2 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2)
     second = v2.chat("conv", follow_up(first.text), max_tokens=8)
     assert second.stats.cache == "warm"
-    assert f"converted from the stored q4 KV format to {label}" in second.stats.reuse_note
+    assert "converted from the stored q4 KV format to q4.v2" in second.stats.reuse_note
     v2.flush()
     manifest, _ = v2.store.read_manifest("conv")
-    assert manifest.quant.label == label
+    assert manifest.quant.label == "q4.v2"
     v2.close()
     history = follow_up(first.text) + [{"role": "assistant", "content": second.text}]
-    again = fresh_engine(cache_dir=tmp_path / "kv", kv_format=kv_format).chat(
+    again = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2).chat(
         "conv", history + [{"role": "user", "content": "And Spain?"}], max_tokens=2
     )
     assert again.stats.cache == "warm" and again.stats.reuse_note is None
-    # An engine in format 1 converts it back (dequantized, rotated back) once.
+    # An engine in format 1 converts format 2 back (dequantized, rotated back) once.
     history += [
         {"role": "user", "content": "And Spain?"},
         {"role": "assistant", "content": again.text},
@@ -73,4 +66,4 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(
     ]
     back = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1).chat("conv", history, max_tokens=2)
     assert back.stats.cache == "warm"
-    assert f"converted from the stored {label} KV format to q4" in back.stats.reuse_note
+    assert "converted from the stored q4.v2 KV format to q4" in back.stats.reuse_note

@@ -134,8 +134,7 @@ __global__ void paged_attention(const float* q, const uint32_t* kw, const __half
                                 const __half* kb, const uint32_t* vw, const __half* vs,
                                 const __half* vb, const int* tables, const int* lengths,
                                 const int* dims, const float* sinks, const float* scale,
-                                const __half* tail, const int* tail_slots, const __half* kt,
-                                float* out) {{
+                                const __half* tail, const int* tail_slots, float* out) {{
 {preamble}{paged}
 }}
 template __global__ void merge<uint32_t>(const uint32_t*, const uint32_t*, const int*, const int*,

@@ -1,15 +1,14 @@
-"""KV formats 2 and 3 in the pool (docs/kv-format-v2.md): keys rotated by H and quantized per
-channel over each complete group of ``channel_tokens`` tokens (format 3: each key row divided by
-its float16 token scale first), the group still filling kept in float16 in the table's tail
-slot; values rotated, quantized per token. Attention over it rotates the queries and the
-output, and equals attention over what is stored. Each test runs on both formats."""
+"""KV format 2 in the pool (docs/kv-format-v2.md): keys rotated by H and quantized per channel
+over each complete group of ``channel_tokens`` tokens, the group still filling kept in float16
+in the table's tail slot; values rotated, quantized per token. Attention over it rotates the
+queries and the output, and equals attention over what is stored."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import _kv_for, fill_table, synthetic_spec, table_arrays
 
-from agentkv.kv.quant import V2, V3, KVQuant, dequantize_tokens, hadamard
+from agentkv.kv.quant import V2, KVQuant, dequantize_tokens, hadamard
 from agentkv.pool import KVPool
 from agentkv.pool.arena import WritePlan
 from agentkv.pool.step import PagedStep
@@ -17,20 +16,8 @@ from agentkv.pool.step import PagedStep
 V2Q = KVQuant(**V2)
 
 
-@pytest.fixture(params=[V2, V3], ids=["v2", "v3"])
-def quant(request):
-    return KVQuant(**request.param)
-
-
-def pool_for(spec, quant, blocks=24):
+def pool_for(spec, quant=V2Q, blocks=24):
     return KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * 256 * blocks)
-
-
-def layer_parts(pool, arrays, layer: int, kind: str):
-    """One layer's key (or value) components out of ``table_arrays``."""
-    per, kp = len(pool.arena.arrays[0]), pool.quant.key_parts
-    first = layer * per
-    return arrays[first : first + kp] if kind == "k" else arrays[first + kp : first + per]
 
 
 def stored_keys(pool, table, layer: int) -> np.ndarray:
@@ -38,43 +25,42 @@ def stored_keys(pool, table, layer: int) -> np.ndarray:
     dequantized from the arena, the rest from the tail."""
     n, ct = table.length, pool.arena.ct
     full = n // ct * ct
-    parts = layer_parts(pool, table_arrays(pool, table, n), layer, "k")
+    parts = table_arrays(pool, table, n)[layer * 6 : layer * 6 + 3]
     keys = np.array(pool.quant.dequantize_keys(tuple(mx.array(p[:, :full]) for p in parts)))
     tail = pool.arena.read_tail(table.tail, n - full)[layer].astype(np.float32)
     return np.concatenate([keys, tail], axis=1)
 
 
 def stored_values(pool, table, layer: int) -> np.ndarray:
-    parts = layer_parts(pool, table_arrays(pool, table), layer, "v")
+    parts = table_arrays(pool, table)[layer * 6 + 3 : layer * 6 + 6]
     return np.array(dequantize_tokens(tuple(mx.array(p) for p in parts), 4, 64))
 
 
-def test_complete_groups_are_quantized_per_channel_and_the_filling_group_kept_in_float16(quant):
+def test_complete_groups_are_quantized_per_channel_and_the_filling_group_kept_in_float16():
     spec = synthetic_spec(layers=2, heads=3)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     table = fill_table(pool, 300, positional=True)  # chunks of 197 and 103: groups straddle
     arrays = table_arrays(pool, table)
     for layer in range(2):
         k, v = _kv_for(spec, layer, 0, 300, rng=None, positional=True)
         rotated = hadamard(k).astype(mx.float16)[0]  # [heads, 300, dim]
-        parts = quant.quantize_channels(rotated[:, :256])
-        got = layer_parts(pool, arrays, layer, "k")
-        assert len(parts) == len(got) == (4 if quant.token_scales else 3)
-        for want, have in zip(parts, got):
+        words, scales, biases = V2Q.quantize_channels(rotated[:, :256])
+        got = arrays[layer * 6 : layer * 6 + 3]
+        for want, have in zip((words, scales, biases), got):
             np.testing.assert_array_equal(np.array(want), have[:, :256])
         tail = pool.arena.read_tail(table.tail, 300 - 256)[layer]
         np.testing.assert_array_equal(tail, np.array(rotated[:, 256:]))
-        values = quant.quantize(hadamard(v), 4)
-        for want, have in zip(values, layer_parts(pool, arrays, layer, "v")):
+        values = V2Q.quantize(hadamard(v), 4)
+        for want, have in zip(values, arrays[layer * 6 + 3 : layer * 6 + 6]):
             np.testing.assert_array_equal(np.array(want[0]), have)
         # What is stored reads back close to the keys: 4 bits per channel of a sine.
         back = hadamard(mx.array(stored_keys(pool, table, layer)))
         assert float(mx.abs(back - k[0]).max()) < 0.15
 
 
-def test_the_stored_bits_do_not_depend_on_how_tokens_arrive(quant):
+def test_the_stored_bits_do_not_depend_on_how_tokens_arrive():
     spec = synthetic_spec(layers=1, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     chunked = fill_table(pool, 150, positional=True)
     single = pool.new_table(pool.seed("one by one"))
     for start in range(150):
@@ -115,9 +101,9 @@ def reference_attention(pool, tables, queries, scale):
 
 
 @pytest.mark.parametrize("count", [1, 5])
-def test_paged_attention_equals_attention_over_what_is_stored(count, quant):
+def test_paged_attention_equals_attention_over_what_is_stored(count):
     spec = synthetic_spec(layers=1, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     lengths = [300, 64, 127]  # a tail of 44, a group just complete, a tail of 63
     tables = [fill_table(pool, n, seed=i) for i, n in enumerate(lengths)]
     for t in tables:
@@ -140,11 +126,11 @@ def test_paged_attention_equals_attention_over_what_is_stored(count, quant):
     assert pool.arena.copies == 0
 
 
-def test_a_row_gives_the_same_bits_alone_or_batched(quant):
+def test_a_row_gives_the_same_bits_alone_or_batched():
     spec = synthetic_spec(layers=1, heads=2)
     outs = {}
     for batched in (True, False):
-        pool = pool_for(spec, quant)
+        pool = pool_for(spec)
         tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 70])]
         rng = np.random.default_rng(3)
         k = mx.array(rng.standard_normal((2, 2, 1, 64)).astype(np.float32))
@@ -165,9 +151,9 @@ def test_a_row_gives_the_same_bits_alone_or_batched(quant):
     np.testing.assert_array_equal(outs[True], outs[False])
 
 
-def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it(quant):
+def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it():
     spec = synthetic_spec(layers=2, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     free = len(pool.arena._free_tails)
     table = fill_table(pool, 300, positional=True)
     twin = table.fork()
@@ -186,10 +172,7 @@ def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it(quant):
         after = stored_keys(pool, twin, layer)
         np.testing.assert_array_equal(after[:, :128], before[layer][:, :128])
         k, _ = _kv_for(spec, layer, 0, 200, rng=None, positional=True)
-        # Quantized twice: format 3's token scales of the refilled rows move a little, so
-        # its second grid is not the first one.
-        bound = 0.2 if quant.token_scales else 0.15
-        assert float(mx.abs(hadamard(mx.array(after)) - k[0]).max()) < bound
+        assert float(mx.abs(hadamard(mx.array(after)) - k[0]).max()) < 0.15
     table.release()
     twin.release()
     assert len(pool.arena._free_tails) == free
@@ -197,7 +180,7 @@ def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it(quant):
 
 def test_tails_grow_past_the_first_slots_without_moving_live_data():
     spec = synthetic_spec(layers=1, heads=1)
-    pool = pool_for(spec, V2Q, blocks=40)
+    pool = pool_for(spec, blocks=40)
     tables = [fill_table(pool, 70, seed=i) for i in range(20)]  # more than 16 first slots
     tails = [pool.arena.read_tail(t.tail, 6) for t in tables]
     more = [fill_table(pool, 70, seed=100 + i) for i in range(5)]
@@ -223,26 +206,18 @@ def test_format_2_is_refused_where_it_cannot_run():
         == 40
     )
     assert KVQuant(**V2).label == "q4.v2" and KVQuant().label == "q4"
-    assert KVQuant(**V3).label == "q4.v3" and KVQuant(**V3).version == 3
     assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant()
-    assert KVQuant.from_dict(KVQuant(**V2).to_dict()) == KVQuant(**V2)
-    assert KVQuant.from_dict(KVQuant(**V3).to_dict()) == KVQuant(**V3)
-    # Format 3: a float16 token scale per key row, 2 bytes per head and token more.
-    assert KVQuant(**V3).bytes_per_token(30, 3, 64, 64) == 6_660
-    assert KVQuant(**V2).bytes_per_token(30, 3, 64, 64) == 6_480
-    with pytest.raises(InvalidRequestError, match="token scales go with the channel"):
-        KVQuant(token_scales=True)
 
 
 @pytest.mark.parametrize("window", [0, 100])
-def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window, quant):
+def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window):
     """kernels/paged_attention.metal (compiled for CPU through the shim: the Metal and CUDA
     body) and the MLX reference, against the fused CPU kernel, on tables with tails."""
     from agentkv import kernels
     from agentkv.kv.attention import paged_attention
 
     spec = synthetic_spec(layers=1, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     lengths = [300, 64, 127, 5]
     tables = [fill_table(pool, n, seed=i) for i, n in enumerate(lengths)]
     for t in tables:
@@ -255,7 +230,7 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
     pool.arena.settle()
     args = dict(
         tables=step.tables, lengths=step.lengths, kv_heads=2, block_tokens=256, scale=0.125,
-        quant=quant, window=window, tail=pool.arena.tails[0], tail_slots=step.plan.tail_slots,
+        quant=V2Q, window=window, tail=pool.arena.tails[0], tail_slots=step.plan.tail_slots,
     )  # fmt: skip
     fused = paged_attention(q, keys, values, **args)
     paged = kernels.PagedQuery(
@@ -270,16 +245,16 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
 
 
 @pytest.mark.parametrize("tokens", [256, 300])  # no keys in the tail; 44 in it
-def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, tokens, quant):
+def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, tokens):
     from helpers import text_for
 
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 
     spec = synthetic_spec(layers=2, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     table = fill_table(pool, tokens, positional=True)
     ids, spans, text = text_for(tokens)
-    store = AgentStore(tmp_path, spec, "synthetic", quant)
+    store = AgentStore(tmp_path, spec, "synthetic", V2Q)
     store.ensure_layout()
     job = build_save_job(
         pool.arena, table, agent_id="a", keep=0, tokens=table.token_ids(), spans=spans,
@@ -287,7 +262,7 @@ def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, t
     )  # fmt: skip
     store.write(job, DurableState())
     manifest, _ = store.read_manifest("a")
-    assert manifest.quant == quant and manifest.tail.shape == (2, 2, tokens % 64, 64)
+    assert manifest.quant == V2Q and manifest.tail.shape == (2, 2, tokens % 64, 64)
     np.testing.assert_array_equal(manifest.tail, pool.arena.read_tail(table.tail, tokens % 64))
     caches = store.load_caches(manifest, "a", tokens)
     for layer, cache in enumerate(caches):
@@ -296,11 +271,11 @@ def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, t
         np.testing.assert_allclose(np.array(keys[0]), np.array(want), atol=2e-3)
 
 
-def test_a_trim_back_into_the_last_completed_group_restores_its_keys_exactly(quant):
+def test_a_trim_back_into_the_last_completed_group_restores_its_keys_exactly():
     """A reply cancelled after its tokens completed a group: the kept keys come back from the
     float16 copy of that group, bit for bit what a table that never went past them holds."""
     spec = synthetic_spec(layers=2, heads=2)
-    pool = pool_for(spec, quant)
+    pool = pool_for(spec)
     table = fill_table(pool, 120, positional=True)  # group [64, 128) still filling
     fill_table(pool, 140, positional=True, table=table)  # completes it
     table.trim(120)

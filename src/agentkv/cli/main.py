@@ -55,7 +55,7 @@ def _engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> N
         "--kv-format",
         type=int,
         default=None,
-        choices=(1, 2, 3),
+        choices=(1, 2),
         help="stored KV layout (default 2): 2 keeps keys rotated and quantized per channel "
         "(the same bytes as 1; at 4 bits +2.5%% perplexity where 1, per-token keys, costs "
         "+18%% on the embedded model; docs/kv-format-v2.md); agents stored in the other "

@@ -129,8 +129,8 @@ class Engine:
             raise InvalidRequestError("max_batch and max_queue must be >= 1")
         if schedule not in POLICIES:
             raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
-        if kv_format not in (1, 2, 3):
-            raise InvalidRequestError(f"kv_format must be 1, 2 or 3, not {kv_format!r}")
+        if kv_format not in (1, 2):
+            raise InvalidRequestError(f"kv_format must be 1 or 2, not {kv_format!r}")
         if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
             raise InvalidRequestError("pool_bytes must be a positive number of bytes")
         with ProgressBar(2, "starting the engine", unit="step") as bar:

@@ -87,7 +87,6 @@ def _kernel(backend: str, name: str, sources: int = 0):
             "scale",
             "tail",
             "tail_slots",
-            "kt",
         ],
         "merge": [f"src{i}" for i in range(sources)] + ["rows", "dims"],
         "extract": ["batch", "meta", "dims"],
@@ -127,7 +126,7 @@ def for_backend(backend: str) -> SimpleNamespace:
         return kernel(
             inputs=[
                 queries.astype(mx.float32),
-                *paged.keys[:3],
+                *paged.keys,
                 *paged.values,
                 paged.tables.astype(mx.int32),
                 paged.lengths.astype(mx.int32),
@@ -136,7 +135,6 @@ def for_backend(backend: str) -> SimpleNamespace:
                 mx.array([scale], dtype=mx.float32),
                 paged.tail if paged.tail is not None else mx.zeros((1,), mx.float16),
                 paged.tail_slots if paged.tail_slots is not None else mx.zeros((B,), mx.int32),
-                paged.keys[3] if len(paged.keys) == 4 else mx.zeros((1,), mx.float16),
             ],
             grid=(L, q_heads, B),
             threadgroup=(min(L, 32), 1, 1),

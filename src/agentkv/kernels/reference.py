@@ -25,7 +25,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     if paged.channel_tokens:
         quant = KVQuant(
             paged.key_bits, paged.value_bits, paged.group, **V2,
-            channel_tokens=paged.channel_tokens, token_scales=len(paged.keys) == 4,
+            channel_tokens=paged.channel_tokens,
         )  # fmt: skip
     B, _, L, _ = queries.shape
     heads, block = paged.kv_heads, paged.block_tokens

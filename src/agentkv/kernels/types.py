@@ -11,8 +11,7 @@ class PagedQuery(NamedTuple):
     """What paged attention reads besides the queries: the pool's arenas of one layer and
     the batch's block tables (see kernels/paged_attention.metal)."""
 
-    keys: tuple[mx.array, ...]  # words, scales, biases (format 3: token scales): [blocks *
-    # kv_heads * 256, ...]
+    keys: tuple[mx.array, ...]  # words, scales, biases: [blocks * kv_heads * 256, ...]
     values: tuple[mx.array, ...]
     tables: mx.array  # int32 [B, max blocks]
     lengths: mx.array  # int32 [B], the queries included
@@ -49,7 +48,6 @@ class PagedQuery(NamedTuple):
             self.window,
             int(self.sinks is not None),
             self.channel_tokens,
-            int(len(self.keys) == 4),
         )
 
 

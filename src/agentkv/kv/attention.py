@@ -121,9 +121,7 @@ def channel_keys_as_float(keys: tuple, tail: mx.array, quant: KVQuant, left_padd
     if held > full:
         parts.append(tail[..., : held - full, :].astype(mx.float32))
     floats = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-    return (floats.astype(mx.float16),), replace(
-        quant, key_bits=FLOAT_BITS, key_scheme="token", token_scales=False
-    )
+    return (floats.astype(mx.float16),), replace(quant, key_bits=FLOAT_BITS, key_scheme="token")
 
 
 def paged_fused_available(quant: KVQuant, queries: mx.array) -> bool:

@@ -13,7 +13,7 @@ between agents and batches through the merge/extract kernels::
 ``offset[b]`` is the absolute position of row b's next token (agents differ),
 and masks work in buffer rows, where every row's distances are its own.
 
-Formats 2 and 3 (per-channel keys, ``quant.channel_keys``): a row's channel groups start at
+Format 2 (per-channel keys, ``quant.channel_keys``): a row's channel groups start at
 its first token (``left_padding[b]``), as in its own cache; the group still filling is row
 b of ``tails`` [B, heads, ct, key_dim] (float16), quantized when it completes. While
 mlx-lm runs a right-padded prompt (``prepare(right_padding=...)`` .. ``finalize``), the
@@ -157,7 +157,7 @@ class BatchQuantizedKVCache(CacheBase):
         return first + min(lengths[b], idx - first)
 
     def _update_channels(self, keys: mx.array, values: mx.array):
-        """Formats 2/3: values per token; each row's own new keys join its tail, and the
+        """Format 2: values per token; each row's own new keys join its tail, and the
         groups they complete are quantized into its rows (as its cache alone would)."""
         q, ct = self.quant, self.quant.channel_tokens
         b_rows, heads, n, dim = keys.shape
@@ -395,16 +395,16 @@ class BatchQuantizedKVCache(CacheBase):
         )
         if not q.channel_keys:
             return state
-        return (*state, q.channel_tokens, int(q.rotate), int(q.token_scales), self.tails)
+        return (*state, q.channel_tokens, int(q.rotate), self.tails)
 
     @state.setter
     def state(self, v):
         keys, values, self.offset, self.left_padding, self._idx, window, *fmt = v
         self.tails = None
-        if len(fmt) > 3:  # per-channel keys: channel tokens, rotation, token scales, tails
-            ct, rotate, token_scales, self.tails = fmt[3:7]
+        if len(fmt) > 3:  # per-channel keys: channel tokens, rotation, tails
+            ct, rotate, self.tails = fmt[3:6]
             extra = {"key_scheme": "channel", "rotate": bool(int(rotate))}
-            extra |= {"channel_tokens": int(ct), "token_scales": bool(int(token_scales))}
+            extra["channel_tokens"] = int(ct)
             self.quant = KVQuant(*(int(x) for x in fmt[:3]), **extra)
         else:
             self.quant = KVQuant(*(int(x) for x in fmt))

@@ -275,8 +275,7 @@ class AgentKVCache(CacheBase):
     @property
     def state(self):
         """mlx-lm 0.32.2's convention: arrays and scalars in one tuple (see mlx_adapter).
-        Format 2 appends its scheme, rotation, channel tokens and the tail; format 3 then
-        its token scales flag."""
+        Format 2 appends its scheme, rotation, channel tokens and the tail."""
         keys, values = self.keys_and_values() if self.keys is not None else (None, None)
         q = self.quant
         state = (
@@ -294,8 +293,7 @@ class AgentKVCache(CacheBase):
         tail = None
         if self.tail is not None:
             tail = self.tail[..., : self.offset % q.channel_tokens, :]
-        state = (*state, q.key_scheme, int(q.rotate), q.channel_tokens, tail)
-        return state if q.version == 2 else (*state, int(q.token_scales))
+        return (*state, q.key_scheme, int(q.rotate), q.channel_tokens, tail)
 
     @state.setter
     def state(self, v):
@@ -306,8 +304,6 @@ class AgentKVCache(CacheBase):
             scheme, rotate, channel_tokens = fmt[3:6]
             extra = {"key_scheme": scheme, "rotate": bool(int(rotate))}
             extra["channel_tokens"] = int(channel_tokens)
-            if len(fmt) > 7:  # format 3
-                extra["token_scales"] = bool(int(fmt[7]))
         self.quant = KVQuant(int(key_bits), int(value_bits), int(group), **extra)
         self.window = window or None
         self.keys = tuple(keys) if keys is not None else None

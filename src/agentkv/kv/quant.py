@@ -20,15 +20,8 @@ changes what the same bytes mean, not their size:
   Walsh-Hadamard matrix ``H`` of the head dim (per head). Attention rotates the queries
   by ``H`` (``q.k`` is unchanged) and the output back (``H`` is its own inverse).
 
-Format version 3 (``token_scales=True`` on top of version 2) also gives each key row a
-float16 *token scale* ``t`` (its root mean square, the ``k.t`` component ``[tokens, 1]``):
-the channel groups quantize ``k / t`` and a key reads back as ``t * (q * scale + bias)``.
-Keys of one group differ in size by far more than their channels do after the rotation,
-and one large key no longer sets every channel's step for the other 63; 2 bytes per row.
-
 Bytes per token for the embedded model (30 layers, 3 KV heads, head dim 64):
-float16 23,040; 4-bit group 64 (either scheme): 0.5 + 4/64 bytes per value = 6,480;
-format 3: 6,660.
+float16 23,040; 4-bit group 64 (either scheme): 0.5 + 4/64 bytes per value = 6,480.
 """
 
 from __future__ import annotations
@@ -68,8 +61,7 @@ class Component(NamedTuple):
 @dataclass(frozen=True)
 class KVQuant:
     """Storage format of keys and values. Defaults: both 4-bit, group size 64, format 1
-    (per-token keys); ``key_scheme="channel", rotate=True`` is format 2, and with
-    ``token_scales=True`` format 3 (``KVQuant(**V3)``)."""
+    (per-token keys); ``key_scheme="channel", rotate=True`` is format 2."""
 
     key_bits: int = 4
     value_bits: int = 4
@@ -77,7 +69,6 @@ class KVQuant:
     key_scheme: str = "token"
     rotate: bool = False
     channel_tokens: int = 64
-    token_scales: bool = False
 
     def __post_init__(self):
         for kind, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -99,20 +90,15 @@ class KVQuant:
             )
         if self.key_scheme == "channel" and self.key_bits not in (2, 4, 8):
             raise InvalidRequestError(f"per-channel keys take 2, 4 or 8 bits, not {self.key_bits}")
-        for name in ("rotate", "token_scales"):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(
-                    f"{name} must be true or false, not {getattr(self, name)!r}"
-                )
-        if self.token_scales and self.key_scheme != "channel":
-            raise InvalidRequestError("token scales go with the channel key scheme only")
+        if not isinstance(self.rotate, bool):
+            raise InvalidRequestError(f"rotate must be true or false, not {self.rotate!r}")
 
     @classmethod
     def from_dict(cls, record: dict) -> KVQuant:
         """A format from its stored record; fields a version-1 record lacks mean format 1."""
         if not isinstance(record, dict):
             raise InvalidRequestError("a KV format record must be an object")
-        known = set(cls.__dataclass_fields__)
+        known = {"key_bits", "value_bits", "group_size", "key_scheme", "rotate", "channel_tokens"}
         unknown = set(record) - known
         if unknown:
             raise InvalidRequestError(f"unknown KV format fields {sorted(unknown)}")
@@ -120,10 +106,7 @@ class KVQuant:
 
     @property
     def version(self) -> int:
-        """1: per-token keys, unrotated (agentkv < 0.2); 2: per-channel keys and/or rotation;
-        3: per-channel keys with token scales."""
-        if self.token_scales:
-            return 3
+        """1: per-token keys, unrotated (agentkv < 0.2); 2: per-channel keys and/or rotation."""
         return 2 if self.key_scheme == "channel" or self.rotate else 1
 
     @property
@@ -140,19 +123,17 @@ class KVQuant:
 
     @property
     def key_parts(self) -> int:
-        """Components of the keys: 1 (float16), 3 (words, scales, biases) or 4 (and token
-        scales)."""
-        return 1 if self.key_bits == FLOAT_BITS else 4 if self.token_scales else 3
+        """Components of the keys: 1 (float16) or 3 (words, scales, biases)."""
+        return 1 if self.key_bits == FLOAT_BITS else 3
 
     @property
     def label(self) -> str:
-        """Short name: ``q4``, ``q8``, ``fp16``, ``k8v4``...; formats 2 and 3 add ``.v2`` /
-        ``.v3``."""
+        """Short name: ``q4``, ``q8``, ``fp16``, ``k8v4``...; format 2 adds ``.v2``."""
         if self.key_bits == self.value_bits:
             name = "fp16" if self.key_bits == FLOAT_BITS else f"q{self.key_bits}"
         else:
             name = f"k{self.key_bits}v{self.value_bits}"
-        return name if self.version == 1 else f"{name}.v{self.version}"
+        return name if self.version == 1 else f"{name}.v2"
 
     @property
     def identity(self) -> str:
@@ -204,14 +185,11 @@ class KVQuant:
         groups = dim // self.group_size
         if prefix == "k" and self.channel_keys:
             groups = dim // self.channel_tokens  # a channel group's scales, spread over its rows
-        parts = [
+        return [
             Component(f"{prefix}.w", heads, dim * bits // 32, "uint32"),
             Component(f"{prefix}.s", heads, groups, "float16"),
             Component(f"{prefix}.b", heads, groups, "float16"),
         ]
-        if prefix == "k" and self.token_scales:
-            parts.append(Component("k.t", heads, 1, "float16"))
-        return parts
 
     def components(self, heads: int, key_dim: int, value_dim: int) -> list[Component]:
         """Per-layer components in storage order: keys first, then values."""
@@ -236,22 +214,17 @@ class KVQuant:
         """``x`` times H (per head) if this format rotates, else ``x``."""
         return hadamard(x) if self.rotate else x
 
-    def quantize_channels(self, x: mx.array) -> tuple[mx.array, ...]:
+    def quantize_channels(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Keys ``x`` [..., tokens, dim] (whole channel groups, already rotated) -> per-channel
         components laid out per token row: words [..., tokens, dim*bits/32], scales and
-        biases [..., tokens, dim/channel_tokens] (float16), and with token scales the rows'
-        scales [..., tokens, 1] (float16)."""
-        if not self.token_scales:
-            return quantize_channels(x, self.key_bits, self.channel_tokens)
-        t = token_scales(x)
-        return (*quantize_channels(x / t.astype(mx.float32), self.key_bits, self.channel_tokens), t)
+        biases [..., tokens, dim/channel_tokens] (float16)."""
+        return quantize_channels(x, self.key_bits, self.channel_tokens)
 
     def dequantize_keys(self, parts: tuple) -> mx.array:
         """Stored keys (one kind's components, [..., tokens, width]) -> float32, still
         rotated if the format rotates. Channel keys need whole channel groups."""
         if self.channel_keys:
-            rows = parts[3] if len(parts) > 3 else None
-            return dequantize_channels(*parts[:3], self.key_bits, self.channel_tokens, rows)
+            return dequantize_channels(*parts, self.key_bits, self.channel_tokens)
         return dequantize_tokens(parts, self.key_bits, self.group_size)
 
     def dequantize_values(self, parts: tuple) -> mx.array:
@@ -265,12 +238,10 @@ class KVQuant:
             "key_scheme": self.key_scheme,
             "rotate": self.rotate,
             "channel_tokens": self.channel_tokens,
-            "token_scales": self.token_scales,
         }
 
 
 V2 = {"key_scheme": "channel", "rotate": True}  # KVQuant(**V2): format 2 at 4 bits
-V3 = {**V2, "token_scales": True}  # KVQuant(**V3): format 3 at 4 bits
 
 
 def hadamard(x: mx.array) -> mx.array:
@@ -318,17 +289,8 @@ def quantize_channels(x: mx.array, bits: int, tokens: int):
     )
 
 
-def token_scales(x: mx.array) -> mx.array:
-    """Each row's root mean square [..., T, 1] as float16 (1 for a row of zeros): what a
-    format-3 key row is divided by before its channel group is quantized."""
-    t = mx.sqrt(mx.mean(mx.square(x.astype(mx.float32)), axis=-1, keepdims=True))
-    t = t.astype(mx.float16)
-    return mx.where(t == 0, mx.array(1, mx.float16), t)
-
-
-def dequantize_channels(words, scales, biases, bits: int, tokens: int, rows=None) -> mx.array:
-    """The inverse of ``quantize_channels`` (float32); ``rows``: format 3's token scales,
-    which multiply each dequantized row."""
+def dequantize_channels(words, scales, biases, bits: int, tokens: int) -> mx.array:
+    """The inverse of ``quantize_channels`` (float32)."""
     *lead, t, _ = words.shape
     per = 32 // bits
     d = words.shape[-1] * per
@@ -336,5 +298,4 @@ def dequantize_channels(words, scales, biases, bits: int, tokens: int, rows=None
     q = q.reshape(*lead, t // tokens, tokens, d).astype(mx.float32)
     s = scales.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
     b = biases.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
-    out = (q * s + b).reshape(*lead, t, d)
-    return out if rows is None else out * rows.astype(mx.float32)
+    return (q * s + b).reshape(*lead, t, d)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import InvalidRequestError
-from ..kv.quant import V2, V3, KVQuant
+from ..kv.quant import V2, KVQuant
 from .spec import ModelCacheSpec
 
 # The default first (the format agentkv is measured in); then the smaller group, which
@@ -39,24 +39,22 @@ def choose_kv_quant(
     dim named if it does not fit), else the first of ``AUTO_GROUP_SIZES`` that fits.
 
     ``kv_format=2`` (docs/kv-format-v2.md) takes rotated per-channel keys with channel
-    groups of 64 tokens, or 32 for a head dim of 32, and ``kv_format=3`` the same with a
-    token scale per key row; where formats 2/3 cannot store the model's KV (16-bit keys,
-    3/5/6-bit keys, a head dim that is not a power of two) the format is 1, logged."""
+    groups of 64 tokens, or 32 for a head dim of 32; where format 2 cannot store the model's
+    KV (16-bit keys, 3/5/6-bit keys, a head dim that is not a power of two) the format is 1,
+    logged."""
     sizes = AUTO_GROUP_SIZES if group_size is None else (group_size,)
-    if kv_format in (2, 3):
-        layout = V3 if kv_format == 3 else V2
+    if kv_format == 2:
         for size in sizes:
             for tokens in CHANNEL_TOKENS_FIRST:
                 try:
-                    quant = KVQuant(key_bits, value_bits, size, **layout, channel_tokens=tokens)
+                    quant = KVQuant(key_bits, value_bits, size, **V2, channel_tokens=tokens)
                 except InvalidRequestError:
                     break  # the bits: no channel groups at all
                 if quant.fits(spec.key_head_dim, spec.value_head_dim):
                     return quant
         log.info(
-            "KV format %d cannot store %s's KV at %d/%d bits (head dims %d/%d); using format 1",
-            kv_format, spec.model_type, key_bits, value_bits,
-            spec.key_head_dim, spec.value_head_dim,
+            "KV format 2 cannot store %s's KV at %d/%d bits (head dims %d/%d); using format 1",
+            spec.model_type, key_bits, value_bits, spec.key_head_dim, spec.value_head_dim,
         )  # fmt: skip
     if group_size is not None:
         quant = KVQuant(key_bits, value_bits, group_size)
