@@ -85,13 +85,22 @@ def run_bench(args) -> int:
         contexts = _counts(args.context, "--context")
         if args.scored >= min(contexts):
             raise SystemExit("agentkv: error: --scored must be below every --context")
-        run(
-            context=contexts,
-            segments=args.segments,
-            scored=args.scored,
-            as_json=args.json,
-            model=args.model,
-        )
+        names = [n.strip() for n in args.candidates.split(",")] if args.candidates else None
+        kinds = [t.strip() for t in args.texts.split(",")] if args.texts else None
+        if kinds and set(kinds) - {"prose", "code"}:
+            raise SystemExit("agentkv: error: --texts takes prose and/or code")
+        try:
+            run(
+                context=contexts,
+                segments=args.segments,
+                scored=args.scored,
+                names=names,
+                as_json=args.json,
+                model=args.model,
+                text_kinds=kinds,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"agentkv: error: {exc}") from None
     else:
         from .quality import FORMATS, run
 

@@ -20,6 +20,9 @@ A candidate is a key treatment and a value treatment:
   still filling stays in float16 until it is complete.
 * ``rot``: rotate by H (per head) before quantizing per token.
 * ``sinks``: the first ``sinks`` tokens kept in float16.
+* ``token scales``: each key row divided by its float16 root mean square before its channel
+  group is quantized (and multiplied back after): 2 bytes per row.
+* ``k8 layers``: the keys of the named layers at 8 bits, the others as the candidate says.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import math
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .common import emit, progress
@@ -44,6 +47,7 @@ class Kind:
     group: int = 64  # channels per group (token scheme)
     block: int = 64  # tokens per scale (channel scheme)
     rotate: bool = False
+    token_scales: bool = False  # channel scheme: rows divided by their RMS first
 
     def label(self) -> str:
         if self.bits == 16:
@@ -52,14 +56,14 @@ class Kind:
             name = f"{self.bits}b channel/{self.block}t"
         else:
             name = f"{self.bits}b token/g{self.group}"
-        return name + (" rot" if self.rotate else "")
+        return name + (" rot" if self.rotate else "") + (" tscale" if self.token_scales else "")
 
-    def bytes_per_value(self) -> float:
+    def bytes_per_row(self, dim: int) -> float:
         if self.bits == 16:
-            return 2.0
+            return 2.0 * dim
         # fp16 scale + bias per group of `group` channels or per channel per `block` tokens.
         per = self.group if self.scheme == "token" else self.block
-        return self.bits / 8 + 4 / per
+        return dim * (self.bits / 8 + 4 / per) + 2 * self.token_scales
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,20 @@ class Candidate:
     keys: Kind
     values: Kind
     sinks: int = 0  # leading tokens kept in float16
+    k8_layers: tuple[int, ...] = ()  # layers whose keys are 8-bit (the same scheme)
+
+    def for_layer(self, layer: int) -> Candidate:
+        """What layer ``layer`` stores."""
+        if layer not in self.k8_layers:
+            return self
+        return replace(self, keys=replace(self.keys, bits=8), k8_layers=())
 
     def bytes_per_token(self, layers: int, heads: int, dim: int) -> int:
-        return round(
-            layers * heads * dim * (self.keys.bytes_per_value() + self.values.bytes_per_value())
-        )
+        total = 0.0
+        for layer in range(layers):
+            c = self.for_layer(layer)
+            total += heads * (c.keys.bytes_per_row(dim) + c.values.bytes_per_row(dim))
+        return round(total)
 
 
 FP16 = Kind(bits=16)
@@ -95,6 +108,18 @@ CANDIDATES = [
         sinks=4,
     ),
     Candidate("k5 channel + sinks, v4 rot", Kind(bits=5, scheme="channel"), Kind(rotate=True), 4),
+    Candidate("q4.v2 (format 2)", Kind(scheme="channel", rotate=True), Kind(rotate=True)),
+    Candidate(
+        "q4.v2 + token scales",
+        Kind(scheme="channel", rotate=True, token_scales=True),
+        Kind(rotate=True),
+    ),
+    Candidate(
+        "q4.v2, 8-bit keys in layers 18 19",
+        Kind(scheme="channel", rotate=True),
+        Kind(rotate=True),
+        k8_layers=(18, 19),
+    ),
     Candidate("k8v4 (today)", Kind(bits=8), Q4),
     Candidate("k8 v4 rot g32", Kind(bits=8), Kind(group=32, rotate=True)),
     Candidate("k8 v4 rot g32 + sinks", Kind(bits=8), Kind(group=32, rotate=True), sinks=4),
@@ -122,6 +147,10 @@ def _fake_channel(x, kind: Kind):
     import mlx.core as mx
 
     b, h, t, d = x.shape
+    if kind.token_scales:
+        rows = mx.sqrt(mx.mean(x * x, axis=-1, keepdims=True)).astype(mx.float16).astype(x.dtype)
+        rows = mx.where(rows == 0, 1, rows)
+        return _fake_channel(x / rows, replace(kind, token_scales=False)) * rows
     y = x.reshape(b, h, t // kind.block, kind.block, d)
     levels = (1 << kind.bits) - 1
     lo = y.min(axis=3, keepdims=True)
@@ -225,7 +254,7 @@ def _segment_logprobs(model, ids: list[int], candidate: Candidate, scored: int):
     """Log-probabilities of the last ``scored`` predictions of ``ids`` ([scored, vocab])."""
     import mlx.core as mx
 
-    caches = [SimulatedCache(candidate) for _ in model.layers]
+    caches = [SimulatedCache(candidate.for_layer(i)) for i in range(len(model.layers))]
     first = len(ids) - 1 - scored  # the input position whose next token is scored first
     out = []
     for c0 in range(0, len(ids) - 1, CHUNK):
@@ -247,18 +276,24 @@ def run(
     names: list[str] | None = None,
     as_json: bool = False,
     model: str | None = None,
+    text_kinds: list[str] | None = None,
 ) -> list[dict]:
     import mlx.core as mx
 
     from agentkv.model.load import load_model
 
     contexts = context or [2048]
+    unknown = [n for n in names or [] if n not in {c.name for c in CANDIDATES}]
+    if unknown:
+        raise ValueError(f"unknown candidates {unknown}; see benchmarks/kv_candidates.py")
     chosen = [c for c in CANDIDATES if names is None or c.name in names or c.name == "fp16"]
     loaded = load_model(model)
     spec = loaded.spec
     dims = (spec.num_layers, spec.kv_heads, spec.key_head_dim)
     rows = []
     for text_name, text in texts().items():
+        if text_kinds and text_name.split()[0] not in text_kinds:
+            continue
         ids_all = loaded.tokenizer.encode(text)
         for ctx in contexts:
             if scored >= ctx:

@@ -36,13 +36,14 @@ from pathlib import Path
 from .common import emit, median_ms, progress, timed
 from .kv_candidates import texts
 
+V1 = {"key_scheme": "token", "rotate": False}  # format 1 (agentkv.kv.quant.V1)
 FORMATS = {  # name: KVQuant arguments
-    "fp16": {"key_bits": 16, "value_bits": 16},
-    "q8": {"key_bits": 8, "value_bits": 8},
-    "q4": {"key_bits": 4, "value_bits": 4},
-    "k8v4": {"key_bits": 8, "value_bits": 4},
-    "k4v16": {"key_bits": 4, "value_bits": 16},
-    "k16v4": {"key_bits": 16, "value_bits": 4},
+    "fp16": {"key_bits": 16, "value_bits": 16, **V1},
+    "q8": {"key_bits": 8, "value_bits": 8, **V1},
+    "q4": {"key_bits": 4, "value_bits": 4, **V1},
+    "k8v4": {"key_bits": 8, "value_bits": 4, **V1},
+    "k4v16": {"key_bits": 4, "value_bits": 16, **V1},
+    "k16v4": {"key_bits": 16, "value_bits": 4, **V1},
     "q4.v2": {"key_bits": 4, "value_bits": 4, "key_scheme": "channel", "rotate": True},
     "k8v4.v2": {"key_bits": 8, "value_bits": 4, "key_scheme": "channel", "rotate": True},
 }

@@ -53,7 +53,7 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
 
     from agentkv import load_prompt_cache as agentkv_load_prompt_cache
     from agentkv.kv.blocks import BLOCK_TOKENS
-    from agentkv.kv.quant import V2, KVQuant
+    from agentkv.kv.quant import V1, V2, KVQuant
     from agentkv.model.load import load_model
     from agentkv.pool import KVPool
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
@@ -61,7 +61,7 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
     progress("reload: loading the embedded model for its cache geometry...")
     spec = load_model().spec
     rows = []
-    formats = [(1, KVQuant(4, 4, 64)), (2, KVQuant(4, 4, 64, **V2))]
+    formats = [(1, KVQuant(4, 4, 64, **V1)), (2, KVQuant(4, 4, 64, **V2))]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
         for kv_format, quant in formats:
             store = AgentStore(Path(tmp) / f"kv{kv_format}", spec, "bench", quant)

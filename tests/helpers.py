@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
 from agentkv.pool.arena import WritePlan
 
@@ -25,7 +25,7 @@ def synthetic_spec(
 
 def filled_caches(spec: ModelCacheSpec, tokens: int, quant=None, seed=0) -> list[AgentKVCache]:
     """Caches holding ``tokens`` random tokens, fed in a few uneven chunks."""
-    quant = quant or KVQuant()
+    quant = quant or KVQuant(**V1)
     mx.random.seed(seed)
     caches = [AgentKVCache(quant, window=layer.window) for layer in spec.layers]
     done = 0
@@ -66,7 +66,7 @@ def held_arrays(cache: AgentKVCache) -> list[np.ndarray]:
 
 def positional_caches(spec: ModelCacheSpec, tokens: int, quant=None) -> list[AgentKVCache]:
     """Caches whose token t depends only on t (so any prefix of any save is comparable)."""
-    quant = quant or KVQuant()
+    quant = quant or KVQuant(**V1)
     t = mx.arange(tokens, dtype=mx.float32)[None, None, :, None]
     h = mx.arange(spec.kv_heads, dtype=mx.float32)[None, :, None, None]
     d = mx.arange(spec.key_head_dim, dtype=mx.float32)[None, None, None, :]
@@ -102,7 +102,7 @@ def pool_for(spec: ModelCacheSpec, quant=None, blocks: int = 24):
     from agentkv.kv.blocks import BLOCK_TOKENS
     from agentkv.pool import KVPool
 
-    quant = quant or KVQuant()
+    quant = quant or KVQuant(**V1)
     return KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * BLOCK_TOKENS * blocks)
 
 

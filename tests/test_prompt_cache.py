@@ -9,7 +9,7 @@ from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
 
 import agentkv
 from agentkv.errors import CacheFormatError, InvalidRequestError
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,9 @@ def test_a_full_cache_gets_a_spare_step(tmp_path):
 def test_agentkv_caches_saved_here_load_in_mlx_lm(tmp_path):
     spec = synthetic_spec(layers=2, heads=2)
     for quant, cls in (
-        (KVQuant(4, 4), QuantizedKVCache),
-        (KVQuant(8, 8), QuantizedKVCache),
-        (KVQuant(16, 16), KVCache),
+        (KVQuant(4, 4, **V1), QuantizedKVCache),
+        (KVQuant(8, 8, **V1), QuantizedKVCache),
+        (KVQuant(16, 16, **V1), KVCache),
     ):
         caches = positional_caches(spec, 300, quant)
         path = tmp_path / f"{quant.label}.safetensors"
@@ -100,7 +100,7 @@ def test_agentkv_caches_saved_here_load_in_mlx_lm(tmp_path):
 def test_what_mlx_lm_cannot_hold_is_refused_and_bad_files_are_named(tmp_path):
     spec = synthetic_spec(layers=1, heads=2)
     with pytest.raises(InvalidRequestError, match="one bit width"):
-        mixed = positional_caches(spec, 10, KVQuant(8, 4))
+        mixed = positional_caches(spec, 10, KVQuant(8, 4, **V1))
         agentkv.save_prompt_cache(str(tmp_path / "mixed"), mixed)
     assert not list(tmp_path.iterdir())
     bad = tmp_path / "bad.safetensors"

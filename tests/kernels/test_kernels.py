@@ -14,7 +14,7 @@ from agentkv import kernels
 from agentkv.errors import InvalidRequestError
 from agentkv.kernels import RowSource
 from agentkv.kernels.types import as_units
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 
 formats = st.sampled_from(
     [(4, 4, 32), (4, 4, 64), (4, 4, 128), (8, 8, 64), (8, 4, 64), (4, 16, 64)]
@@ -57,7 +57,7 @@ def both(fn):
 )
 def test_merge_matches_reference(fmt, dim, heads, agents, data):
     assume(dim % fmt[2] == 0)
-    comps = KVQuant(*fmt).components(heads, dim, dim)
+    comps = KVQuant(*fmt, **V1).components(heads, dim, dim)
     lengths = data.draw(st.lists(st.integers(0, 700), min_size=agents, max_size=agents))
     caches = [random_components(comps, 1, n + 37, seed=i) for i, n in enumerate(lengths)]
     used = max(lengths)
@@ -75,7 +75,7 @@ def test_merge_matches_reference(fmt, dim, heads, agents, data):
 @given(fmt=formats, dim=head_dims, heads=st.integers(1, 3), rows=st.integers(1, 8), data=st.data())
 def test_extract_and_rebatch_match_reference(fmt, dim, heads, rows, data):
     assume(dim % fmt[2] == 0)
-    comps = KVQuant(*fmt).components(heads, dim, dim)
+    comps = KVQuant(*fmt, **V1).components(heads, dim, dim)
     capacity = data.draw(st.integers(1, 900))
     batch = random_components(comps, rows, capacity, seed=rows)
     row = data.draw(st.integers(0, rows - 1))
@@ -109,7 +109,7 @@ def test_backend_selection():
 
 
 def test_bad_merge_rows_are_refused_not_read_out_of_bounds():
-    comps = KVQuant().components(1, 64, 64)
+    comps = KVQuant(**V1).components(1, 64, 64)
     cache = random_components(comps, 1, 10, seed=0)
     with pytest.raises(InvalidRequestError):
         kernels.merge([RowSource(cache, 0, 0, 20)], used=10, capacity=20)

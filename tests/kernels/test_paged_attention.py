@@ -14,7 +14,7 @@ from agentkv import _ext, kernels
 from agentkv.kernels import PagedQuery
 from agentkv.kv import attention
 from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 
 formats = st.sampled_from([(4, 4, 64), (4, 4, 32), (8, 4, 64), (8, 8, 64), (2, 2, 32)])
 
@@ -77,7 +77,7 @@ def close(a, b):
 )
 def test_fused_kernel_body_and_reference_agree(fmt, lengths, queries, window, sinks):
     lengths = [max(n, queries) for n in lengths]
-    pool, _, q, paged = jagged_batch(KVQuant(*fmt), lengths, queries=queries)
+    pool, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), lengths, queries=queries)
     sink_values = mx.array(np.linspace(-1, 1, 4).astype(np.float32)) if sinks else None
     paged = paged._replace(window=window, sinks=sink_values)
     ours = fused(q, paged)
@@ -89,7 +89,7 @@ def test_fused_kernel_body_and_reference_agree(fmt, lengths, queries, window, si
 
 
 def test_fused_paged_equals_fused_contiguous_bit_for_bit():
-    quant = KVQuant()
+    quant = KVQuant(**V1)
     lengths = [300, 17, 600]
     pool, tables, q, paged = jagged_batch(quant, lengths, queries=5)
     ours = fused(q, paged)
@@ -102,7 +102,7 @@ def test_fused_paged_equals_fused_contiguous_bit_for_bit():
 
 
 def test_a_row_gives_the_same_bits_alone_or_batched():
-    quant = KVQuant(8, 4)
+    quant = KVQuant(8, 4, **V1)
     lengths = [513, 40, 256, 1]
     pool, tables, q, paged = jagged_batch(quant, lengths)
     together = fused(q, paged)
@@ -112,7 +112,7 @@ def test_a_row_gives_the_same_bits_alone_or_batched():
 
 
 def test_float16_caches_take_the_reference_beside_the_fused_kernel():
-    quant = KVQuant(16, 16)
+    quant = KVQuant(16, 16, **V1)
     pool, _, q, paged = jagged_batch(quant, [300, 70], queries=2)
     close(fused(q, paged), kernels.reference.paged_attention(q, paged, scale=0.125))
     with pytest.raises(Exception, match="quantized"):
@@ -120,14 +120,14 @@ def test_float16_caches_take_the_reference_beside_the_fused_kernel():
 
 
 def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(monkeypatch):
-    pool, _, q, paged = jagged_batch(KVQuant(), [300, 9])
+    pool, _, q, paged = jagged_batch(KVQuant(**V1), [300, 9])
     args = dict(
         tables=paged.tables,
         lengths=paged.lengths,
         kv_heads=paged.kv_heads,
         block_tokens=BLOCK_TOKENS,
         scale=0.125,
-        quant=KVQuant(),
+        quant=KVQuant(**V1),
     )
     before = attention.paths_used()
     fast = attention.paged_attention(q, paged.keys, paged.values, **args)
@@ -143,7 +143,7 @@ def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(m
 
 
 def test_a_table_naming_a_block_outside_the_arenas_never_reads_it():
-    pool, _, q, paged = jagged_batch(KVQuant(), [300])
+    pool, _, q, paged = jagged_batch(KVQuant(**V1), [300])
     bad = mx.array(np.array([[0, pool.capacity + 5]], dtype=np.int32))
     out = fused(q, paged._replace(tables=bad))
     assert bool(mx.all(mx.isnan(out)).item())  # refused, not read out of bounds

@@ -10,7 +10,7 @@ from agentkv import _ext
 from agentkv.kv import attention
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 
 formats = st.sampled_from(
     [(4, 4, 64), (4, 4, 32), (8, 8, 64), (8, 4, 128), (2, 4, 64), (4, 16, 64), (16, 16, 64)]
@@ -66,7 +66,7 @@ def test_fused_matches_reference(
     fmt, dim, kv_heads, repeats, batch, queries, extra, window, with_sinks, data
 ):
     assume(dim % fmt[2] == 0)
-    quant = KVQuant(*fmt)
+    quant = KVQuant(*fmt, **V1)
     keys_len = queries + extra
     pads = data.draw(st.lists(st.integers(0, extra), min_size=batch, max_size=batch))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -89,7 +89,7 @@ def test_fused_matches_reference(
 
 def test_a_row_in_a_padded_batch_equals_the_row_alone():
     rng = np.random.default_rng(7)
-    quant = KVQuant()
+    quant = KVQuant(**V1)
     rows = []
     for length in (300, 41, 129):
         k = mx.array(rng.standard_normal((1, 2, length, 64)), mx.float32)
@@ -112,7 +112,7 @@ def test_a_row_in_a_padded_batch_equals_the_row_alone():
 
 def test_a_prefill_chunk_equals_one_query_at_a_time():
     rng = np.random.default_rng(3)
-    quant = KVQuant()
+    quant = KVQuant(**V1)
     k = mx.array(rng.standard_normal((1, 1, 200, 64)), mx.float32)
     v = mx.array(rng.standard_normal((1, 1, 200, 64)), mx.float32)
     q = mx.array(rng.standard_normal((1, 3, 8, 64)), mx.float32)
@@ -131,7 +131,7 @@ def test_a_prefill_chunk_equals_one_query_at_a_time():
 
 
 def test_bad_arguments_are_refused():
-    quant = KVQuant()
+    quant = KVQuant(**V1)
     q = mx.zeros((1, 2, 1, 64))
     keys = stored(mx.zeros((1, 1, 10, 64)), 4, 64)
     with pytest.raises(ValueError, match="bits"):
@@ -157,7 +157,7 @@ def _delta(before: dict) -> dict:
 
 def test_caches_take_the_fused_path_only_for_masks_they_understand(monkeypatch):
     rng = np.random.default_rng(5)
-    cache = AgentKVCache(KVQuant(), window=32)
+    cache = AgentKVCache(KVQuant(**V1), window=32)
     k = mx.array(rng.standard_normal((1, 1, 90, 64)), mx.float32)
     ours = cache.make_mask(90)
     keys, values = cache.update_and_fetch(k, k)
@@ -180,7 +180,7 @@ def test_caches_take_the_fused_path_only_for_masks_they_understand(monkeypatch):
 
 def test_batch_cache_attention_matches_reference(monkeypatch):
     rng = np.random.default_rng(9)
-    batch = BatchQuantizedKVCache(KVQuant(), [3, 0], window=12)
+    batch = BatchQuantizedKVCache(KVQuant(**V1), [3, 0], window=12)
     k = mx.array(rng.standard_normal((2, 1, 20, 64)), mx.float32)
     mask = batch.make_mask(20)
     keys, values = batch.update_and_fetch(k, k)

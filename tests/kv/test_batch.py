@@ -10,9 +10,9 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V2, KVQuant
+from agentkv.kv.quant import V1, V2, KVQuant
 
-FORMATS = [KVQuant(), KVQuant(**V2)]
+FORMATS = [KVQuant(**V1), KVQuant(**V2)]
 IDS = ["v1", "v2"]
 
 CONTEXTS = [

@@ -6,7 +6,7 @@ import numpy as np
 from helpers import _kv_for, fill_table, synthetic_spec, table_arrays
 
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V2, KVQuant
+from agentkv.kv.quant import V1, V2, KVQuant
 from agentkv.pool import KVPool
 from agentkv.pool.step import PagedStep
 
@@ -71,9 +71,10 @@ def test_state_round_trips_and_format_1_states_still_load():
     assert again.quant == V2Q and again.offset == 300
     for a, b in zip(cache.dequantized(), again.dequantized()):
         np.testing.assert_array_equal(np.array(a), np.array(b))
-    v1 = AgentKVCache(KVQuant())
+    v1 = AgentKVCache(KVQuant(**V1))
     v1.update_and_fetch(*_kv_for(spec, 0, 0, 10, rng=None, positional=True))
-    assert len(v1.state) == 8 and AgentKVCache.from_state(v1.state).quant == KVQuant()
+    assert len(v1.state) == 8 and AgentKVCache.from_state(v1.state).quant == KVQuant(**V1)
+    assert AgentKVCache().quant == KVQuant(4, 4) == V2Q  # mlx-lm's drop-in: format 2
 
 
 def test_mlx_lm_reads_what_save_prompt_cache_writes_for_format_2(tmp_path):

@@ -44,6 +44,19 @@ def test_rotation_is_undone_and_more_bits_mean_less_error():
     assert errors[0] > errors[1] > errors[2]
 
 
+def test_token_scales_keep_small_rows_next_to_large_ones_and_k8_layers_get_8_bits():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 2, 64, 64)).astype(np.float32)
+    x[:, :, ::8] *= 50  # one row in 8 is 50x larger
+    x = mx.array(x)
+    small = [i for i in range(64) if i % 8]
+    plain = fake_quantize(x, Kind(scheme="channel"))[:, :, small]
+    scaled = fake_quantize(x, Kind(scheme="channel", token_scales=True))[:, :, small]
+    assert error(scaled, x[:, :, small]) < error(plain, x[:, :, small]) / 4
+    cand = Candidate("c", Kind(scheme="channel"), Kind(), k8_layers=(1,))
+    assert [cand.for_layer(i).keys.bits for i in range(3)] == [4, 8, 4]
+
+
 def test_the_filling_block_stays_float16_and_sinks_stay_exact():
     cand = Candidate("t", Kind(scheme="channel"), Kind(), sinks=4)
     cache = SimulatedCache(cand)
@@ -67,6 +80,10 @@ def test_bytes_per_token_of_each_candidate(cand):
     per_token = cand.bytes_per_token(30, 3, 64)
     if cand.name == "fp16":
         assert per_token == 23040
+    elif cand.k8_layers:  # 32 more bytes of key words per head and token
+        assert per_token == 6480 + len(cand.k8_layers) * 3 * 32
+    elif cand.keys.token_scales:  # a float16 per key row
+        assert per_token == 6480 + 30 * 3 * 2
     elif cand.keys.bits == 4 and cand.values.bits == 4:
         # 4-bit with a float16 scale and bias per 64 values (or per 32 for g32 keys).
         assert per_token == (6840 if cand.keys.group == 32 else 6480)
@@ -79,13 +96,13 @@ def test_the_simulation_stores_and_attends_like_the_real_cache():
     values read back, the same attention), so a candidate's figures are the format's."""
     from agentkv.kv.attention import cache_attention
     from agentkv.kv.cache import AgentKVCache
-    from agentkv.kv.quant import KVQuant
+    from agentkv.kv.quant import V1, KVQuant
 
     by_name = {c.name: c for c in CANDIDATES}
     k = keys_with_outlier_channels(tokens=100, seed=4)
     v = keys_with_outlier_channels(tokens=100, seed=5) / 10
     q = mx.random.normal((1, 6, 100, 64), key=mx.random.key(6))
-    for name, quant in (("q4 (today)", KVQuant(4, 4)), ("k8v4 (today)", KVQuant(8, 4))):
+    for name, quant in (("q4 (today)", KVQuant(4, 4, **V1)), ("k8v4 (today)", KVQuant(8, 4, **V1))):
         sim_k, sim_v = SimulatedCache(by_name[name]).update_and_fetch(k, v)
         real = AgentKVCache(quant)
         real_k, real_v = real.update_and_fetch(k, v)
@@ -109,19 +126,19 @@ def test_quality_measures_on_the_real_model(engine):
     from agentkv.benchmarks.kv_candidates import _segment_logprobs
     from agentkv.benchmarks.quality import compare, window_logprobs
 
-    from agentkv.kv.quant import KVQuant
+    from agentkv.kv.quant import V1, KVQuant
 
     model = engine.loaded.model
     ids = engine.loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 30)[:600]
     scored = 64
     targets = mx.array(ids[len(ids) - scored :])
     spec = engine.loaded.spec
-    ref = window_logprobs(model, spec, ids, KVQuant(16, 16), len(ids) - scored)
+    ref = window_logprobs(model, spec, ids, KVQuant(16, 16, **V1), len(ids) - scored)
     simulated = _segment_logprobs(model, ids, CANDIDATES[0], scored)
     assert simulated.shape == ref.shape == (scored, ref.shape[-1])
     assert float(mx.abs(ref - simulated).max()) < 0.05
     _, kl_same, top1_same = compare(ref, ref, targets)
     assert kl_same == 0 and top1_same == scored
-    q4 = window_logprobs(model, spec, ids, KVQuant(4, 4), len(ids) - scored)
+    q4 = window_logprobs(model, spec, ids, KVQuant(4, 4, **V1), len(ids) - scored)
     nll, kl, top1 = compare(q4, ref, targets)
     assert kl > 0 and 0 < top1 <= scored and math.isfinite(nll)

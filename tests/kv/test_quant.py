@@ -1,7 +1,7 @@
 import pytest
 
 from agentkv.errors import InvalidRequestError
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, V2, KVQuant
 
 # The embedded model: 30 layers, 3 KV heads, head dim 64.
 GEOMETRY = dict(layers=30, heads=3, key_dim=64, value_dim=64)
@@ -39,8 +39,26 @@ def test_rejects_group_size_that_does_not_divide_head_dim():
 
 
 def test_labels():
-    assert [KVQuant(4, 4).label, KVQuant(8, 4).label, KVQuant(16, 16).label] == [
+    assert [KVQuant(4, 4, **V1).label, KVQuant(8, 4, **V1).label, KVQuant(16, 16).label] == [
         "q4",
         "k8v4",
         "fp16",
     ]
+    assert [KVQuant(4, 4).label, KVQuant(8, 4).label] == ["q4.v2", "k8v4.v2"]
+
+
+def test_the_default_is_format_2_where_the_key_bits_allow_it():
+    """``KVQuant()`` / ``KVQuant(4, 4)`` (mlx-lm's drop-in) store format 2: rotated per-channel
+    keys; keys of other bits stay per token; stored records without the fields are format 1."""
+    assert KVQuant() == KVQuant(4, 4) == KVQuant(4, 4, 64, **V2) and KVQuant().version == 2
+    assert KVQuant(2, 4).version == KVQuant(8, 8).version == 2
+    for bits in (3, 5, 6, 16):
+        assert KVQuant(bits, 4).version == 1 and KVQuant(bits, 4).key_scheme == "token"
+    assert KVQuant(4, 4, 32).channel_tokens == 32 and KVQuant(4, 4, 128).channel_tokens == 64
+    assert KVQuant(4, 4, 32).bytes_per_token(**GEOMETRY) == KVQuant(4, 4, 32, **V1).bytes_per_token(
+        **GEOMETRY
+    )
+    record = {"key_bits": 4, "value_bits": 4, "group_size": 64}
+    assert KVQuant.from_dict(record) == KVQuant(**V1)
+    assert KVQuant.from_dict(KVQuant().to_dict()) == KVQuant()
+    assert KVQuant.from_bits(4) == KVQuant(**V1)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 from helpers import TESTS, fill_table, synthetic_spec, table_arrays
 
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 from agentkv.pool import KVPool
 
 RSS_SCRIPT = """
@@ -19,7 +19,7 @@ import agentkv
 import mlx.core as mx
 from helpers import fill_table, synthetic_spec
 from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 from agentkv.pool import KVPool
 
 def rss():
@@ -28,7 +28,7 @@ def rss():
             return int(line.split()[1]) * 1024
 
 spec = synthetic_spec(layers=8, heads=4, dim=128)
-quant = KVQuant()
+quant = KVQuant(**V1)
 fill_table(KVPool(spec, quant, pool_bytes=64 << 20), 300)  # warm MLX up outside the measure
 gc.collect()
 out = {"block": spec.bytes_per_token(quant) * BLOCK_TOKENS, "before": rss()}
@@ -72,7 +72,9 @@ def test_resident_memory_follows_the_blocks_in_use_not_the_budget(python_env):
 
 def test_copying_the_first_rows_of_a_block_is_bit_exact():
     spec = synthetic_spec(layers=2, heads=3)
-    pool = KVPool(spec, KVQuant(8, 4), pool_bytes=spec.bytes_per_token(KVQuant(8, 4)) * 256 * 8)
+    pool = KVPool(
+        spec, KVQuant(8, 4, **V1), pool_bytes=spec.bytes_per_token(KVQuant(8, 4, **V1)) * 256 * 8
+    )
     table = fill_table(pool, 200)
     twin = pool.new_table(pool.seed())
     block = pool.blocks.allocate()
@@ -84,7 +86,7 @@ def test_copying_the_first_rows_of_a_block_is_bit_exact():
 
 def test_writes_happen_in_place():
     spec = synthetic_spec(layers=2, heads=2)
-    pool = KVPool(spec, KVQuant(), pool_bytes=spec.bytes_per_token(KVQuant()) * 256 * 8)
+    pool = KVPool(spec, KVQuant(**V1), pool_bytes=spec.bytes_per_token(KVQuant(**V1)) * 256 * 8)
     for i in range(3):
         fill_table(pool, 300, seed=i)
     assert pool.arena.copies == 0
@@ -99,14 +101,14 @@ def test_a_block_that_gave_back_its_sliding_rows_gets_them_again_when_sealed_ane
     agent W computes the same block again: sealing finds A's copy and restores its sliding
     rows from W's, so W attends over real rows; the full layers' rows stay A's."""
     spec = synthetic_spec(layers=2, heads=2, windows=[None, 128])
-    pool = KVPool(spec, KVQuant(), pool_bytes=spec.bytes_per_token(KVQuant()) * 256 * 8)
+    pool = KVPool(spec, KVQuant(**V1), pool_bytes=spec.bytes_per_token(KVQuant(**V1)) * 256 * 8)
     a = fill_table(pool, 300, seed=1)
     first = a.blocks[0]
     a.release_window(1)  # block 0 left A's window: its sliding rows go back
     assert not pool.blocks.records[first].window_rows
     before = table_arrays(pool, a, 256)
     ids = pool.blocks.records[first].tokens
-    alone = KVPool(spec, KVQuant(), pool_bytes=spec.bytes_per_token(KVQuant()) * 256 * 8)
+    alone = KVPool(spec, KVQuant(**V1), pool_bytes=spec.bytes_per_token(KVQuant(**V1)) * 256 * 8)
     computed = table_arrays(alone, fill_table(alone, 256, seed=2, ids=ids))  # W's own rows
     w = fill_table(pool, 256, seed=2, ids=ids)  # sealed once full: A's copy is kept
     assert w.blocks == [first] and pool.blocks.records[first].window_rows

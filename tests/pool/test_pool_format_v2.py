@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import _kv_for, fill_table, synthetic_spec, table_arrays
 
-from agentkv.kv.quant import V2, KVQuant, dequantize_tokens, hadamard
+from agentkv.kv.quant import V1, V2, KVQuant, dequantize_tokens, hadamard
 from agentkv.pool import KVPool
 from agentkv.pool.arena import WritePlan
 from agentkv.pool.step import PagedStep
@@ -197,7 +197,7 @@ def test_format_2_is_refused_where_it_cannot_run():
     with pytest.raises(InvalidRequestError, match="not a power of two"):
         KVQuant(**V2, group_size=32, channel_tokens=32).check_head_dims(96, 96)
     with pytest.raises(InvalidRequestError, match="channel groups"):
-        KVQuant(**V2, group_size=32).check_head_dims(32, 32)
+        KVQuant(**V2, group_size=32, channel_tokens=64).check_head_dims(32, 32)
     # Head dim 32: the same bytes as format 1 (16 B of words + 4 B of scale and bias each).
     small = KVQuant(**V2, group_size=32, channel_tokens=32)
     assert (
@@ -205,8 +205,8 @@ def test_format_2_is_refused_where_it_cannot_run():
         == KVQuant(group_size=32).bytes_per_token(1, 1, 32, 32)
         == 40
     )
-    assert KVQuant(**V2).label == "q4.v2" and KVQuant().label == "q4"
-    assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant()
+    assert KVQuant(**V2).label == "q4.v2" and KVQuant(**V1).label == "q4"
+    assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant(**V1)
 
 
 @pytest.mark.parametrize("window", [0, 100])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from agentkv import _ext
 from agentkv.errors import CacheFormatError
 from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import KVQuant
+from agentkv.kv.quant import V1, KVQuant
 from agentkv.store.format import encode_segment_header
 
 
@@ -61,7 +61,7 @@ def gather(spec, quant, segments, blocks, tokens, spans):
 )
 def test_round_trip_is_exact(tmp_path_factory, tokens, bits, group, heads, keep):
     tmp = tmp_path_factory.mktemp("rt")
-    quant = KVQuant(*bits, group)
+    quant = KVQuant(*bits, group, **V1)
     spec = synthetic_spec(layers=2, heads=heads)
     pool = pool_for(spec, quant, blocks=8)
     table = fill_table(pool, tokens)
@@ -89,7 +89,7 @@ def test_incremental_segments_and_sliding_window_start(tmp_path):
     seg2, blocks2 = write_segment(tmp_path / "s2.safetensors", pool, table, 2, 900)
     blocks = blocks1[:2] + [(1, *b[1:]) for b in blocks2]
     first = (900 - 300) // BLOCK_TOKENS * BLOCK_TOKENS  # the window reaches back into block 2
-    arrays = gather(spec, KVQuant(), [seg1, seg2], blocks, 900, [(0, 1024), (first, 512)])
+    arrays = gather(spec, KVQuant(**V1), [seg1, seg2], blocks, 900, [(0, 1024), (first, 512)])
     per = 6
     want = table_arrays(pool, table)
     for w, g in zip(want[:per], arrays[:per]):
@@ -107,27 +107,29 @@ def test_corrupt_block_and_header_are_reported_with_the_file(tmp_path):
     data[blocks[1][1] + 5] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="block 1 checksum mismatch") as info:
-        gather(spec, KVQuant(), [segment], blocks, 300, [(0, 512)] * 2)
+        gather(spec, KVQuant(**V1), [segment], blocks, 300, [(0, 512)] * 2)
     assert info.value.path == str(path)
     regions = [(0, o, ln, crc, t, i) for i, (_, o, ln, crc, t) in enumerate(blocks)]
     with pytest.raises(CacheFormatError, match="block region 1 checksum mismatch"):
         pool.arena.read_regions([segment], regions)
     # A load of only the first block does not read block 1 at all.
-    gather(spec, KVQuant(), [segment], blocks, 200, [(0, 256)] * 2)
+    gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     pool.arena.read_regions([segment], regions[:1])
 
     data[20] ^= 0x01  # inside the JSON header
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="header checksum mismatch"):
-        gather(spec, KVQuant(), [segment], blocks, 200, [(0, 256)] * 2)
+        gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     path.write_bytes(bytes(data[:1000]))
     with pytest.raises(CacheFormatError, match="truncated"):
-        gather(spec, KVQuant(), [segment], blocks, 200, [(0, 256)] * 2)
+        gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     with pytest.raises(CacheFormatError, match="truncated"):
         pool.arena.read_regions([segment], regions[:1])
     path.write_bytes((10**12).to_bytes(8, "little") + bytes(data[8:]))
     with pytest.raises(CacheFormatError, match="header length"):
-        gather(spec, KVQuant(), [(str(path), len(data), segment[2])], blocks, 200, [(0, 256)] * 2)
+        gather(
+            spec, KVQuant(**V1), [(str(path), len(data), segment[2])], blocks, 200, [(0, 256)] * 2
+        )
 
 
 def test_bad_slots_and_files_are_refused_before_any_copy(tmp_path):

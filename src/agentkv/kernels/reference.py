@@ -19,9 +19,9 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     """Each row's blocks gathered (``mx.take``) into a contiguous cache, then the
     ``mx.quantized_matmul`` attention of ``kv/attention.py``."""
     from ..kv.attention import channel_keys_as_float, quantized_attention
-    from ..kv.quant import V2, KVQuant
+    from ..kv.quant import V1, V2, KVQuant
 
-    quant = KVQuant(paged.key_bits, paged.value_bits, paged.group)
+    quant = KVQuant(paged.key_bits, paged.value_bits, paged.group, **V1)
     if paged.channel_tokens:
         quant = KVQuant(
             paged.key_bits, paged.value_bits, paged.group, **V2,

@@ -31,7 +31,7 @@ from ..kernels import RowSource
 from .attention import cache_attention, remember_mask
 from .base import CacheBase
 from .blocks import BLOCK_TOKENS
-from .quant import KVQuant, hadamard
+from .quant import V1, KVQuant, hadamard
 
 
 def _stack_tails(tails: list) -> mx.array | None:
@@ -407,7 +407,7 @@ class BatchQuantizedKVCache(CacheBase):
             extra["channel_tokens"] = int(ct)
             self.quant = KVQuant(*(int(x) for x in fmt[:3]), **extra)
         else:
-            self.quant = KVQuant(*(int(x) for x in fmt))
+            self.quant = KVQuant(*(int(x) for x in fmt), **V1)
         self.window = window or None
         self.keys = tuple(keys) if keys is not None else None
         self.values = tuple(values) if values is not None else None

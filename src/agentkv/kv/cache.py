@@ -27,7 +27,7 @@ import mlx.core as mx
 from .attention import cache_attention, remember_mask
 from .base import CacheBase
 from .blocks import BLOCK_TOKENS
-from .quant import KVQuant, hadamard
+from .quant import V1, KVQuant, hadamard
 
 
 def _round_up(n: int, step: int = BLOCK_TOKENS) -> int:
@@ -46,7 +46,8 @@ def window_start(tokens: int, window: int | None) -> int:
 
 
 class AgentKVCache(CacheBase):
-    """One layer's KV cache in a ``KVQuant`` format (default: 4-bit, group 64)."""
+    """One layer's KV cache in a ``KVQuant`` format (default ``KVQuant()``: format 2 at 4 bits,
+    keys rotated and quantized per channel; ``KVQuant(**V1)`` for per-token keys)."""
 
     step = BLOCK_TOKENS
 
@@ -299,7 +300,7 @@ class AgentKVCache(CacheBase):
     def state(self, v):
         keys, values, self.offset, self.start, window, *fmt = v
         key_bits, value_bits, group = fmt[:3]
-        extra = {}
+        extra = dict(V1)
         if len(fmt) > 3:  # format 2
             scheme, rotate, channel_tokens = fmt[3:6]
             extra = {"key_scheme": scheme, "rotate": bool(int(rotate))}

@@ -38,6 +38,7 @@ QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
 FLOAT_BITS = 16
 GROUP_SIZES = (32, 64, 128)
 KEY_SCHEMES = ("token", "channel")
+CHANNEL_BITS = (2, 4, 8)  # key bits the channel scheme packs (whole values per uint32 word)
 CHANNEL_TOKENS = (32, 64)  # divide the pool's 64-token sharing groups and 256-token blocks
 
 
@@ -60,15 +61,17 @@ class Component(NamedTuple):
 
 @dataclass(frozen=True)
 class KVQuant:
-    """Storage format of keys and values. Defaults: both 4-bit, group size 64, format 1
-    (per-token keys); ``key_scheme="channel", rotate=True`` is format 2."""
+    """Storage format of keys and values. Defaults: both 4-bit, group size 64, and format 2
+    where the key bits allow it (2, 4 or 8: keys rotated and quantized per channel over
+    groups of ``min(group_size, 64)`` tokens); other key bits are format 1 (per-token keys).
+    ``KVQuant(..., **V1)`` asks for format 1, ``KVQuant(..., **V2)`` for format 2."""
 
     key_bits: int = 4
     value_bits: int = 4
     group_size: int = 64
-    key_scheme: str = "token"
-    rotate: bool = False
-    channel_tokens: int = 64
+    key_scheme: str | None = None  # None: "channel" for 2/4/8-bit keys, else "token"
+    rotate: bool | None = None  # None: with the channel scheme
+    channel_tokens: int | None = None  # None: the group size, at most 64
 
     def __post_init__(self):
         for kind, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -80,6 +83,13 @@ class KVQuant:
             raise InvalidRequestError(
                 f"group size must be one of {GROUP_SIZES}, not {self.group_size}"
             )
+        if self.key_scheme is None:
+            scheme = "channel" if self.key_bits in CHANNEL_BITS else "token"
+            object.__setattr__(self, "key_scheme", scheme)
+        if self.rotate is None:
+            object.__setattr__(self, "rotate", self.key_scheme == "channel")
+        if self.channel_tokens is None:
+            object.__setattr__(self, "channel_tokens", min(self.group_size, 64))
         if self.key_scheme not in KEY_SCHEMES:
             raise InvalidRequestError(
                 f"key scheme must be one of {KEY_SCHEMES}, not {self.key_scheme!r}"
@@ -88,7 +98,7 @@ class KVQuant:
             raise InvalidRequestError(
                 f"channel tokens must be one of {CHANNEL_TOKENS}, not {self.channel_tokens}"
             )
-        if self.key_scheme == "channel" and self.key_bits not in (2, 4, 8):
+        if self.key_scheme == "channel" and self.key_bits not in CHANNEL_BITS:
             raise InvalidRequestError(f"per-channel keys take 2, 4 or 8 bits, not {self.key_bits}")
         if not isinstance(self.rotate, bool):
             raise InvalidRequestError(f"rotate must be true or false, not {self.rotate!r}")
@@ -102,7 +112,7 @@ class KVQuant:
         unknown = set(record) - known
         if unknown:
             raise InvalidRequestError(f"unknown KV format fields {sorted(unknown)}")
-        return cls(**record)
+        return cls(**{**V1, "channel_tokens": 64, **record})
 
     @property
     def version(self) -> int:
@@ -115,10 +125,13 @@ class KVQuant:
 
     @classmethod
     def from_bits(cls, bits: int, *, key_bits=None, value_bits=None, group_size=64) -> KVQuant:
+        """Format 1 at these bits (the bits the caller asked for; ``choose_kv_quant`` picks
+        the format for a model)."""
         return cls(
             key_bits=bits if key_bits is None else key_bits,
             value_bits=bits if value_bits is None else value_bits,
             group_size=group_size,
+            **V1,
         )
 
     @property
@@ -241,7 +254,8 @@ class KVQuant:
         }
 
 
-V2 = {"key_scheme": "channel", "rotate": True}  # KVQuant(**V2): format 2 at 4 bits
+V1 = {"key_scheme": "token", "rotate": False}  # KVQuant(**V1): format 1 (per-token keys)
+V2 = {"key_scheme": "channel", "rotate": True}  # KVQuant(**V2): format 2 (the default)
 
 
 def hadamard(x: mx.array) -> mx.array:

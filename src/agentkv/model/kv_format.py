@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import InvalidRequestError
-from ..kv.quant import V2, KVQuant
+from ..kv.quant import V1, V2, KVQuant
 from .spec import ModelCacheSpec
 
 # The default first (the format agentkv is measured in); then the smaller group, which
@@ -57,11 +57,11 @@ def choose_kv_quant(
             spec.model_type, key_bits, value_bits, spec.key_head_dim, spec.value_head_dim,
         )  # fmt: skip
     if group_size is not None:
-        quant = KVQuant(key_bits, value_bits, group_size)
+        quant = KVQuant(key_bits, value_bits, group_size, **V1)
         quant.check_head_dims(spec.key_head_dim, spec.value_head_dim)
         return quant
     for size in AUTO_GROUP_SIZES:
-        quant = KVQuant(key_bits, value_bits, size)
+        quant = KVQuant(key_bits, value_bits, size, **V1)
         if quant.fits(spec.key_head_dim, spec.value_head_dim):
             return quant
     dims = (
