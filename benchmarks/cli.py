@@ -86,9 +86,7 @@ def run_bench(args) -> int:
         if args.scored >= min(contexts):
             raise SystemExit("agentkv: error: --scored must be below every --context")
         names = [n.strip() for n in args.candidates.split(",")] if args.candidates else None
-        kinds = [t.strip() for t in args.texts.split(",")] if args.texts else None
-        if kinds and set(kinds) - {"prose", "code"}:
-            raise SystemExit("agentkv: error: --texts takes prose and/or code")
+        kinds = _text_kinds(args.texts)
         try:
             run(
                 context=contexts,
@@ -113,12 +111,24 @@ def run_bench(args) -> int:
         contexts = _counts(args.contexts, "--contexts") if args.contexts else None
         if contexts and any(c < 4 or c % 2 for c in contexts):
             raise SystemExit("agentkv: error: --contexts must be even numbers of at least 4")
-        run(
-            args.tokens,
-            contexts,
-            formats,
-            quick=args.quick,
-            as_json=args.json,
-            model=args.model,
-        )
+        try:
+            run(
+                args.tokens,
+                contexts,
+                formats,
+                quick=args.quick,
+                as_json=args.json,
+                model=args.model,
+                text_kinds=_text_kinds(args.texts),
+                greedy=not args.no_greedy,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"agentkv: error: {exc}") from None
     return 0
+
+
+def _text_kinds(option: str | None) -> list[str] | None:
+    kinds = [t.strip() for t in option.split(",") if t.strip()] if option else None
+    if kinds is not None and (not kinds or set(kinds) - {"prose", "code"}):
+        raise SystemExit("agentkv: error: --texts takes prose and/or code")
+    return kinds

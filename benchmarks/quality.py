@@ -189,6 +189,8 @@ def run(
     quick: bool = False,
     as_json: bool = False,
     model: str | None = None,
+    text_kinds: list[str] | None = None,
+    greedy: bool = True,
 ) -> list[dict]:
     import mlx.core as mx
 
@@ -206,16 +208,20 @@ def run(
     names = ["fp16", *names]
     loaded = load_model(model)
     spec = loaded.spec
-    sources = list(texts().items())[: QUICK["texts"] if quick else None]
+    sources = list(texts().items())
+    if text_kinds:  # "prose" / "code": the first word of each text's name
+        sources = [(n, t) for n, t in sources if n.split()[0] in text_kinds]
+    sources = sources[: QUICK["texts"] if quick else None]
+    greedy = greedy and not quick
     greedy_prompts: list[str] = []
     rows = []
     began_all = time.perf_counter()
     for text_name, text in sources:
         all_ids = loaded.tokenizer.encode(text)
-        need = tokens + (0 if quick or greedy_prompts else PROMPTS * PROMPT_TOKENS)
+        need = tokens + (0 if not greedy or greedy_prompts else PROMPTS * PROMPT_TOKENS)
         if len(all_ids) < need:
             raise ValueError(f"{text_name}: {len(all_ids)} tokens, need {need}")
-        if not quick and not greedy_prompts:
+        if greedy and not greedy_prompts:
             greedy_prompts = [
                 loaded.tokenizer.decode(all_ids[b : b + PROMPT_TOKENS])
                 for b in range(tokens, tokens + PROMPTS * PROMPT_TOKENS, PROMPT_TOKENS)

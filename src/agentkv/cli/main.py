@@ -459,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument(
         "--quick", action="store_true", help="one text, 4,096 tokens, 2K context, no greedy runs"
     )
+    quality.add_argument(
+        "--texts", default=None, help="prose and/or code, comma-separated (default: both)"
+    )
+    quality.add_argument("--no-greedy", action="store_true", help="skip the greedy continuations")
     quality.add_argument("--json", action="store_true")
     quality.add_argument("--model", default=None, help=argparse.SUPPRESS)
     return parser
