@@ -115,7 +115,7 @@ CANDIDATES = [
         Kind(rotate=True),
     ),
     Candidate(
-        "q4.v2, 8-bit keys in layers 18 19",
+        "q4.v2 + 8-bit keys in layers 18 19",
         Kind(scheme="channel", rotate=True),
         Kind(rotate=True),
         k8_layers=(18, 19),
