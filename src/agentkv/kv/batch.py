@@ -178,12 +178,14 @@ class BatchQuantizedKVCache(CacheBase):
                 continue
             r = (start - pads[b]) % ct
             row = new[b : b + 1, :, :own]
-            source = mx.concatenate([self.tails[b : b + 1, :, :r], row], axis=2) if r else row
             full = (r + own) // ct * ct
-            if full:
-                first = start - r
-                for dst, src in zip(self.keys, q.quantize_channels(source[..., :full, :])):
-                    dst[b : b + 1, :, first : first + full, :] = src
+            if not full:  # the group still fills (most decode steps): only the new rows
+                self.tails[b : b + 1, :, r : r + own, :] = row
+                continue
+            source = mx.concatenate([self.tails[b : b + 1, :, :r], row], axis=2) if r else row
+            first = start - r
+            for dst, src in zip(self.keys, q.quantize_channels(source[..., :full, :])):
+                dst[b : b + 1, :, first : first + full, :] = src
             if r + own > full:
                 self.tails[b : b + 1, :, : r + own - full, :] = source[..., full:, :]
         self._idx = lo + n
