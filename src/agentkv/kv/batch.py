@@ -34,12 +34,15 @@ from .blocks import BLOCK_TOKENS
 from .quant import V1, KVQuant, hadamard
 
 
-def _stack_tails(tails: list) -> mx.array | None:
-    """Rows' tails [1, heads, ct, dim] as one [B, ...] (zeros for a row without one yet)."""
-    shape = next((t.shape for t in tails if t is not None), None)
+def _stack_tails(parts: list[tuple[mx.array | None, int]]) -> mx.array | None:
+    """(tails [rows, heads, ct, dim] or None, rows) pieces as one array (zeros where a piece
+    has no tails yet); None if none has any."""
+    shape = next((t.shape[1:] for t, _ in parts if t is not None), None)
     if shape is None:
         return None
-    return mx.concatenate([mx.zeros(shape, mx.float16) if t is None else t for t in tails])
+    return mx.concatenate(
+        [mx.zeros((rows, *shape), mx.float16) if t is None else t for t, rows in parts]
+    )
 
 
 def _capacity(rows: int) -> int:
@@ -79,7 +82,7 @@ class BatchQuantizedKVCache(CacheBase):
         batch = cls(quant, [used - h for h in held], window=window)
         batch.offset = mx.array([c.offset for c in caches], dtype=mx.int32)
         if quant.channel_keys:
-            batch.tails = _stack_tails([c.tail for c in caches])
+            batch.tails = _stack_tails([(c.tail, 1) for c in caches])
         if used == 0:
             return batch
         rows = [(c.components, 0, 0, h) for c, h in zip(caches, held)]
@@ -126,17 +129,19 @@ class BatchQuantizedKVCache(CacheBase):
 
     def _store(self, q_keys: tuple, q_values: tuple, n: int) -> None:
         """Write n new rows of every component at ``_idx`` (growing the buffers)."""
-        self._grow(n, (*q_keys, *q_values))
+        self._grow(n, lambda: (*q_keys, *q_values))
         lo, hi = self._idx, self._idx + n
         for dst, src in zip(self.components, (*q_keys, *q_values)):
             dst[..., lo:hi, :] = src
         self._idx = hi
         self.offset = self.offset + n
 
-    def _grow(self, n: int, parts: tuple) -> None:
-        """Room for n more rows; ``parts``: one array per component (dtypes and widths)."""
+    def _grow(self, n: int, parts) -> None:
+        """Room for n more rows; ``parts()``: one array per component (dtypes and widths),
+        asked for only when the buffers grow."""
         if self.keys is not None and self._idx + n <= self.capacity:
             return
+        parts = parts()
         capacity = _capacity(self._idx + n)
 
         def grow(old, new):
@@ -162,8 +167,12 @@ class BatchQuantizedKVCache(CacheBase):
         q, ct = self.quant, self.quant.channel_tokens
         b_rows, heads, n, dim = keys.shape
         q_values = q.quantize(values, q.value_bits)
-        template = q.quantize_channels(mx.zeros((b_rows, heads, ct, dim), mx.float16))
-        self._grow(n, (*template, *q_values))
+
+        def template():  # the key components' dtypes and widths
+            shape = (b_rows, heads, ct, dim)
+            return (*q.quantize_channels(mx.zeros(shape, mx.float16)), *q_values)
+
+        self._grow(n, template)
         lo = self._idx
         for dst, src in zip(self.values, q_values):
             dst[..., lo : lo + n, :] = src
@@ -237,7 +246,7 @@ class BatchQuantizedKVCache(CacheBase):
             out = None
             if own > 0:
                 held = end - pads[b]
-                mask = None if own == 1 and not self.window else "causal"
+                mask = None if own == 1 else "causal"
                 if self.window:
                     mask = remember_mask(
                         create_causal_mask(own, offset=held - own, window_size=self.window),
@@ -323,13 +332,7 @@ class BatchQuantizedKVCache(CacheBase):
         self.left_padding = mx.array([used - n for *_, n in rows], dtype=mx.int32)
         self._merge_rows(rows, used)
         if self.quant.channel_keys:
-            mine_t = [
-                None if self.tails is None else self.tails[i : i + 1] for i in range(len(mine))
-            ]
-            theirs_t = [
-                None if other.tails is None else other.tails[i : i + 1] for i in range(len(theirs))
-            ]
-            self.tails = _stack_tails(mine_t + theirs_t)
+            self.tails = _stack_tails([(self.tails, len(mine)), (other.tails, len(theirs))])
 
     def extract(self, idx: int):
         """Row ``idx`` as that agent's ``AgentKVCache`` (the extract kernel, one pass)."""
