@@ -21,8 +21,9 @@ keys in sorted order: English prose with code) and six standard-library modules 
   includes rotating the queries and the output).
 
 Formats: fp16, q8, q4, k8v4, the ablations k4v16 (only keys 4-bit) and k16v4 (only values),
-and format 2 (docs/kv-format-v2.md: rotated per-channel keys, rotated values): q4.v2,
-k8v4.v2.
+and format 2 (docs/kv-format-v2.md: rotated per-channel keys, rotated values): q4.v2 (as
+``Engine()`` stores it: 8-bit keys in the model's wide layers, ``model/wide_layers.py``),
+q4.v2.flat (4-bit keys in every layer), k8v4.v2.
 ``--quick``: the first text, 4,096 tokens, 2,048-token context, no greedy runs (minutes).
 """
 
@@ -45,14 +46,22 @@ FORMATS = {  # name: KVQuant arguments
     "k4v16": {"key_bits": 4, "value_bits": 16, **V1},
     "k16v4": {"key_bits": 16, "value_bits": 4, **V1},
     "q4.v2": {"key_bits": 4, "value_bits": 4, "key_scheme": "channel", "rotate": True},
+    "q4.v2.flat": {"key_bits": 4, "value_bits": 4, "key_scheme": "channel", "rotate": True},
     "k8v4.v2": {"key_bits": 8, "value_bits": 4, "key_scheme": "channel", "rotate": True},
 }
+FLAT = {"q4.v2.flat"}  # format 2 with 4-bit keys in every layer (no wide layers)
 
 
-def quant_of(name: str):
+def quant_of(name: str, loaded=None):
+    """The format ``name`` names; format 2 with keys under 8 bits takes the model's wide
+    layers (as ``Engine()`` stores it) unless the name is in ``FLAT``."""
     from agentkv.kv.quant import KVQuant
+    from agentkv.model.wide_layers import with_wide_layers
 
-    return KVQuant(**FORMATS[name])
+    quant = KVQuant(**FORMATS[name])
+    if loaded is None or name in FLAT:
+        return quant
+    return with_wide_layers(quant, loaded.model, loaded.tokenizer, loaded.spec)
 
 
 CHUNK = 512
@@ -115,7 +124,15 @@ def compare(lp, ref, targets) -> tuple[float, float, float]:
     return float(nll), float(kl), float(top1)
 
 
-def decode_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: int = 20):
+def decode_attention_ms(quant, *, layers: int = 30, **options) -> float:
+    """``layer_attention_ms`` averaged over the model's layers (a format with wide layers
+    attends over 8-bit keys in those)."""
+    kinds = [quant.layer(i) for i in range(layers)]
+    times = {q: layer_attention_ms(q, **options) for q in set(kinds)}
+    return sum(times[q] for q in kinds) / layers
+
+
+def layer_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: int = 20):
     """One decode step's attention over ``tokens`` cached tokens per agent (embedded geometry:
     one layer, 3 KV heads, 9 query heads, head dim 64), through the pool's attention (a
     ``PagedStep`` layer, as the engine decodes: format 2 rotates the query and the output)."""
@@ -156,11 +173,14 @@ def decode_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: i
     return median_ms([timed(attend)[0] for _ in range(repeats)])
 
 
-def _greedy(model, fmt: str, prompts: list[str]) -> list[list[int]]:
+def _greedy(model, quant, prompts: list[str]) -> list[list[int]]:
     from agentkv import Engine
 
-    quant = quant_of(fmt)
-    options = {"key_bits": quant.key_bits, "value_bits": quant.value_bits}
+    options = {
+        "key_bits": quant.key_bits,
+        "value_bits": quant.value_bits,
+        "kv_wide_layers": quant.wide_layers,
+    }
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-quality-") as tmp:
         with Engine(model=model, cache_dir=Path(tmp), kv_format=quant.version, **options) as eng:
             results = eng.generate_many(
@@ -208,6 +228,7 @@ def run(
     names = ["fp16", *names]
     loaded = load_model(model)
     spec = loaded.spec
+    quants = {name: quant_of(name, loaded) for name in names}
     sources = list(texts().items())
     if text_kinds:  # "prose" / "code": the first word of each text's name
         sources = [(n, t) for n, t in sources if n.split()[0] in text_kinds]
@@ -240,7 +261,7 @@ def run(
                 targets = mx.array(window[skip:])
                 ref = None
                 for name in names:
-                    lp = window_logprobs(loaded.model, spec, window, quant_of(name), skip)
+                    lp = window_logprobs(loaded.model, spec, window, quants[name], skip)
                     ref = lp if ref is None else ref
                     per[name].append((*compare(lp, ref, targets), len(window) - skip))
                 del ref
@@ -256,7 +277,8 @@ def run(
                         "text": text_name,
                         "context": context,
                         "kv": name,
-                        "bytes_per_token": spec.bytes_per_token(quant_of(name)),
+                        "format": quants[name].label,
+                        "bytes_per_token": spec.bytes_per_token(quants[name]),
                         "perplexity": round(math.exp(nll / scored), 4),
                         "ppl_delta_pct": round(
                             100 * (math.exp((nll - sum(x[0] for x in base)) / scored) - 1), 3
@@ -270,7 +292,7 @@ def run(
                     }
                 )
     progress("quality: decode attention (batch 4 x 4,096 tokens)...")
-    attention = {n: round(decode_attention_ms(quant_of(n)), 3) for n in names}
+    attention = {n: round(decode_attention_ms(quants[n], layers=spec.num_layers), 3) for n in names}
     for row in rows:
         row["decode_attention_ms"] = attention[row["kv"]]
     greedy = None
@@ -278,7 +300,7 @@ def run(
         continuations = {}
         for name in names:
             progress(f"quality: {name}: {PROMPTS} greedy continuations...")
-            continuations[name] = _greedy(model, name, greedy_prompts)
+            continuations[name] = _greedy(model, quants[name], greedy_prompts)
         greedy = {"text": sources[0][0], "prompts": PROMPTS, "prompt_tokens": PROMPT_TOKENS,
                   "continuation_tokens": CONTINUATION, "rows": []}  # fmt: skip
         for name in names:

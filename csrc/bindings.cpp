@@ -40,6 +40,7 @@ namespace {
 
 // (heads, width, dtype name) of one component of a layer's cache.
 using ComponentArg = std::tuple<uint32_t, uint32_t, std::string>;
+using LayerComponents = std::vector<std::vector<ComponentArg>>;  // per layer
 using SegmentArg = std::tuple<std::string, uint64_t, uint32_t>;
 using BlockArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t>;
 using SpanArg = std::tuple<uint64_t, uint64_t>;
@@ -59,19 +60,28 @@ mx::Dtype dtype_from_name(const std::string& name) {
 
 struct Layout {
   agentkv::Geometry geometry;
-  std::vector<mx::Dtype> dtypes;
+  std::vector<mx::Dtype> dtypes;  // [layer * per_layer + comp], as geometry.components
   std::vector<uint32_t> widths;
 };
 
-Layout make_layout(uint32_t layers, uint32_t block_tokens, const std::vector<ComponentArg>& comps) {
+Layout make_layout(uint32_t layers, uint32_t block_tokens, const LayerComponents& comps) {
+  if (comps.size() != layers || comps.empty()) {
+    throw nb::value_error("need one component list per layer");
+  }
   Layout out;
   out.geometry.layers = layers;
   out.geometry.block_tokens = block_tokens;
-  for (const auto& [heads, width, name] : comps) {
-    const mx::Dtype dtype = dtype_from_name(name);
-    out.dtypes.push_back(dtype);
-    out.widths.push_back(width);
-    out.geometry.components.push_back({heads, static_cast<uint32_t>(width * dtype.size())});
+  out.geometry.per_layer = static_cast<uint32_t>(comps[0].size());
+  for (const auto& layer : comps) {
+    if (layer.size() != comps[0].size()) {
+      throw nb::value_error("every layer needs the same number of components");
+    }
+    for (const auto& [heads, width, name] : layer) {
+      const mx::Dtype dtype = dtype_from_name(name);
+      out.dtypes.push_back(dtype);
+      out.widths.push_back(width);
+      out.geometry.components.push_back({heads, static_cast<uint32_t>(width * dtype.size())});
+    }
   }
   out.geometry.validate();
   return out;
@@ -119,7 +129,7 @@ uint32_t py_block_checksum(nb::handle data) {
 // Load tokens [0, tokens) of an agent's blocks into fresh MLX arrays,
 // one [1, heads, capacity, width] array per layer and component.
 std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
-                                     const std::vector<ComponentArg>& components,
+                                     const LayerComponents& components,
                                      const std::vector<SegmentArg>& segments,
                                      const std::vector<BlockArg>& blocks, uint64_t tokens,
                                      const std::vector<SpanArg>& spans, int threads) {
@@ -136,20 +146,21 @@ std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
   for (const auto& [segment, offset, length, checksum, count] : blocks) {
     refs.push_back({segment, offset, length, checksum, count});
   }
-  const size_t ncomp = components.size();
+  const size_t ncomp = layout.geometry.per_layer;
   std::vector<mx::array> arrays;
   std::vector<uint8_t*> dst;
   arrays.reserve(layers * ncomp);
   for (uint32_t l = 0; l < layers; ++l) {
     for (size_t c = 0; c < ncomp; ++c) {
-      const auto& comp = layout.geometry.components[c];
+      const size_t i = l * ncomp + c;
+      const auto& comp = layout.geometry.components[i];
       const uint64_t capacity = layer_spans[l].capacity;
       auto data = mx::allocator::malloc(comp.heads * capacity * comp.row_bytes);
       dst.push_back(static_cast<uint8_t*>(data.buffer().raw_ptr()));
       arrays.emplace_back(std::move(data),
                           mx::Shape{1, static_cast<int>(comp.heads), static_cast<int>(capacity),
-                                    static_cast<int>(layout.widths[c])},
-                          layout.dtypes[c]);
+                                    static_cast<int>(layout.widths[i])},
+                          layout.dtypes[i]);
     }
   }
   {
@@ -227,17 +238,15 @@ using RegionArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t, u
 template <typename Ptr>
 std::vector<Ptr> arena_pointers(std::vector<mx::array>& arenas, const Layout& layout,
                                 uint64_t rows) {
-  const size_t ncomp = layout.dtypes.size();
-  if (arenas.size() != layout.geometry.layers * ncomp) {
+  if (arenas.size() != layout.dtypes.size()) {
     throw nb::value_error("need one arena per layer and component");
   }
   mx::eval(arenas);
   std::vector<Ptr> out;
   for (size_t i = 0; i < arenas.size(); ++i) {
     const mx::array& a = arenas[i];
-    const size_t c = i % ncomp;
     if (a.ndim() != 2 || static_cast<uint64_t>(a.shape(0)) != rows ||
-        a.shape(1) != static_cast<int>(layout.widths[c]) || a.dtype() != layout.dtypes[c] ||
+        a.shape(1) != static_cast<int>(layout.widths[i]) || a.dtype() != layout.dtypes[i] ||
         !a.flags().row_contiguous) {
       throw nb::value_error(("arena " + std::to_string(i) + " does not match the layout").c_str());
     }
@@ -260,7 +269,7 @@ mx::array uninitialized(uint64_t rows, uint32_t width, const std::string& dtype_
 }
 
 void read_regions(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
-                  const std::vector<ComponentArg>& components, uint64_t blocks,
+                  const LayerComponents& components, uint64_t blocks,
                   const std::vector<SegmentArg>& files, const std::vector<RegionArg>& regions,
                   int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
@@ -279,8 +288,8 @@ void read_regions(std::vector<mx::array> arenas, uint32_t layers, uint32_t block
 
 std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_regions(
     std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
-    const std::vector<ComponentArg>& components, uint64_t blocks,
-    const std::vector<uint32_t>& slots, const std::vector<uint32_t>& tokens, int threads) {
+    const LayerComponents& components, uint64_t blocks, const std::vector<uint32_t>& slots,
+    const std::vector<uint32_t>& tokens, int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
   auto src = arena_pointers<const uint8_t*>(arenas, layout, arena_rows(layout, blocks));
   uint64_t size = 0;
@@ -306,8 +315,8 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> 
 }
 
 void copy_slot_rows(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
-                    const std::vector<ComponentArg>& components, uint64_t blocks, uint32_t src,
-                    uint32_t dst, uint32_t tokens) {
+                    const LayerComponents& components, uint64_t blocks, uint32_t src, uint32_t dst,
+                    uint32_t tokens) {
   const Layout layout = make_layout(layers, block_tokens, components);
   if (src >= blocks || dst >= blocks) {
     throw nb::value_error("a slot lies outside the arenas");
@@ -317,7 +326,7 @@ void copy_slot_rows(std::vector<mx::array> arenas, uint32_t layers, uint32_t blo
 }
 
 uint64_t release_slot(std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
-                      const std::vector<ComponentArg>& components, uint64_t blocks, uint32_t slot,
+                      const LayerComponents& components, uint64_t blocks, uint32_t slot,
                       const std::vector<uint8_t>& layer_mask) {
   const Layout layout = make_layout(layers, block_tokens, components);
   if (slot >= blocks) {

@@ -7,10 +7,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from agentkv import _ext
+from agentkv.kv.blocks import BLOCK_TOKENS
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.kv.quant import V1, KVQuant, native_layout
 from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
 from agentkv.pool.arena import WritePlan
+from agentkv.store.format import encode_segment_header
 
 
 def synthetic_spec(
@@ -201,3 +204,37 @@ def tiny_llama_dir(root: Path, *, seed: int = 3, layers: int = 2) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(source / name, root / name)
     return root
+
+
+def write_segment(path, pool, table, first_block, end_token):
+    """Pack blocks [first_block, blocks_for(end_token)) of ``table`` into a segment file."""
+    spec = pool.spec
+    slots = table.blocks[first_block : -(-end_token // BLOCK_TOKENS)]
+    counts = [
+        min(BLOCK_TOKENS, end_token - (first_block + i) * BLOCK_TOKENS) for i in range(len(slots))
+    ]
+    packed, records = pool.arena.pack(slots, counts)
+    header, blocks = encode_segment_header(
+        agent_id="a",
+        fingerprint=spec.fingerprint,
+        generation=1,
+        components=spec.components(pool.quant),
+        first_block=first_block,
+        packed=records,
+    )
+    path.write_bytes(header + packed.tobytes())
+    refs = [(0, len(header) + off, ln, crc, t) for _, off, ln, crc, t in blocks]
+    return (str(path), len(header) + packed.nbytes, _ext.crc32c(header[8:])), refs
+
+
+def gather_segments(spec, quant, segments, blocks, tokens, spans):
+    comps = spec.components(quant)
+    return _ext.gather_blocks(
+        spec.num_layers,
+        BLOCK_TOKENS,
+        native_layout(comps),
+        segments,
+        blocks,
+        tokens,
+        spans,
+    )

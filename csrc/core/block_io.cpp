@@ -22,7 +22,7 @@ void check_spans(const Geometry& g, const std::vector<LayerSpan>& spans, uint64_
   if (spans.size() != g.layers) {
     throw std::invalid_argument("need one LayerSpan per layer");
   }
-  if (buffers != static_cast<size_t>(g.layers) * g.components.size()) {
+  if (buffers != g.components.size()) {
     throw std::invalid_argument("need one buffer per layer and component");
   }
   for (uint32_t l = 0; l < g.layers; ++l) {
@@ -63,7 +63,7 @@ uint64_t verify_segment(const MappedFile& file, const SegmentRef& ref) {
   return 8 + header_len;
 }
 
-uint64_t Geometry::layer_token_bytes() const {
+uint64_t Geometry::token_bytes() const {
   uint64_t total = 0;
   for (const auto& c : components) {
     total += static_cast<uint64_t>(c.heads) * c.row_bytes;
@@ -72,8 +72,9 @@ uint64_t Geometry::layer_token_bytes() const {
 }
 
 void Geometry::validate() const {
-  if (layers == 0 || block_tokens == 0 || components.empty()) {
-    throw std::invalid_argument("geometry needs layers, block tokens and components");
+  if (layers == 0 || block_tokens == 0 || per_layer == 0 ||
+      components.size() != static_cast<size_t>(layers) * per_layer) {
+    throw std::invalid_argument("geometry needs layers, block tokens and components per layer");
   }
   for (const auto& c : components) {
     if (c.heads == 0 || c.row_bytes == 0) {
@@ -115,7 +116,7 @@ void gather_blocks(const Geometry& g, const std::vector<SegmentRef>& segments,
     }
   }
 
-  const size_t ncomp = g.components.size();
+  const size_t ncomp = g.per_layer;
   parallel_for(needed, threads, [&](size_t i) {
     const BlockRef& b = blocks[i];
     const MappedFile& file = *files[b.segment];
@@ -141,7 +142,7 @@ void gather_blocks(const Geometry& g, const std::vector<SegmentRef>& segments,
       const LayerSpan& span = spans[l];
       const bool wanted = t0 >= span.first_token;
       for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.components[c];
+        const ComponentSpec& comp = g.component(l, c);
         const uint64_t plane = static_cast<uint64_t>(b.tokens) * comp.row_bytes;
         uint8_t* out = dst[l * ncomp + c];
         for (uint32_t h = 0; h < comp.heads; ++h) {

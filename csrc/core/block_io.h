@@ -5,7 +5,7 @@
 // one sequential read and one checksum:
 //
 //   block region = for layer in [0, L):
-//                    for comp in components:      e.g. k.w k.s k.b v.w v.s v.b
+//                    for comp in the layer's components:  e.g. k.w k.s k.b v.w v.s v.b
 //                      [heads, tokens, row_bytes]
 //
 // gather_blocks loads them into one buffer per (layer, component) [heads, capacity,
@@ -25,14 +25,20 @@ struct ComponentSpec {
   uint32_t row_bytes;  // bytes per token per head
 };
 
+// Every layer has the same number of components (`per_layer`, in region order); their
+// widths may differ by layer (8-bit keys in a format's wide layers).
 struct Geometry {
   uint32_t layers;
   uint32_t block_tokens;
-  std::vector<ComponentSpec> components;  // per layer, in region order
+  uint32_t per_layer;
+  std::vector<ComponentSpec> components;  // [layer * per_layer + comp]
 
-  uint64_t layer_token_bytes() const;  // one token of one layer, all components
+  const ComponentSpec& component(uint32_t layer, size_t comp) const {
+    return components[layer * per_layer + comp];
+  }
+  uint64_t token_bytes() const;  // one token, every layer and component
   uint64_t block_bytes(uint64_t tokens) const {
-    return tokens * layer_token_bytes() * layers;
+    return tokens * token_bytes();
   }
   void validate() const;  // throws std::invalid_argument
 };

@@ -24,7 +24,7 @@ uint64_t slot_offset(const Geometry& g, const ComponentSpec& comp, uint64_t slot
 
 void check_arenas(const Geometry& g, size_t arenas) {
   g.validate();
-  if (arenas != static_cast<size_t>(g.layers) * g.components.size()) {
+  if (arenas != static_cast<size_t>(g.layers) * g.per_layer) {
     throw std::invalid_argument("need one arena per layer and component");
   }
 }
@@ -50,7 +50,7 @@ void read_regions(const Geometry& g, const std::vector<SegmentRef>& files,
       data_start[f] = verify_segment(*mapped[f], files[f]);
     }
   }
-  const size_t ncomp = g.components.size();
+  const size_t ncomp = g.per_layer;
   parallel_for(regions.size(), threads, [&](size_t i) {
     const RegionRef& r = regions[i];
     const MappedFile& file = *mapped[r.file];
@@ -68,7 +68,7 @@ void read_regions(const Geometry& g, const std::vector<SegmentRef>& files,
     BlockChecksum sum;
     for (uint32_t l = 0; l < g.layers; ++l) {
       for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.components[c];
+        const ComponentSpec& comp = g.component(l, c);
         const uint64_t plane = static_cast<uint64_t>(r.tokens) * comp.row_bytes;
         uint8_t* arena = arenas[l * ncomp + c];
         for (uint32_t h = 0; h < comp.heads; ++h) {
@@ -101,13 +101,13 @@ std::vector<PackedBlock> pack_regions(const Geometry& g, const std::vector<uint3
     packed[i] = PackedBlock{offset, g.block_bytes(tokens[i]), 0, tokens[i]};
     offset += packed[i].length;
   }
-  const size_t ncomp = g.components.size();
+  const size_t ncomp = g.per_layer;
   parallel_for(slots.size(), threads, [&](size_t i) {
     PackedBlock& p = packed[i];
     uint8_t* dst = out + p.offset;
     for (uint32_t l = 0; l < g.layers; ++l) {
       for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.components[c];
+        const ComponentSpec& comp = g.component(l, c);
         const uint8_t* arena = arenas[l * ncomp + c];
         const uint64_t plane = static_cast<uint64_t>(p.tokens) * comp.row_bytes;
         for (uint32_t h = 0; h < comp.heads; ++h) {
@@ -130,10 +130,10 @@ void copy_slot_rows(const Geometry& g, const std::vector<uint8_t*>& arenas, uint
   if (src == dst || tokens == 0) {
     return;
   }
-  const size_t ncomp = g.components.size();
+  const size_t ncomp = g.per_layer;
   for (uint32_t l = 0; l < g.layers; ++l) {
     for (size_t c = 0; c < ncomp; ++c) {
-      const ComponentSpec& comp = g.components[c];
+      const ComponentSpec& comp = g.component(l, c);
       uint8_t* arena = arenas[l * ncomp + c];
       for (uint32_t h = 0; h < comp.heads; ++h) {
         std::memcpy(arena + slot_offset(g, comp, dst, h), arena + slot_offset(g, comp, src, h),
@@ -150,14 +150,14 @@ uint64_t release_slot(const Geometry& g, const std::vector<uint8_t*>& arenas, ui
     throw std::invalid_argument("need one flag per layer");
   }
   static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  const size_t ncomp = g.components.size();
+  const size_t ncomp = g.per_layer;
   uint64_t released = 0;
   for (uint32_t l = 0; l < g.layers; ++l) {
     if (!layers[l]) {
       continue;
     }
     for (size_t c = 0; c < ncomp; ++c) {
-      const ComponentSpec& comp = g.components[c];
+      const ComponentSpec& comp = g.component(l, c);
       const auto base = reinterpret_cast<uintptr_t>(arenas[l * ncomp + c]);
       const uint64_t begin = base + slot_offset(g, comp, slot, 0);
       const uint64_t end =

@@ -122,24 +122,20 @@ def to_mlx_lm_cache(cache):
 
 def _format_2_to_mlx_lm(cache):
     """mlx-lm's QuantizedKVCache for a format-2 cache: keys and values dequantized, rotated
-    back and quantized again per token at the same bits (lossy: the per-token 4-bit keys
-    mlx-lm reads cost the model what format 1 costs; see docs/kv-format-v2.md)."""
+    back and quantized again per token, at the wider of the cache's key and value bits
+    (mlx-lm's cache has one width: a wide layer's 8-bit keys give an 8-bit cache). Lossy:
+    the per-token 4-bit keys mlx-lm reads cost the model what format 1 costs (see
+    docs/kv-format-v2.md)."""
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from .errors import InvalidRequestError
-
     q = cache.quant
-    if q.key_bits != q.value_bits:
-        raise InvalidRequestError(
-            f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
-            f"{q.key_bits} and values at {q.value_bits} bits"
-        )
-    out = QuantizedKVCache(group_size=q.group_size, bits=q.key_bits)
+    bits = max(q.key_bits, q.value_bits)
+    out = QuantizedKVCache(group_size=q.group_size, bits=bits)
     if cache.keys is not None:
         k, v = (x.astype(mx.float16) for x in cache.dequantized())
-        out.keys = tuple(mx.quantize(k, group_size=q.group_size, bits=q.key_bits))
-        out.values = tuple(mx.quantize(v, group_size=q.group_size, bits=q.key_bits))
+        out.keys = tuple(mx.quantize(k, group_size=q.group_size, bits=bits))
+        out.values = tuple(mx.quantize(v, group_size=q.group_size, bits=bits))
     out.offset = cache.offset
     return out
 

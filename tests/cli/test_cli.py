@@ -71,7 +71,8 @@ def test_cache_ls_show_verify_rm(stored_agents, python_env):
     listed = json.loads(ls.stdout)
     assert sorted(a["agent"] for a in listed) == ["alpha", "beta"]
     assert all(
-        a["problem"] is None and a["kv_format"] == "q4.v2" and a["tokens"] > 10 for a in listed
+        a["problem"] is None and a["kv_format"] == "q4.v2+k8@18,19" and a["tokens"] > 10
+        for a in listed
     )
     assert all(a["shared_blocks"] >= 1 for a in listed)  # the system prompt's blocks
     table = agentkv("cache", "--cache-dir", root, "ls", env=python_env).stdout
@@ -152,7 +153,7 @@ def test_demo_json_shows_warm_far_below_cold(python_env):
     # Nothing but agentkv's own lines: no third-party notices (transformers, hub, pip...).
     foreign = [line for line in out.stderr.splitlines() if not line.startswith(("demo:", "  "))]
     assert foreign == []
-    assert result["restart"] == "process" and result["kv_bits"] == "q4.v2"
+    assert result["restart"] == "process" and result["kv_bits"] == "q4.v2+k8@18,19"
     assert [a["agent"] for a in result["agents"]] == ["planner", "coder"]
     for row in result["agents"]:
         assert set(row) >= {

@@ -299,7 +299,7 @@ def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
 
 @pytest.mark.slow
 def test_turns_that_do_not_fit_the_pool_wait(fresh_engine):
-    block = 6_480 * 256  # one block of the embedded model, 4-bit
+    block = 6_672 * 256  # one block of the embedded model: 4-bit, 8-bit keys in 2 layers
     eng = fresh_engine(pool_bytes=block * 5)
     order = []
 
@@ -535,7 +535,7 @@ def test_an_agent_stored_in_another_format_is_converted_once(fresh_engine, tmp_p
     ]
     r2 = eng8.chat("fmt", follow, max_tokens=6)
     assert r2.stats.cache == "warm" and r2.stats.kv_format == "q8.v2"
-    assert "converted from the stored q4.v2 KV format to q8.v2" in r2.stats.reuse_note
+    assert "converted from the stored q4.v2+k8@18,19 KV format to q8.v2" in r2.stats.reuse_note
     assert r2.stats.reused_tokens == r.stats.prompt_tokens + r.stats.generated_tokens - 1
     eng8.flush()
     manifest, _ = eng8.store.read_manifest("fmt")

@@ -4,6 +4,9 @@ saved in the manifest), and agents stored in format 1 convert once."""
 
 import pytest
 
+# The embedded model's default format: 8-bit keys in its two wide layers (the shipped
+# calibration; test_wide_layers.py measures it again).
+DEFAULT = "q4.v2+k8@18,19"
 PROMPT = [
     {"role": "system", "content": "You are a terse assistant who answers in one sentence."},
     {"role": "user", "content": "What is the capital of France, and what river runs through it?"},
@@ -20,9 +23,9 @@ def follow_up(reply: str) -> list[dict]:
 @pytest.mark.slow
 def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_path):
     hot = fresh_engine(cache_dir=tmp_path / "hot", kv_format=2)
-    assert hot.quant.label == "q4.v2"
+    assert hot.quant.label == DEFAULT
     first = hot.chat("v2", PROMPT, max_tokens=12)
-    assert first.stats.kv_format == "q4.v2"
+    assert first.stats.kv_format == DEFAULT
     stored = first.stats.prompt_tokens + first.stats.generated_tokens - 1
     assert stored % 64  # the last channel group is still filling: its keys are the tail
     second_hot = hot.chat("v2", follow_up(first.text), max_tokens=12)
@@ -33,7 +36,7 @@ def test_a_restart_resumes_format_2_exactly_as_the_hot_agent(fresh_engine, tmp_p
     before.close()
     after = fresh_engine(cache_dir=tmp_path / "warm", kv_format=2)
     manifest, _ = after.store.read_manifest("v2")
-    assert manifest.quant.label == "q4.v2" and manifest.tail.shape[2] == stored % 64
+    assert manifest.quant.label == DEFAULT and manifest.tail.shape[2] == stored % 64
     second_warm = after.chat("v2", follow_up(first.text), max_tokens=12)
     assert second_warm.stats.cache == "warm"
     assert second_warm.stats.reused_tokens == stored
@@ -48,10 +51,10 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_
     v2 = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2)
     second = v2.chat("conv", follow_up(first.text), max_tokens=8)
     assert second.stats.cache == "warm"
-    assert "converted from the stored q4 KV format to q4.v2" in second.stats.reuse_note
+    assert f"converted from the stored q4 KV format to {DEFAULT}" in second.stats.reuse_note
     v2.flush()
     manifest, _ = v2.store.read_manifest("conv")
-    assert manifest.quant.label == "q4.v2"
+    assert manifest.quant.label == DEFAULT
     v2.close()
     history = follow_up(first.text) + [{"role": "assistant", "content": second.text}]
     again = fresh_engine(cache_dir=tmp_path / "kv", kv_format=2).chat(
@@ -66,4 +69,4 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_
     ]
     back = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1).chat("conv", history, max_tokens=2)
     assert back.stats.cache == "warm"
-    assert "converted from the stored q4.v2 KV format to q4" in back.stats.reuse_note
+    assert f"converted from the stored {DEFAULT} KV format to q4" in back.stats.reuse_note

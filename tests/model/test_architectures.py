@@ -137,7 +137,7 @@ def held_kv(eng: Engine, agent: str, tokens: int) -> tuple[list[np.ndarray], int
     arena = eng.pool.arena
     if arena.ct:  # format 2: the filling group's keys are the tail's, not the arena rows'
         full = tokens // arena.ct * arena.ct
-        per_layer = len(arena.components)
+        per_layer = len(arena.components[0])
         arrays = [
             a[:, :full] if i % per_layer < arena.key_parts else a for i, a in enumerate(arrays)
         ]
@@ -148,7 +148,7 @@ def held_kv(eng: Engine, agent: str, tokens: int) -> tuple[list[np.ndarray], int
 def kept_rows(eng: Engine, arrays: list[np.ndarray], first: int) -> list[np.ndarray]:
     """``arrays`` with the sliding layers' rows before ``first`` cut (format 2's tails, after
     every layer's components, are the tokens after the last whole group: kept as they are)."""
-    per_layer = len(eng.pool.arena.components)
+    per_layer = len(eng.pool.arena.components[0])
     sliding = [layer.kind is LayerKind.SLIDING for layer in eng.spec.layers]
     layers = eng.spec.num_layers
     return [
@@ -168,7 +168,9 @@ def test_the_spec_reads_each_architecture_and_a_turn_runs(arch, tmp_path):
         assert sliding == [WINDOW] * kinds.count(LayerKind.SLIDING)
         assert spec.attention_sinks is sinks
         assert (spec.key_head_dim, spec.value_head_dim) == (head_dim, head_dim)
-        assert eng.quant.group_size == group and eng.quant.label == "q4.v2"
+        assert eng.quant.group_size == group and eng.quant.version == 2
+        # the layer whose 4-bit keys cost most, measured on this model at load
+        assert len(eng.quant.wide_layers) == 1 and eng.quant.label.startswith("q4.v2+k8@")
         config = {**COMMON, **ARCHITECTURES[name]}
         assert eng.loaded.query_heads == config["num_attention_heads"]  # sizes prefill chunks
         assert eng.context_limit == config["max_position_embeddings"]
@@ -239,7 +241,8 @@ def test_saved_kv_reloads_identically(arch, tmp_path):
         assert first < size
         before, after = kept_rows(eng, before, first), kept_rows(eng, after, first)
     tails = eng.spec.num_layers if eng.pool.arena.ct else 0
-    assert len(before) == len(after) == eng.spec.num_layers * len(eng.pool.arena.components) + tails
+    arrays = eng.spec.num_layers * len(eng.pool.arena.components[0]) + tails
+    assert len(before) == len(after) == arrays
     for i, (want, got) in enumerate(zip(before, after)):
         assert mx.array_equal(mx.array(got), mx.array(want)), f"array {i}"
 

@@ -113,7 +113,7 @@ def test_a_block_that_gave_back_its_sliding_rows_gets_them_again_when_sealed_ane
     w = fill_table(pool, 256, seed=2, ids=ids)  # sealed once full: A's copy is kept
     assert w.blocks == [first] and pool.blocks.records[first].window_rows
     after = table_arrays(pool, w, 256)
-    components = len(pool.arena.components)
+    components = len(pool.arena.components[0])
     for i, (old, new, mine) in enumerate(zip(before, after, computed)):
         if i < components:  # layer 0 (full attention): A's rows, untouched
             assert np.array_equal(new, old)

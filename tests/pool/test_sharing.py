@@ -129,7 +129,7 @@ def test_sixteen_agents_with_random_shared_prefixes_equal_their_solo_runs(fresh_
 
 @pytest.mark.slow
 def test_more_agents_than_the_pool_holds_all_complete_and_resume_warm(fresh_engine):
-    block = 6_480 * BLOCK_TOKENS  # one block of the embedded model, 4-bit
+    block = 6_672 * BLOCK_TOKENS  # one block of the embedded model: 4-bit, 8-bit keys in 2 layers
     eng = fresh_engine(pool_bytes=block * 6, max_batch=4)
     prompts = [(f"crowd-{i}", f"Agent {i} reports: " + brief(260 + 7 * i)) for i in range(6)]
     first = eng.generate_many(prompts, max_tokens=4)

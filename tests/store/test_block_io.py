@@ -5,50 +5,20 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import fill_table, pool_for, synthetic_spec, table_arrays
+from helpers import (
+    fill_table,
+    gather_segments,
+    pool_for,
+    synthetic_spec,
+    table_arrays,
+    write_segment,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv import _ext
 from agentkv.errors import CacheFormatError
 from agentkv.kv.blocks import BLOCK_TOKENS
 from agentkv.kv.quant import V1, KVQuant
-from agentkv.store.format import encode_segment_header
-
-
-def write_segment(path, pool, table, first_block, end_token):
-    """Pack blocks [first_block, blocks_for(end_token)) of ``table`` into a segment file."""
-    spec = pool.spec
-    slots = table.blocks[first_block : -(-end_token // BLOCK_TOKENS)]
-    counts = [
-        min(BLOCK_TOKENS, end_token - (first_block + i) * BLOCK_TOKENS) for i in range(len(slots))
-    ]
-    packed, records = pool.arena.pack(slots, counts)
-    header, blocks = encode_segment_header(
-        agent_id="a",
-        fingerprint=spec.fingerprint,
-        generation=1,
-        layers=spec.num_layers,
-        components=spec.components(pool.quant),
-        first_block=first_block,
-        packed=records,
-    )
-    path.write_bytes(header + packed.tobytes())
-    refs = [(0, len(header) + off, ln, crc, t) for _, off, ln, crc, t in blocks]
-    return (str(path), len(header) + packed.nbytes, _ext.crc32c(header[8:])), refs
-
-
-def gather(spec, quant, segments, blocks, tokens, spans):
-    comps = spec.components(quant)
-    return _ext.gather_blocks(
-        spec.num_layers,
-        BLOCK_TOKENS,
-        [(c.heads, c.width, c.dtype) for c in comps],
-        segments,
-        blocks,
-        tokens,
-        spans,
-    )
 
 
 @settings(max_examples=12, deadline=None)
@@ -68,7 +38,7 @@ def test_round_trip_is_exact(tmp_path_factory, tokens, bits, group, heads, keep)
     segment, blocks = write_segment(tmp / "seg.safetensors", pool, table, 0, tokens)
     load = max(1, int(tokens * keep))
     want = table_arrays(pool, table, load)
-    contiguous = gather(spec, quant, [segment], blocks, load, [(0, load + 7)] * 2)
+    contiguous = gather_segments(spec, quant, [segment], blocks, load, [(0, load + 7)] * 2)
     for w, g in zip(want, contiguous):
         assert np.array_equal(w, np.array(g)[0, :, :load])
     # ...and into other slots of a second pool, as a warm resume reads them
@@ -89,7 +59,9 @@ def test_incremental_segments_and_sliding_window_start(tmp_path):
     seg2, blocks2 = write_segment(tmp_path / "s2.safetensors", pool, table, 2, 900)
     blocks = blocks1[:2] + [(1, *b[1:]) for b in blocks2]
     first = (900 - 300) // BLOCK_TOKENS * BLOCK_TOKENS  # the window reaches back into block 2
-    arrays = gather(spec, KVQuant(**V1), [seg1, seg2], blocks, 900, [(0, 1024), (first, 512)])
+    arrays = gather_segments(
+        spec, KVQuant(**V1), [seg1, seg2], blocks, 900, [(0, 1024), (first, 512)]
+    )
     per = 6
     want = table_arrays(pool, table)
     for w, g in zip(want[:per], arrays[:per]):
@@ -107,27 +79,27 @@ def test_corrupt_block_and_header_are_reported_with_the_file(tmp_path):
     data[blocks[1][1] + 5] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="block 1 checksum mismatch") as info:
-        gather(spec, KVQuant(**V1), [segment], blocks, 300, [(0, 512)] * 2)
+        gather_segments(spec, KVQuant(**V1), [segment], blocks, 300, [(0, 512)] * 2)
     assert info.value.path == str(path)
     regions = [(0, o, ln, crc, t, i) for i, (_, o, ln, crc, t) in enumerate(blocks)]
     with pytest.raises(CacheFormatError, match="block region 1 checksum mismatch"):
         pool.arena.read_regions([segment], regions)
     # A load of only the first block does not read block 1 at all.
-    gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
+    gather_segments(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     pool.arena.read_regions([segment], regions[:1])
 
     data[20] ^= 0x01  # inside the JSON header
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFormatError, match="header checksum mismatch"):
-        gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
+        gather_segments(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     path.write_bytes(bytes(data[:1000]))
     with pytest.raises(CacheFormatError, match="truncated"):
-        gather(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
+        gather_segments(spec, KVQuant(**V1), [segment], blocks, 200, [(0, 256)] * 2)
     with pytest.raises(CacheFormatError, match="truncated"):
         pool.arena.read_regions([segment], regions[:1])
     path.write_bytes((10**12).to_bytes(8, "little") + bytes(data[8:]))
     with pytest.raises(CacheFormatError, match="header length"):
-        gather(
+        gather_segments(
             spec, KVQuant(**V1), [(str(path), len(data), segment[2])], blocks, 200, [(0, 256)] * 2
         )
 

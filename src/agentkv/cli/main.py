@@ -61,6 +61,32 @@ def _engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> N
         "+18%% on the embedded model; docs/kv-format-v2.md); agents stored in the other "
         "convert once",
     )
+    parser.add_argument(
+        "--kv-wide-layers",
+        type=_wide_layers,
+        default=None,
+        metavar="auto|none|I,J,...",
+        help="layers whose keys format 2 keeps at 8 bits (default auto: the layers whose "
+        "4-bit keys cost the model most, measured once per model; 2 of the embedded model's "
+        "30, +192 bytes a token)",
+    )
+
+
+def _wide_layers(text: str):
+    """``--kv-wide-layers``: None (auto), () (none) or layer indices."""
+    if text == "auto":
+        return None
+    if text == "none":
+        return ()
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected auto, none or comma-separated layer numbers, not {text!r}"
+        ) from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError("layer numbers start at 0")
+    return layers
 
 
 VERBOSE_HELP = "log what agentkv does (-vv: debug, and other libraries' logs too)"
@@ -452,9 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quality.add_argument(
         "--formats",
-        default="fp16,q8,q4,k8v4,k4v16,k16v4,q4.v2,k8v4.v2",
+        default="fp16,q8,q4,k8v4,k4v16,k16v4,q4.v2,q4.v2.flat,k8v4.v2",
         help="comma-separated: fp16,q8,q4,k8v4,k4v16 (keys only),k16v4 (values only), "
-        "q4.v2,k8v4.v2 (format 2: rotated per-channel keys)",
+        "q4.v2,k8v4.v2 (format 2: rotated per-channel keys; q4.v2 as the engine stores it, "
+        "with 8-bit keys in the model's wide layers), q4.v2.flat (4-bit keys in every layer)",
     )
     quality.add_argument(
         "--quick", action="store_true", help="one text, 4,096 tokens, 2K context, no greedy runs"

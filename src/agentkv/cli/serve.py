@@ -91,6 +91,11 @@ def run_serve(args) -> int:
 
 
 def engine_format(args) -> dict:
-    """``Engine`` options for ``--kv-format`` (none: the engine's default)."""
-    kv_format = getattr(args, "kv_format", None)
-    return {} if kv_format is None else {"kv_format": kv_format}
+    """``Engine`` options for ``--kv-format`` and ``--kv-wide-layers`` (unset or ``auto``:
+    the engine's defaults)."""
+    options = {}
+    for name in ("kv_format", "kv_wide_layers"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    return options

@@ -25,8 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,6 +36,7 @@ from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
 from ..kv.quant import KVQuant
 from ..model.kv_format import choose_kv_quant
 from ..model.load import LoadedModel, load_model
+from ..model.wide_layers import with_wide_layers
 from ..paths import kv_dir
 from ..pool import KVPool, PoolStats, default_pool_bytes
 from ..progress import ProgressBar
@@ -96,6 +97,9 @@ class Engine:
     embedded model where 1, per-token keys, costs +18%); agents stored in the other format
     convert once. Where format 2 cannot hold a model's KV (16-bit or 3/5/6-bit keys, a
     head dim that is not a power of two) the engine uses 1.
+    ``kv_wide_layers``: layers whose keys format 2 keeps at 8 bits (None: chosen per model,
+    the layers whose 4-bit keys cost the most, measured once: ``model/wide_layers.py``;
+    ``()``: none).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class Engine:
         schedule: str = "interleave",
         warmup: bool = True,
         kv_format: int = 2,
+        kv_wide_layers: Sequence[int] | None = None,
     ):
         # Checked before the model loads; the group size is fitted to its head dims after.
         wanted = KVQuant.from_bits(
@@ -131,6 +136,8 @@ class Engine:
             raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
         if kv_format not in (1, 2):
             raise InvalidRequestError(f"kv_format must be 1 or 2, not {kv_format!r}")
+        if kv_wide_layers is not None:
+            kv_wide_layers = tuple(kv_wide_layers)  # checked with the format, below
         if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
             raise InvalidRequestError("pool_bytes must be a positive number of bytes")
         with ProgressBar(2, "starting the engine", unit="step") as bar:
@@ -144,6 +151,13 @@ class Engine:
                 group_size=group_size,
                 kv_format=kv_format,
             )
+            if kv_wide_layers is None:
+                self.quant = with_wide_layers(
+                    self.quant, self.loaded.model, self.loaded.tokenizer, spec
+                )
+            elif kv_wide_layers:
+                self.quant = replace(self.quant, wide_layers=kv_wide_layers)
+                spec.components(self.quant)  # every wide layer is one of the model's
             self.pool = KVPool(spec, self.quant, pool_bytes=pool_bytes or default_pool_bytes())
             self.context_limit = self.loaded.context_limit
             hf_tokenizer = self.loaded.tokenizer._tokenizer

@@ -27,7 +27,8 @@ float16 23,040; 4-bit group 64 (either scheme): 0.5 + 4/64 bytes per value = 6,4
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -72,6 +73,7 @@ class KVQuant:
     key_scheme: str | None = None  # None: "channel" for 2/4/8-bit keys, else "token"
     rotate: bool | None = None  # None: with the channel scheme
     channel_tokens: int | None = None  # None: the group size, at most 64
+    wide_layers: tuple[int, ...] = ()  # layers whose keys are 8-bit (format 2; ``layer(i)``)
 
     def __post_init__(self):
         for kind, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -102,17 +104,43 @@ class KVQuant:
             raise InvalidRequestError(f"per-channel keys take 2, 4 or 8 bits, not {self.key_bits}")
         if not isinstance(self.rotate, bool):
             raise InvalidRequestError(f"rotate must be true or false, not {self.rotate!r}")
+        wide = self.wide_layers
+        if not isinstance(wide, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in wide
+        ):
+            raise InvalidRequestError(f"wide layers must be layer indices, not {wide!r}")
+        object.__setattr__(self, "wide_layers", tuple(sorted(set(wide))))
+        if self.wide_layers and not (self.channel_keys and self.key_bits < 8):
+            raise InvalidRequestError(
+                "wide layers (8-bit keys in chosen layers) need per-channel keys under 8 bits"
+            )
 
     @classmethod
     def from_dict(cls, record: dict) -> KVQuant:
         """A format from its stored record; fields a version-1 record lacks mean format 1."""
         if not isinstance(record, dict):
             raise InvalidRequestError("a KV format record must be an object")
-        known = {"key_bits", "value_bits", "group_size", "key_scheme", "rotate", "channel_tokens"}
+        known = {
+            "key_bits",
+            "value_bits",
+            "group_size",
+            "key_scheme",
+            "rotate",
+            "channel_tokens",
+            "wide_layers",
+        }
         unknown = set(record) - known
         if unknown:
             raise InvalidRequestError(f"unknown KV format fields {sorted(unknown)}")
-        return cls(**{**V1, "channel_tokens": 64, **record})
+        fields = {**V1, "channel_tokens": 64, **record}
+        if isinstance(fields.get("wide_layers"), list):
+            fields["wide_layers"] = tuple(fields["wide_layers"])
+        return cls(**fields)
+
+    def layer(self, i: int) -> KVQuant:
+        """The plain format of layer ``i`` (no wide layers of its own): 8-bit keys in a wide
+        layer, else this format. Every per-layer reader and writer works on ``layer(i)``."""
+        return _layer_format(self, i)
 
     @property
     def version(self) -> int:
@@ -146,7 +174,10 @@ class KVQuant:
             name = "fp16" if self.key_bits == FLOAT_BITS else f"q{self.key_bits}"
         else:
             name = f"k{self.key_bits}v{self.value_bits}"
-        return name if self.version == 1 else f"{name}.v2"
+        name = name if self.version == 1 else f"{name}.v2"
+        if self.wide_layers:
+            name += "+k8@" + ",".join(map(str, self.wide_layers))
+        return name
 
     @property
     def identity(self) -> str:
@@ -205,15 +236,31 @@ class KVQuant:
         ]
 
     def components(self, heads: int, key_dim: int, value_dim: int) -> list[Component]:
-        """Per-layer components in storage order: keys first, then values."""
+        """One layer's components in storage order: keys first, then values (a format with
+        wide layers has no single answer: ask ``layer(i)`` or use ``layer_components``)."""
+        if self.wide_layers:
+            raise ValueError("a format with wide layers has components per layer")
         self.check_head_dims(key_dim, value_dim)
         return self.kind_components("k", self.key_bits, heads, key_dim) + self.kind_components(
             "v", self.value_bits, heads, value_dim
         )
 
+    def layer_components(
+        self, layers: int, heads: int, key_dim: int, value_dim: int
+    ) -> list[list[Component]]:
+        """Every layer's components (``components`` of ``layer(i)``)."""
+        if self.wide_layers and self.wide_layers[-1] >= layers:
+            raise InvalidRequestError(
+                f"wide layer {self.wide_layers[-1]} is past the model's {layers} layers"
+            )
+        return [self.layer(i).components(heads, key_dim, value_dim) for i in range(layers)]
+
     def bytes_per_token(self, layers: int, heads: int, key_dim: int, value_dim: int) -> int:
-        per_layer = sum(c.heads * c.row_bytes for c in self.components(heads, key_dim, value_dim))
-        return layers * per_layer
+        return sum(
+            c.heads * c.row_bytes
+            for comps in self.layer_components(layers, heads, key_dim, value_dim)
+            for c in comps
+        )
 
     def quantize(self, x: mx.array, bits: int) -> tuple[mx.array, ...]:
         """Store ``x`` [B, heads, tokens, dim] as this format's per-token components of one
@@ -251,7 +298,15 @@ class KVQuant:
             "key_scheme": self.key_scheme,
             "rotate": self.rotate,
             "channel_tokens": self.channel_tokens,
+            **({"wide_layers": list(self.wide_layers)} if self.wide_layers else {}),
         }
+
+
+@lru_cache(maxsize=256)
+def _layer_format(quant: KVQuant, i: int) -> KVQuant:
+    if not quant.wide_layers:
+        return quant
+    return replace(quant, key_bits=8 if i in quant.wide_layers else quant.key_bits, wide_layers=())
 
 
 V1 = {"key_scheme": "token", "rotate": False}  # KVQuant(**V1): format 1 (per-token keys)
@@ -313,3 +368,8 @@ def dequantize_channels(words, scales, biases, bits: int, tokens: int) -> mx.arr
     s = scales.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
     b = biases.reshape(*lead, t // tokens, 1, d).astype(mx.float32)
     return (q * s + b).reshape(*lead, t, d)
+
+
+def native_layout(per_layer: list[list[Component]]) -> list[list[tuple[int, int, str]]]:
+    """Every layer's components as the extension's block I/O takes them."""
+    return [[(c.heads, c.width, c.dtype) for c in comps] for comps in per_layer]

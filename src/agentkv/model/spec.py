@@ -17,7 +17,7 @@ from enum import Enum
 import mlx.core as mx
 
 from ..errors import ModelImportError
-from ..kv.quant import KVQuant
+from ..kv.quant import Component, KVQuant
 
 SPEC_DOMAIN = b"agentkv/model-cache-spec/v1"
 
@@ -81,8 +81,11 @@ class ModelCacheSpec:
             self.num_layers, self.kv_heads, self.key_head_dim, self.value_head_dim
         )
 
-    def components(self, quant: KVQuant):
-        return quant.components(self.kv_heads, self.key_head_dim, self.value_head_dim)
+    def components(self, quant: KVQuant) -> list[list[Component]]:
+        """Every layer's stored components in ``quant``'s format (``quant.layer(i)``)."""
+        return quant.layer_components(
+            self.num_layers, self.kv_heads, self.key_head_dim, self.value_head_dim
+        )
 
     def to_dict(self) -> dict:
         data = asdict(self)

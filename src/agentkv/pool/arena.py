@@ -3,6 +3,7 @@
 ::
 
     arrays[layer][comp]   [capacity * heads * 256, width]      comp: k.w k.s k.b v.w v.s v.b
+                          (widths per layer: a format's wide layers hold 8-bit keys)
     row of (block, head, token t of the block) = (block * heads + head) * 256 + t
 
 On CPU each array is allocated once and left untouched, so a block's pages are committed
@@ -34,7 +35,7 @@ import numpy as np
 
 from .. import _ext
 from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import KVQuant
+from ..kv.quant import KVQuant, native_layout
 from ..model.spec import LayerKind, ModelCacheSpec
 from .blocks import PoolExhaustedError
 
@@ -126,19 +127,15 @@ class KVArena:
         self.spec = spec
         self.quant = quant
         self.capacity = capacity
-        self.components = spec.components(quant)
+        self.components = spec.components(quant)  # per layer
+        self.layer_quants = [quant.layer(i) for i in range(spec.num_layers)]
         self.key_parts = quant.key_parts
         self.heads = spec.kv_heads
         self.rows = capacity * self.heads * BLOCK_TOKENS
-        self._layout = (
-            spec.num_layers,
-            BLOCK_TOKENS,
-            [(c.heads, c.width, c.dtype) for c in self.components],
-        )
+        self._layout = (spec.num_layers, BLOCK_TOKENS, native_layout(self.components))
         lazy = mx.default_device() == mx.cpu
         self.arrays = [
-            [self._allocate(c.width, c.dtype, lazy) for c in self.components]
-            for _ in range(spec.num_layers)
+            [self._allocate(c.width, c.dtype, lazy) for c in comps] for comps in self.components
         ]
         self._lazy = lazy
         self.ct = quant.channel_tokens if quant.channel_keys else 0
@@ -236,7 +233,7 @@ class KVArena:
         put = self._tail_rows(slot, 0, count)
         for layer in range(self.spec.num_layers):
             parts = tuple(a[rows].reshape(self.heads, self.ct, -1) for a in self.keys(layer))
-            keys = self.quant.dequantize_keys(parts)
+            keys = self.layer_quants[layer].dequantize_keys(parts)
             self.tails[layer][put] = keys[:, :count].reshape(-1, keys.shape[-1]).astype(mx.float16)
         self.settle()
 
@@ -267,8 +264,12 @@ class KVArena:
 
     def sliding_block_bytes(self) -> int:
         """Bytes of one block in the sliding-window layers only."""
-        per_layer = self.block_bytes // self.spec.num_layers
-        return per_layer * sum(self._sliding)
+        return BLOCK_TOKENS * sum(
+            c.heads * c.row_bytes
+            for comps, s in zip(self.components, self._sliding)
+            if s
+            for c in comps
+        )
 
     # -- the forward pass ------------------------------------------------------------------
 
@@ -281,7 +282,7 @@ class KVArena:
     def append(self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan) -> None:
         """Store one step's new keys and values [B, heads, L, dim] (model space: rotated
         and quantized here) as ``plan`` says."""
-        q = self.quant
+        q = self.layer_quants[layer]
         keys, values = q.rotated(keys), q.rotated(values)
         value_parts = q.quantize(values, q.value_bits)
         if not self.ct:
@@ -355,9 +356,10 @@ class KVArena:
         if self._addresses is None or not sliding:
             return
         _, block_tokens, components = self._layout
-        layers = sum(self._sliding)
+        comps = [c for c, s in zip(components, self._sliding) if s]
+        layers = len(comps)
         _ext.copy_slot_rows(
-            sliding, layers, block_tokens, components, self.capacity, src, dst, BLOCK_TOKENS
+            sliding, layers, block_tokens, comps, self.capacity, src, dst, block_tokens
         )
 
     def release(self, block: int) -> None:

@@ -70,7 +70,8 @@ class PagedLayerCache(CacheBase):
 
     @property
     def quant(self) -> KVQuant:
-        return self.step.quant
+        """This layer's format (8-bit keys in a wide layer)."""
+        return self.step.arena.layer_quants[self.layer]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         arena = self.step.arena
@@ -91,7 +92,7 @@ class PagedLayerCache(CacheBase):
                 "causally (with the layer's sliding window) and cannot honour it"
             )
         step = self.step
-        rotate = step.quant.rotate
+        rotate = self.quant.rotate
         out = paged_attention(
             hadamard(queries) if rotate else queries,  # q.(H k) == (H q).(H k)
             keys,
@@ -101,7 +102,7 @@ class PagedLayerCache(CacheBase):
             kv_heads=step.arena.heads,
             block_tokens=BLOCK_TOKENS,
             scale=scale,
-            quant=step.quant,
+            quant=self.quant,
             window=self.window,
             sinks=sinks,
             tail=step.arena.tails[self.layer] if step.arena.ct else None,

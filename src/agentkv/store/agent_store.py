@@ -33,7 +33,7 @@ from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError, InvalidRequestError
 from ..kv.blocks import BLOCK_TOKENS
 from ..kv.cache import AgentKVCache, window_start
-from ..kv.quant import KVQuant
+from ..kv.quant import KVQuant, native_layout
 from ..model.spec import LayerKind, ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
 from .blocks import SharedBlocks
@@ -308,17 +308,17 @@ class AgentStore:
             arrays = _ext.gather_blocks(
                 self.spec.num_layers,
                 BLOCK_TOKENS,
-                [(c.heads, c.width, c.dtype) for c in comps],
+                native_layout(comps),
                 segments,
                 blocks,
                 tokens,
                 spans,
                 LOAD_THREADS,
             )
-        per_layer = len(comps)
+        per_layer = len(comps[0])
         caches = [
             AgentKVCache.from_components(
-                manifest.quant,
+                manifest.quant.layer(i),
                 arrays[i * per_layer : (i + 1) * per_layer],
                 offset=tokens,
                 start=firsts[i],
@@ -398,7 +398,6 @@ class AgentStore:
                     agent_id=job.agent_id,
                     fingerprint=self.spec.fingerprint,
                     generation=generation,
-                    layers=self.spec.num_layers,
                     components=self.spec.components(job.quant),
                     first_block=first,
                     packed=relative,

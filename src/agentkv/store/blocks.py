@@ -128,7 +128,6 @@ class SharedBlocks:
             fingerprint=self.spec.fingerprint,
             digest=digest,
             parent=parent,
-            layers=self.spec.num_layers,
             components=self.components,
             length=len(region),
             checksum=checksum,

@@ -123,13 +123,15 @@ class Manifest:
     def token_count(self) -> int:
         return int(self.tokens.shape[0])
 
-    def components(self) -> list[Component]:
+    def components(self) -> list[list[Component]]:
+        """Every layer's stored components (the format's ``layer(i)``)."""
         g = self.geometry
-        return self.quant.components(g["kv_heads"], g["key_head_dim"], g["value_head_dim"])
+        return self.quant.layer_components(
+            int(g["num_layers"]), g["kv_heads"], g["key_head_dim"], g["value_head_dim"]
+        )
 
     def block_bytes(self, tokens: int) -> int:
-        per_token = sum(c.heads * c.row_bytes for c in self.components())
-        return tokens * per_token * self.geometry["num_layers"]
+        return tokens * sum(c.heads * c.row_bytes for comps in self.components() for c in comps)
 
 
 def _crc(data) -> int:
@@ -364,8 +366,7 @@ def encode_segment_header(
     agent_id: str,
     fingerprint: str,
     generation: int,
-    layers: int,
-    components: list[Component],
+    components: list[list[Component]],
     first_block: int,
     packed: list[tuple],
 ) -> tuple[bytes, list[tuple]]:
@@ -379,8 +380,8 @@ def encode_segment_header(
     for i, (_, offset, length, checksum, tokens) in enumerate(packed):
         index = first_block + i
         position = offset
-        for layer in range(layers):
-            for comp in components:
+        for layer, comps in enumerate(components):
+            for comp in comps:
                 size = comp.heads * tokens * comp.row_bytes
                 tensors[f"b{index:06d}.l{layer:03d}.{comp.name}"] = {
                     "dtype": _DTYPE_CODES[comp.dtype],
@@ -429,8 +430,7 @@ def encode_block_header(
     fingerprint: str,
     digest: bytes,
     parent: bytes,
-    layers: int,
-    components: list[Component],
+    components: list[list[Component]],
     length: int,
     checksum: int,
 ) -> bytes:
@@ -438,8 +438,8 @@ def encode_block_header(
     [heads, 256, width], then ``tokens`` int32 [256] (length prefix included, padded)."""
     tensors: dict = {}
     position = 0
-    for layer in range(layers):
-        for comp in components:
+    for layer, comps in enumerate(components):
+        for comp in comps:
             size = comp.heads * BLOCK_TOKENS * comp.row_bytes
             tensors[f"l{layer:03d}.{comp.name}"] = {
                 "dtype": _DTYPE_CODES[comp.dtype],

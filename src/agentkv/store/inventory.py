@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import _ext
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError
+from ..kv.quant import native_layout
 from .blocks import collect_block_files
 from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest, is_shared_file
 
@@ -106,7 +107,7 @@ def verify(entry: AgentEntry) -> str | None:
         _ext.gather_blocks(
             layers,
             BLOCK_TOKENS,
-            [(c.heads, c.width, c.dtype) for c in comps],
+            native_layout(comps),
             segments,
             blocks,
             m.token_count,
