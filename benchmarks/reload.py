@@ -1,7 +1,9 @@
 """Reload: agentkv load-to-ready vs mlx-lm's load_prompt_cache vs the page-cache limit.
 
-For each size and KV format (1, and 2: the engine's default, whose manifest also carries
-the float16 keys of the channel group still filling), the same Q4 cache content (the
+For each size and KV format (1; 2 with 4-bit keys in every layer; and 2 as the engine
+stores it, with 8-bit keys in the embedded model's wide layers 18 and 19; a format-2
+manifest also carries the float16 keys of the channel group still filling), the same Q4
+cache content (the
 embedded model's geometry: 30 layers, 3 KV heads, head dim 64; synthetic values: load time
 does not depend on them) is stored twice: as an agentkv agent (its complete blocks in shared block
 files, its tail in a segment) and as an mlx-lm prompt-cache file of
@@ -29,7 +31,9 @@ from .common import emit, median_ms, progress, synthetic_table, timed
 
 
 def _mlx_lm_caches(pool, table):
-    """The table's KV as mlx-lm QuantizedKVCache layers (what mlx-lm would have saved)."""
+    """The table's KV as mlx-lm QuantizedKVCache layers (what mlx-lm would have saved; a
+    wide layer's 8-bit keys sit beside 4-bit values under ``bits=8``: a file to time loads
+    of the same bytes, not one to generate with)."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     from agentkv.kv.blocks import BLOCK_TOKENS
@@ -40,9 +44,9 @@ def _mlx_lm_caches(pool, table):
     rows = (blocks[None, :] * heads + np.arange(heads)[:, None]) * BLOCK_TOKENS + t % BLOCK_TOKENS
     rows = mx.array(rows.reshape(-1))
     out = []
-    for layer in pool.arena.arrays:
+    for layer, quant in zip(pool.arena.arrays, pool.arena.layer_quants):
         parts = [mx.take(a, rows, axis=0).reshape(1, heads, n, -1) for a in layer]
-        q = QuantizedKVCache(group_size=pool.quant.group_size, bits=pool.quant.key_bits)
+        q = QuantizedKVCache(group_size=quant.group_size, bits=quant.key_bits)
         q.keys, q.values, q.offset = tuple(parts[:3]), tuple(parts[3:]), n
         out.append(q)
     return out
@@ -61,10 +65,15 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
     progress("reload: loading the embedded model for its cache geometry...")
     spec = load_model().spec
     rows = []
-    formats = [(1, KVQuant(4, 4, 64, **V1)), (2, KVQuant(4, 4, 64, **V2))]
+    formats = [
+        KVQuant(4, 4, 64, **V1),
+        KVQuant(4, 4, 64, **V2),
+        KVQuant(4, 4, 64, **V2, wide_layers=(18, 19)),  # the embedded model's calibration
+    ]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
-        for kv_format, quant in formats:
-            store = AgentStore(Path(tmp) / f"kv{kv_format}", spec, "bench", quant)
+        for i, quant in enumerate(formats):
+            kv_format = quant.version
+            store = AgentStore(Path(tmp) / f"kv{i}", spec, "bench", quant)
             store.ensure_layout()
             for tokens in token_counts:
                 progress(f"reload: {tokens} tokens: building the cache...")
@@ -141,6 +150,7 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
                     "tokens": tokens,
                     "kv_bits": 4,
                     "kv_format": kv_format,
+                    "format": quant.label,
                     "cache_bytes": cache_bytes,
                     "agentkv_load_ms": median_ms(ours),
                     "mlx_lm_load_ms": median_ms(theirs),
@@ -155,7 +165,7 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
                 row["vs_read_limit"] = round(row["agentkv_load_ms"] / row["page_cache_read_ms"], 2)
                 rows.append(row)
                 progress(
-                    f"reload: format {kv_format}, {tokens} tokens: "
+                    f"reload: {quant.label}, {tokens} tokens: "
                     f"agentkv {row['agentkv_load_ms']} ms, "
                     f"mlx-lm {row['mlx_lm_load_ms']} ms, read limit {row['page_cache_read_ms']} ms"
                 )

@@ -20,7 +20,7 @@ from .errors import (
 )
 from .kv.cache import AgentKVCache
 from .kv.quant import KVQuant
-from .prompt_cache import load_prompt_cache, save_prompt_cache
+from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 __version__ = "0.1.0"
 __all__ = [
@@ -42,5 +42,6 @@ __all__ = [
     "TurnStats",
     "__version__",
     "load_prompt_cache",
+    "make_prompt_cache",
     "save_prompt_cache",
 ]

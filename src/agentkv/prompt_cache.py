@@ -1,4 +1,9 @@
-"""mlx-lm's prompt-cache files, read faster and written safely.
+"""mlx-lm's prompt caches: made in the engine's KV format, their files read faster and
+written safely.
+
+``make_prompt_cache(loaded)`` is mlx-lm's ``make_prompt_cache`` for agentkv: one
+``AgentKVCache`` per layer, in the format ``Engine()`` stores (4-bit format 2 with 8-bit
+keys in the model's wide layers, ``model/wide_layers.py``).
 
 ``save_prompt_cache`` / ``load_prompt_cache`` have mlx-lm's signatures and
 read and write mlx-lm's own format, so files users already have load as they
@@ -57,6 +62,26 @@ _NUMPY = {
 def _target(file_name) -> Path:
     name = str(file_name)
     return Path(name if name.endswith(".safetensors") else name + ".safetensors")
+
+
+def make_prompt_cache(loaded, quant=None) -> list:
+    """One ``AgentKVCache`` per layer of ``loaded`` (``agentkv.model.load.load_model``'s
+    result), each with its layer's sliding window. ``quant`` None: the format ``Engine()``
+    stores for this model (4-bit format 2, the group fitted to its head dims, 8-bit keys in
+    its wide layers: measured once per model, about 20 s for the embedded one unless its
+    result ships with agentkv); a ``KVQuant`` is used as given (``quant.layer(i)`` in layer
+    i)."""
+    from .kv.cache import AgentKVCache
+    from .model.kv_format import choose_kv_quant
+    from .model.wide_layers import with_wide_layers
+
+    spec = loaded.spec
+    if quant is None:
+        quant = choose_kv_quant(spec, key_bits=4, value_bits=4, group_size=None, kv_format=2)
+        quant = with_wide_layers(quant, loaded.model, loaded.tokenizer, spec)
+    spec.components(quant)  # every wide layer is one of the model's; the head dims fit
+    layers = enumerate(spec.layers)
+    return [AgentKVCache(quant.layer(i), window=layer.window) for i, layer in layers]
 
 
 def save_prompt_cache(file_name, cache: list, metadata: dict[str, str] | None = None) -> None:

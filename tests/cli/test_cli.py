@@ -182,7 +182,7 @@ def test_bench_commands_emit_their_json(python_env):
             "bench", "reload", "--tokens", "300", "--repeats", "2", "--json", env=python_env
         ).stdout
     )
-    assert [r["kv_format"] for r in reload_["rows"]] == [1, 2]  # side by side
+    assert [r["format"] for r in reload_["rows"]] == ["q4", "q4.v2", "q4.v2+k8@18,19"]
     row = reload_["rows"][0]
     assert set(row) >= {
         "tokens",

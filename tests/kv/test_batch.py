@@ -8,6 +8,7 @@ import pytest
 from helpers import held_arrays, positional_caches, synthetic_spec
 from mlx_lm.generate import BatchGenerator, generate_step
 
+from agentkv import make_prompt_cache
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
 from agentkv.kv.quant import V1, V2, KVQuant
@@ -24,12 +25,21 @@ CONTEXTS = [
 FOLLOW = [" Then", " and the bread", " It is used", " the meeting"]
 
 
-@pytest.fixture(scope="module", params=FORMATS, ids=IDS)
+@pytest.fixture(scope="module", params=[*FORMATS, None], ids=[*IDS, "engine's"])
 def model_and_caches(engine, request):
+    """Caches of the embedded model per context: every layer in one format, or (None) as
+    ``make_prompt_cache`` makes them: the engine's format, 8-bit keys in its wide layers."""
     model, tok = engine.loaded.model, engine.loaded.tokenizer
     caches = []
     for text in CONTEXTS:
-        layer_caches = [AgentKVCache(request.param) for _ in model.layers]
+        if request.param is None:
+            layer_caches = make_prompt_cache(engine.loaded)
+            assert [c.quant for c in layer_caches] == [
+                engine.quant.layer(i) for i in range(len(model.layers))
+            ]
+            assert layer_caches[18].quant.key_bits == 8 and layer_caches[0].quant.key_bits == 4
+        else:
+            layer_caches = [AgentKVCache(request.param) for _ in model.layers]
         model(mx.array([tok.encode(text)]), cache=layer_caches)
         mx.eval([c.components for c in layer_caches])
         caches.append(layer_caches)

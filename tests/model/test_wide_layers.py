@@ -126,3 +126,16 @@ def test_the_shipped_calibration_of_the_embedded_model_is_what_the_measure_gives
     # Layer 20 is within 1% of 18 on this measure: the chosen pair is among the top three.
     top3 = set(np.argsort(measured)[-3:].tolist())
     assert set(engine.quant.wide_layers) <= top3
+
+
+def test_make_prompt_cache_gives_each_layer_the_engine_s_format(tiny):
+    from agentkv import make_prompt_cache
+
+    caches = make_prompt_cache(tiny)
+    want = wide_layers.with_wide_layers(KVQuant(), tiny.model, tiny.tokenizer, tiny.spec)
+    assert [c.quant for c in caches] == [want.layer(i) for i in range(4)]
+    assert sum(c.quant.key_bits == 8 for c in caches) == 1
+    flat = make_prompt_cache(tiny, KVQuant())
+    assert [c.quant for c in flat] == [KVQuant()] * 4
+    with pytest.raises(InvalidRequestError, match="past the model's 4 layers"):
+        make_prompt_cache(tiny, KVQuant(wide_layers=(9,)))
