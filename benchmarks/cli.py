@@ -121,6 +121,7 @@ def run_bench(args) -> int:
                 model=args.model,
                 text_kinds=_text_kinds(args.texts),
                 greedy=not args.no_greedy,
+                attention_only=args.attention_only,
             )
         except ValueError as exc:
             raise SystemExit(f"agentkv: error: {exc}") from None

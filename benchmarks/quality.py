@@ -17,14 +17,16 @@ keys in sorted order: English prose with code) and six standard-library modules 
   agreement is the share of the 200 tokens before the continuation first differs from the
   fp16 one (``same_position_pct``: positions holding the same token).
 * decode attention: one query token per agent, batch 4, over 4,096 cached tokens of the
-  embedded geometry, through the pool's attention for the format (median ms; format 2
-  includes rotating the queries and the output).
+  embedded geometry, through the pool's attention for the format (median ms over rounds
+  that interleave the formats, averaged over the model's layers; format 2 includes rotating
+  the queries and the output), and its ratio to format 1's 4-bit attention.
 
 Formats: fp16, q8, q4, k8v4, the ablations k4v16 (only keys 4-bit) and k16v4 (only values),
 and format 2 (docs/kv-format-v2.md: rotated per-channel keys, rotated values): q4.v2 (as
 ``Engine()`` stores it: 8-bit keys in the model's wide layers, ``model/wide_layers.py``),
 q4.v2.flat (4-bit keys in every layer), k8v4.v2.
 ``--quick``: the first text, 4,096 tokens, 2,048-token context, no greedy runs (minutes).
+``--attention-only``: the decode-attention times alone (a minute).
 """
 
 from __future__ import annotations
@@ -124,18 +126,37 @@ def compare(lp, ref, targets) -> tuple[float, float, float]:
     return float(nll), float(kl), float(top1)
 
 
-def decode_attention_ms(quant, *, layers: int = 30, **options) -> float:
-    """``layer_attention_ms`` averaged over the model's layers (a format with wide layers
-    attends over 8-bit keys in those)."""
-    kinds = [quant.layer(i) for i in range(layers)]
-    times = {q: layer_attention_ms(q, **options) for q in set(kinds)}
-    return sum(times[q] for q in kinds) / layers
+BASELINE = "q4"  # decode attention is also given as a ratio to format 1's 4-bit attention
 
 
-def layer_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: int = 20):
-    """One decode step's attention over ``tokens`` cached tokens per agent (embedded geometry:
-    one layer, 3 KV heads, 9 query heads, head dim 64), through the pool's attention (a
-    ``PagedStep`` layer, as the engine decodes: format 2 rotates the query and the output)."""
+def decode_attention(quants: dict, *, layers: int = 30, rounds: int = 60) -> dict:
+    """Per format name: one decode step's attention (``attention_step``), averaged over the
+    model's ``layers`` (a format with wide layers attends over 8-bit keys in those), in ms;
+    and its ratio to format 1's 4-bit attention. Every distinct layer format is timed once
+    per round, the rounds interleaving them, so a busy machine slows all alike (medians)."""
+    from agentkv.kv.quant import KVQuant
+
+    baseline = KVQuant(**FORMATS[BASELINE])
+    kinds = {name: [q.layer(i) for i in range(layers)] for name, q in quants.items()}
+    distinct = list(dict.fromkeys([baseline, *(k for ks in kinds.values() for k in ks)]))
+    steps = {q: attention_step(q) for q in distinct}
+    times: dict = {q: [] for q in distinct}
+    for _ in range(rounds):
+        for q, step in steps.items():
+            times[q].append(timed(step)[0])
+    median = {q: median_ms(t) for q, t in times.items()}
+    out = {}
+    for name, ks in kinds.items():
+        ms = sum(median[k] for k in ks) / layers
+        out[name] = {"ms": round(ms, 3), "vs_q4": round(ms / median[baseline], 3)}
+    return out
+
+
+def attention_step(quant, *, batch: int = 4, tokens: int = 4096):
+    """A function running one decode step's attention over ``tokens`` cached tokens per agent
+    (embedded geometry: one layer, 3 KV heads, 9 query heads, head dim 64), through the
+    pool's attention (a ``PagedStep`` layer, as the engine decodes: format 2 rotates the
+    query and the output); run once (warm) before it is returned."""
     import mlx.core as mx
 
     from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
@@ -170,7 +191,26 @@ def layer_attention_ms(quant, *, batch: int = 4, tokens: int = 4096, repeats: in
         mx.eval(out)
 
     attend()
-    return median_ms([timed(attend)[0] for _ in range(repeats)])
+    return attend
+
+
+def _attention_rows(quants: dict, spec, as_json: bool) -> list[dict]:
+    progress("quality: decode attention only (batch 4 x 4,096 tokens)...")
+    began = time.perf_counter()
+    attention = decode_attention(quants, layers=spec.num_layers)
+    rows = [
+        {
+            "kv": name,
+            "format": quant.label,
+            "bytes_per_token": spec.bytes_per_token(quant),
+            "decode_attention_ms": attention[name]["ms"],
+            "decode_attention_vs_q4": attention[name]["vs_q4"],
+        }
+        for name, quant in quants.items()
+    ]
+    emit("quality", rows, as_json, {"attention_only": True,
+                                    "seconds": round(time.perf_counter() - began, 1)})  # fmt: skip
+    return rows
 
 
 def _greedy(model, quant, prompts: list[str]) -> list[list[int]]:
@@ -211,6 +251,7 @@ def run(
     model: str | None = None,
     text_kinds: list[str] | None = None,
     greedy: bool = True,
+    attention_only: bool = False,
 ) -> list[dict]:
     import mlx.core as mx
 
@@ -229,6 +270,8 @@ def run(
     loaded = load_model(model)
     spec = loaded.spec
     quants = {name: quant_of(name, loaded) for name in names}
+    if attention_only:
+        return _attention_rows(quants, spec, as_json)
     sources = list(texts().items())
     if text_kinds:  # "prose" / "code": the first word of each text's name
         sources = [(n, t) for n, t in sources if n.split()[0] in text_kinds]
@@ -292,9 +335,10 @@ def run(
                     }
                 )
     progress("quality: decode attention (batch 4 x 4,096 tokens)...")
-    attention = {n: round(decode_attention_ms(quants[n], layers=spec.num_layers), 3) for n in names}
+    attention = decode_attention(quants, layers=spec.num_layers)
     for row in rows:
-        row["decode_attention_ms"] = attention[row["kv"]]
+        row["decode_attention_ms"] = attention[row["kv"]]["ms"]
+        row["decode_attention_vs_q4"] = attention[row["kv"]]["vs_q4"]
     greedy = None
     if greedy_prompts:
         continuations = {}

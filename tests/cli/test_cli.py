@@ -228,6 +228,16 @@ def test_bench_kernels_and_serve_emit_their_json(python_env):
     load = serve["load"]
     assert load["requests"] == 4 and load["errors"] == 0
     assert load["post_restart_first_turn"] == {"warm": 2}
+    attention = json.loads(
+        agentkv(
+            "bench", "quality", "--attention-only", "--formats", "q4,q4.v2", "--json",
+            env=python_env,
+        ).stdout
+    )  # fmt: skip
+    rows = {row["kv"]: row for row in attention["rows"]}
+    assert sorted(rows) == ["fp16", "q4", "q4.v2"] and rows["q4"]["decode_attention_vs_q4"] == 1
+    assert rows["q4.v2"]["format"] == "q4.v2+k8@18,19" and rows["q4.v2"]["bytes_per_token"] == 6672
+    assert rows["q4.v2"]["decode_attention_ms"] > 0
     bad = agentkv("bench", "quality", "--formats", "q5", env=python_env)
     assert bad.returncode != 0 and "--formats" in bad.stderr
     bad = agentkv("bench", "quality", "--contexts", "2047", env=python_env)

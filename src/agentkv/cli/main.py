@@ -490,6 +490,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--texts", default=None, help="prose and/or code, comma-separated (default: both)"
     )
     quality.add_argument("--no-greedy", action="store_true", help="skip the greedy continuations")
+    quality.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="only the decode-attention times of the formats (and their ratio to format 1's q4)",
+    )
     quality.add_argument("--json", action="store_true")
     quality.add_argument("--model", default=None, help=argparse.SUPPRESS)
     return parser
