@@ -90,3 +90,24 @@ def test_mlx_lm_reads_what_save_prompt_cache_writes_for_format_2(tmp_path):
     k = mx.dequantize(*theirs.keys, group_size=64, bits=4)[..., :300, :]
     want, _ = _kv_for(spec, 0, 0, 300, rng=None, positional=True)
     assert float(mx.abs(k - want).max()) < 0.25  # requantized per token: format 1's error
+
+
+def test_a_wide_layer_is_written_for_mlx_lm_as_an_8_bit_layer(tmp_path):
+    """mlx-lm's QuantizedKVCache has one bit width: a layer with 8-bit keys (a wide layer,
+    or keys 8 / values 4) is requantized at 8 bits, keys and values; the others at 4."""
+    from mlx_lm.models.cache import load_prompt_cache as mlx_lm_load
+
+    from agentkv.prompt_cache import save_prompt_cache
+
+    spec = synthetic_spec(layers=2, heads=2)
+    wide = KVQuant(wide_layers=(1,))
+    caches = [AgentKVCache(wide.layer(i)) for i in range(2)]
+    for layer, cache in enumerate(caches):
+        cache.update_and_fetch(*_kv_for(spec, layer, 0, 300, rng=None, positional=True))
+    save_prompt_cache(tmp_path / "p.safetensors", caches)
+    loaded = mlx_lm_load(str(tmp_path / "p.safetensors"))
+    assert [c.bits for c in loaded] == [4, 8] and all(c.offset == 300 for c in loaded)
+    for layer, (theirs, bound) in enumerate(zip(loaded, (0.25, 0.02))):
+        k = mx.dequantize(*theirs.keys, group_size=64, bits=theirs.bits)[..., :300, :]
+        want, _ = _kv_for(spec, layer, 0, 300, rng=None, positional=True)
+        assert float(mx.abs(k - want).max()) < bound, layer
