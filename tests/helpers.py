@@ -238,3 +238,19 @@ def gather_segments(spec, quant, segments, blocks, tokens, spans):
         tokens,
         spans,
     )
+
+
+def save_agent(root: Path, pool, table, agent_id: str = "a"):
+    """Save ``table`` (``text_for``'s text) as agent ``agent_id`` of a store of the pool's
+    format under ``root``, as the engine's writer does; the store."""
+    from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
+
+    _, spans, text = text_for(table.length)
+    store = AgentStore(root, pool.spec, "synthetic", pool.quant)
+    store.ensure_layout()
+    job = build_save_job(
+        pool.arena, table, agent_id=agent_id, keep=0, tokens=table.token_ids(), spans=spans,
+        text=text, messages=None,
+    )  # fmt: skip
+    store.write(job, DurableState())
+    return store

@@ -246,21 +246,12 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
 
 @pytest.mark.parametrize("tokens", [256, 300])  # no keys in the tail; 44 in it
 def test_the_tail_is_saved_with_the_manifest_and_read_back_bit_exact(tmp_path, tokens):
-    from helpers import text_for
-
-    from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
+    from helpers import save_agent
 
     spec = synthetic_spec(layers=2, heads=2)
     pool = pool_for(spec)
     table = fill_table(pool, tokens, positional=True)
-    ids, spans, text = text_for(tokens)
-    store = AgentStore(tmp_path, spec, "synthetic", V2Q)
-    store.ensure_layout()
-    job = build_save_job(
-        pool.arena, table, agent_id="a", keep=0, tokens=table.token_ids(), spans=spans,
-        text=text, messages=None,
-    )  # fmt: skip
-    store.write(job, DurableState())
+    store = save_agent(tmp_path, pool, table)
     manifest, _ = store.read_manifest("a")
     assert manifest.quant == V2Q and manifest.tail.shape == (2, 2, tokens % 64, 64)
     np.testing.assert_array_equal(manifest.tail, pool.arena.read_tail(table.tail, tokens % 64))

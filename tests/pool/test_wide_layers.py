@@ -12,15 +12,15 @@ from helpers import (
     fill_table,
     gather_segments,
     pool_for,
+    save_agent,
     synthetic_spec,
     table_arrays,
-    text_for,
     write_segment,
 )
 
 from agentkv.errors import InvalidRequestError
 from agentkv.kv.quant import V1, KVQuant, hadamard
-from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
+from agentkv.store.agent_store import AgentStore
 
 GEOMETRY = dict(layers=30, heads=3, key_dim=64, value_dim=64)  # the embedded model
 WIDE = KVQuant(wide_layers=(1,))  # 3 layers: 4-bit keys, 8-bit keys, 4-bit keys
@@ -107,15 +107,7 @@ def test_blocks_with_per_layer_widths_round_trip_through_files_exactly(tmp_path)
 def test_an_agent_saved_with_wide_layers_loads_each_layer_in_its_own_format(tmp_path):
     spec = synthetic_spec(layers=3, heads=2)
     pool = pool_for(spec, WIDE)
-    table = fill_table(pool, 300, positional=True)
-    _, spans, text = text_for(300)
-    store = AgentStore(tmp_path, spec, "synthetic", WIDE)
-    store.ensure_layout()
-    job = build_save_job(
-        pool.arena, table, agent_id="a", keep=0, tokens=table.token_ids(), spans=spans,
-        text=text, messages=None,
-    )  # fmt: skip
-    store.write(job, DurableState())
+    store = save_agent(tmp_path, pool, fill_table(pool, 300, positional=True))
     manifest, _ = store.read_manifest("a")
     assert manifest.quant == WIDE
     caches = store.load_caches(manifest, "a", 300)
@@ -132,15 +124,7 @@ def test_a_store_of_another_format_reads_a_wide_layer_manifest_as_its_own_record
     the difference (the engine converts), never reads the widths of its own format."""
     spec = synthetic_spec(layers=3, heads=2)
     pool = pool_for(spec, WIDE)
-    table = fill_table(pool, 100)
-    _, spans, text = text_for(100)
-    writer = AgentStore(tmp_path, spec, "synthetic", WIDE)
-    writer.ensure_layout()
-    job = build_save_job(
-        pool.arena, table, agent_id="a", keep=0, tokens=table.token_ids(), spans=spans,
-        text=text, messages=None,
-    )  # fmt: skip
-    writer.write(job, DurableState())
+    save_agent(tmp_path, pool, fill_table(pool, 100))
     reader = AgentStore(tmp_path, spec, "synthetic", KVQuant())
     manifest, _ = reader.read_manifest("a")
     assert manifest.quant == WIDE != reader.quant
