@@ -10,8 +10,8 @@ files, its tail in a segment) and as an mlx-lm prompt-cache file of
 QuantizedKVCache layers; ``agentkv_load_prompt_cache_ms`` is that mlx-lm file
 read by ``agentkv.load_prompt_cache`` (same result as mlx-lm's loader).
 agentkv's load is what a warm resume does: read the manifest and copy every
-block into a pool slot (checked), ready for attention. Both are loaded
-alternately ``repeats`` times from the page cache, each until every array is
+block into a pool slot (checked), ready for attention. Every format of a size is
+loaded in one rotation, ``repeats`` times from the page cache, each until every array is
 materialized (mlx-lm's loads are lazy until evaluated). ``page_cache_read_ms``
 is the time to read() the agentkv files into a reused buffer, measured in the
 same rotation: their bytes over this machine's sequential page-cache read
@@ -53,14 +53,8 @@ def _mlx_lm_caches(pool, table):
 
 
 def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> list[dict]:
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-    from agentkv import load_prompt_cache as agentkv_load_prompt_cache
-    from agentkv.kv.blocks import BLOCK_TOKENS
     from agentkv.kv.quant import V1, V2, KVQuant
     from agentkv.model.load import load_model
-    from agentkv.pool import KVPool
-    from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 
     progress("reload: loading the embedded model for its cache geometry...")
     spec = load_model().spec
@@ -71,103 +65,127 @@ def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> li
         KVQuant(4, 4, 64, **V2, wide_layers=(18, 19)),  # the embedded model's calibration
     ]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
-        for i, quant in enumerate(formats):
-            kv_format = quant.version
-            store = AgentStore(Path(tmp) / f"kv{i}", spec, "bench", quant)
-            store.ensure_layout()
-            for tokens in token_counts:
-                progress(f"reload: {tokens} tokens: building the cache...")
-                block_count = -(-tokens // BLOCK_TOKENS)
-                pool = KVPool(
-                    spec,
-                    quant,
-                    pool_bytes=(block_count + 1) * BLOCK_TOKENS * spec.bytes_per_token(quant),
-                )
-                table = synthetic_table(pool, tokens, seed=tokens)
-                agent = f"reload-{tokens}"
-                ends = np.arange(1, tokens + 1)
-                job = build_save_job(
-                    pool.arena,
-                    table,
-                    agent_id=agent,
-                    keep=0,
-                    tokens=table.token_ids(),
-                    spans=np.stack([ends - 1, ends], axis=1),
-                    text=b"x" * tokens,
-                    messages=None,
-                )
-                store.write(job, DurableState())
-                mlx_file = Path(tmp) / f"mlx-lm-{tokens}.safetensors"
-                save_prompt_cache(str(mlx_file), _mlx_lm_caches(pool, table))
-                table.release()
-                del job
-                loader = KVPool(spec, quant, pool_bytes=pool.budget_bytes)  # the resuming process
-
-                def agentkv_load(agent=agent, loader=loader, store=store):
-                    manifest, _ = store.read_manifest(agent)
-                    count = -(-manifest.token_count // BLOCK_TOKENS)
-                    sources = store.block_sources(manifest, agent, count)
-                    slots = [loader.blocks.allocate() for _ in sources]
-                    store.read_into(loader.arena, agent, list(zip(sources, slots)))
-                    if manifest.tail is not None:  # format 2: the filling group's keys
-                        tail = loader.arena.take_tail()
-                        loader.arena.write_tail(tail, manifest.tail)
-                        loader.arena.give_tail(tail)
-                    loader.blocks.release_all(slots)
-                    return slots
-
-                def mlx_lm_load(mlx_file=mlx_file):
-                    loaded = load_prompt_cache(str(mlx_file))
-                    mx.eval([(c.keys, c.values) for c in loaded])
-                    return loaded
-
-                def same_file_through_agentkv(mlx_file=mlx_file):
-                    loaded = agentkv_load_prompt_cache(str(mlx_file))
-                    mx.eval([(c.keys, c.values) for c in loaded])
-                    return loaded
-
-                manifest, _ = store.read_manifest(agent)
-                files = [store.file_path(agent, name) for name in sorted(manifest.segments)]
-                files.append(store.agent_dir(agent) / "manifest.safetensors")
-                for f in files + [mlx_file]:
-                    f.read_bytes()  # both files in the page cache before timing
-                buffer = bytearray(max(f.stat().st_size for f in files))
-
-                def read_files(files=files, buffer=buffer):
-                    for f in files:
-                        with open(f, "rb", buffering=0) as fh:
-                            fh.readinto(buffer)
-
-                ours, theirs, reads, compat = [], [], [], []
-                for _ in range(repeats):  # in rotation, so each runs after the others' traffic
-                    ours.append(timed(agentkv_load)[0])
-                    theirs.append(timed(mlx_lm_load)[0])
-                    reads.append(timed(read_files)[0])
-                    compat.append(timed(same_file_through_agentkv)[0])
-                cache_bytes = sum(f.stat().st_size for f in files)
-                gbps = cache_bytes / median_ms(reads) / 1e6
-                row = {
-                    "tokens": tokens,
-                    "kv_bits": 4,
-                    "kv_format": kv_format,
-                    "format": quant.label,
-                    "cache_bytes": cache_bytes,
-                    "agentkv_load_ms": median_ms(ours),
-                    "mlx_lm_load_ms": median_ms(theirs),
-                    "page_cache_read_ms": round(cache_bytes / gbps / 1e6, 3),
-                    "agentkv_first_load_ms": round(ours[0] * 1000, 3),
-                    "mlx_lm_first_load_ms": round(theirs[0] * 1000, 3),
-                    "mlx_lm_file_bytes": mlx_file.stat().st_size,
-                    "agentkv_load_prompt_cache_ms": median_ms(compat),
-                    "page_cache_gbps": round(gbps, 2),
-                }
-                row["speedup_vs_mlx_lm"] = round(row["mlx_lm_load_ms"] / row["agentkv_load_ms"], 2)
-                row["vs_read_limit"] = round(row["agentkv_load_ms"] / row["page_cache_read_ms"], 2)
-                rows.append(row)
+        for tokens in token_counts:
+            cases = []
+            for i, quant in enumerate(formats):
+                progress(f"reload: {tokens} tokens, {quant.label}: building the cache...")
+                cases.append(_Case(Path(tmp) / f"{tokens}-{i}", spec, quant, tokens))
+            timings = [{"ours": [], "theirs": [], "reads": [], "compat": []} for _ in cases]
+            for _ in range(repeats):  # in rotation: each runs after every other's traffic
+                for case, t in zip(cases, timings):
+                    t["ours"].append(timed(case.agentkv_load)[0])
+                    t["theirs"].append(timed(case.mlx_lm_load)[0])
+                    t["reads"].append(timed(case.read_files)[0])
+                    t["compat"].append(timed(case.same_file_through_agentkv)[0])
+            for case, t in zip(cases, timings):
+                rows.append(case.row(t))
+                row = rows[-1]
                 progress(
-                    f"reload: {quant.label}, {tokens} tokens: "
+                    f"reload: {case.quant.label}, {tokens} tokens: "
                     f"agentkv {row['agentkv_load_ms']} ms, "
                     f"mlx-lm {row['mlx_lm_load_ms']} ms, read limit {row['page_cache_read_ms']} ms"
                 )
     emit("reload", rows, as_json, {"repeats": repeats})
     return rows
+
+
+class _Case:
+    """One cache (size, format) stored both ways under ``root``, and its timed loads."""
+
+    def __init__(self, root: Path, spec, quant, tokens: int):
+        from mlx_lm.models.cache import save_prompt_cache
+
+        from agentkv.kv.blocks import BLOCK_TOKENS
+        from agentkv.pool import KVPool
+        from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
+
+        self.quant, self.tokens = quant, tokens
+        root.mkdir(parents=True)
+        self.store = store = AgentStore(root / "kv", spec, "bench", quant)
+        store.ensure_layout()
+        block_count = -(-tokens // BLOCK_TOKENS)
+        pool = KVPool(
+            spec, quant, pool_bytes=(block_count + 1) * BLOCK_TOKENS * spec.bytes_per_token(quant)
+        )
+        table = synthetic_table(pool, tokens, seed=tokens)
+        self.agent = agent = f"reload-{tokens}"
+        ends = np.arange(1, tokens + 1)
+        job = build_save_job(
+            pool.arena,
+            table,
+            agent_id=agent,
+            keep=0,
+            tokens=table.token_ids(),
+            spans=np.stack([ends - 1, ends], axis=1),
+            text=b"x" * tokens,
+            messages=None,
+        )
+        store.write(job, DurableState())
+        self.mlx_file = root / f"mlx-lm-{tokens}.safetensors"
+        save_prompt_cache(str(self.mlx_file), _mlx_lm_caches(pool, table))
+        table.release()
+        self.loader = KVPool(spec, quant, pool_bytes=pool.budget_bytes)  # the resuming process
+        manifest, _ = store.read_manifest(agent)
+        self.files = [store.file_path(agent, name) for name in sorted(manifest.segments)]
+        self.files.append(store.agent_dir(agent) / "manifest.safetensors")
+        for f in self.files + [self.mlx_file]:
+            f.read_bytes()  # every file in the page cache before timing
+        self.buffer = bytearray(max(f.stat().st_size for f in self.files))
+
+    def agentkv_load(self):
+        """What a warm resume does: the manifest, then every block into a pool slot."""
+        from agentkv.kv.blocks import BLOCK_TOKENS
+
+        loader, store, agent = self.loader, self.store, self.agent
+        manifest, _ = store.read_manifest(agent)
+        count = -(-manifest.token_count // BLOCK_TOKENS)
+        sources = store.block_sources(manifest, agent, count)
+        slots = [loader.blocks.allocate() for _ in sources]
+        store.read_into(loader.arena, agent, list(zip(sources, slots)))
+        if manifest.tail is not None:  # format 2: the filling group's keys
+            tail = loader.arena.take_tail()
+            loader.arena.write_tail(tail, manifest.tail)
+            loader.arena.give_tail(tail)
+        loader.blocks.release_all(slots)
+        return slots
+
+    def mlx_lm_load(self):
+        from mlx_lm.models.cache import load_prompt_cache
+
+        loaded = load_prompt_cache(str(self.mlx_file))
+        mx.eval([(c.keys, c.values) for c in loaded])
+        return loaded
+
+    def same_file_through_agentkv(self):
+        from agentkv import load_prompt_cache
+
+        loaded = load_prompt_cache(str(self.mlx_file))
+        mx.eval([(c.keys, c.values) for c in loaded])
+        return loaded
+
+    def read_files(self):
+        for f in self.files:
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(self.buffer)
+
+    def row(self, t: dict) -> dict:
+        cache_bytes = sum(f.stat().st_size for f in self.files)
+        gbps = cache_bytes / median_ms(t["reads"]) / 1e6
+        row = {
+            "tokens": self.tokens,
+            "kv_bits": 4,
+            "kv_format": self.quant.version,
+            "format": self.quant.label,
+            "cache_bytes": cache_bytes,
+            "agentkv_load_ms": median_ms(t["ours"]),
+            "mlx_lm_load_ms": median_ms(t["theirs"]),
+            "page_cache_read_ms": round(cache_bytes / gbps / 1e6, 3),
+            "agentkv_first_load_ms": round(t["ours"][0] * 1000, 3),
+            "mlx_lm_first_load_ms": round(t["theirs"][0] * 1000, 3),
+            "mlx_lm_file_bytes": self.mlx_file.stat().st_size,
+            "agentkv_load_prompt_cache_ms": median_ms(t["compat"]),
+            "page_cache_gbps": round(gbps, 2),
+        }
+        row["speedup_vs_mlx_lm"] = round(row["mlx_lm_load_ms"] / row["agentkv_load_ms"], 2)
+        row["vs_read_limit"] = round(row["agentkv_load_ms"] / row["page_cache_read_ms"], 2)
+        return row
