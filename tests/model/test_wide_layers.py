@@ -108,6 +108,9 @@ def test_the_engine_takes_the_choice_none_or_named_layers(tmp_path, tiny):
         Engine(model=model, cache_dir=tmp_path / "d", warmup=False, kv_wide_layers=[4])
     with pytest.raises(InvalidRequestError, match="under 8 bits"):
         Engine(model=model, cache_dir=tmp_path / "e", key_bits=8, kv_wide_layers=[1])
+    for bad in (3, "18,19", [1.5]):  # refused before the model loads
+        with pytest.raises(InvalidRequestError, match="layer indices"):
+            Engine(model=model, cache_dir=tmp_path / "f", kv_wide_layers=bad)
 
 
 @pytest.mark.slow

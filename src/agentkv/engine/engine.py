@@ -136,8 +136,8 @@ class Engine:
             raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
         if kv_format not in (1, 2):
             raise InvalidRequestError(f"kv_format must be 1 or 2, not {kv_format!r}")
-        if kv_wide_layers is not None:
-            kv_wide_layers = tuple(kv_wide_layers)  # checked with the format, below
+        if kv_wide_layers is not None:  # indices checked now; against the model's layers below
+            KVQuant(wide_layers=kv_wide_layers)
         if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
             raise InvalidRequestError("pool_bytes must be a positive number of bytes")
         with ProgressBar(2, "starting the engine", unit="step") as bar:

@@ -132,10 +132,7 @@ class KVQuant:
         unknown = set(record) - known
         if unknown:
             raise InvalidRequestError(f"unknown KV format fields {sorted(unknown)}")
-        fields = {**V1, "channel_tokens": 64, **record}
-        if isinstance(fields.get("wide_layers"), list):
-            fields["wide_layers"] = tuple(fields["wide_layers"])
-        return cls(**fields)
+        return cls(**{**V1, "channel_tokens": 64, **record})
 
     def layer(self, i: int) -> KVQuant:
         """The plain format of layer ``i`` (no wide layers of its own): 8-bit keys in a wide
