@@ -28,10 +28,6 @@ class CacheFormatError(AgentKVError):
         self.reason = reason
 
 
-class NativeExtensionError(AgentKVError, ImportError):
-    """The compiled extension agentkv._ext is missing or was built for another MLX."""
-
-
 class EngineBusyError(AgentKVError):
     """The engine's queue of waiting turns is full; try again after ``retry_after`` seconds."""
 

@@ -65,16 +65,6 @@ class Residency:
         state.release()
         return True
 
-    def reclaimable(self, busy=()) -> int:
-        """Blocks that dropping every idle agent (not in ``busy``) would give back."""
-        records = self.pool.blocks.records
-        total = 0
-        for state in self.states():
-            if state.agent_id in busy:
-                continue
-            total += sum(1 for b in state.table.blocks if records[b].refs == 1)
-        return total
-
     def reclaim(self, blocks: int, *, busy=(), lock_of=None) -> bool:
         """Drop idle agents, least recently used first (those already saved before those
         that are not), until the pool has ``blocks`` available; False if it cannot.

@@ -54,15 +54,6 @@ class BackgroundWriter:
             self._durable[agent_id] = state
             self._failures.pop(agent_id, None)
 
-    def planned_blocks(self, agent_id: str) -> int | None:
-        """Blocks of the agent durable once its queued jobs land (None: unknown)."""
-        with self._cond:
-            for job in reversed((self._busy, *self._queue) if self._busy else self._queue):
-                if job.agent_id == agent_id:
-                    return job.first_block + len(job.packed_blocks)
-            state = self._durable.get(agent_id)
-            return None if state is None else len(state.blocks)
-
     def take_failure(self, agent_id: str) -> str | None:
         """The reason the agent's last save failed, once; its next save must rewrite all."""
         with self._cond:
