@@ -68,7 +68,7 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
                 )
                 for agent in seq_agents + bat_agents:
                     eng.delete_agent(agent)
-    from agentkv.kv.attention import paths_used
+    from agentkv.kernels.attention import paths_used
 
     extra = {"context_tokens": CONTEXT_TOKENS, "new_tokens": NEW_TOKENS}
     emit("batch", rows, as_json, {**extra, "attention_calls": paths_used()})

@@ -22,7 +22,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 
 def _agent(comps, tokens: int, seed: int):
-    from agentkv.kv.blocks import BLOCK_TOKENS as STEP
+    from agentkv.format.geometry import BLOCK_TOKENS as STEP
 
     rng = np.random.default_rng(seed)
     capacity = (tokens + STEP - 1) // STEP * STEP + STEP
@@ -59,7 +59,7 @@ def _fp16(tokens: int, seed: int):
 
 
 def run(batches=(2, 4, 8), repeats: int = 5, as_json: bool = False) -> list[dict]:
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.quant import KVQuant
 
     comps = KVQuant(4, 4, 64).components(HEADS, DIM, DIM)
     copy_bw = memcpy_gbps()
@@ -78,8 +78,8 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
     from mlx_lm.models.cache import BatchKVCache
 
     from agentkv import kernels
+    from agentkv.format.geometry import BLOCK_TOKENS as STEP
     from agentkv.kernels import ExtractRow, RowSource
-    from agentkv.kv.blocks import BLOCK_TOKENS as STEP
 
     per_token = sum(c.heads * c.row_bytes for c in comps) * LAYERS
     agents = [_agent(comps, n, seed=i) for i, n in enumerate(lengths)]

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from .common import emit, progress
+from .common import emit, percentile, progress
 from .ttft import context_text
 
 USERS = [
@@ -156,7 +156,7 @@ def decode(*, context_tokens: int = 1024, steps: int = 24, repeats: int = 3) -> 
 
     lm = load_model(None)
     model, spec = lm.model, lm.spec
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.quant import KVQuant
 
     quant = KVQuant()
     pool = KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * 256 * 40)
@@ -282,8 +282,8 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
 
     import agentkv  # noqa: F401  (BLAS first)
     from agentkv import Engine
-    from agentkv.kv.blocks import BLOCK_TOKENS, blocks_for
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
+    from agentkv.format.quant import KVQuant
     from agentkv.model.load import ensure_embedded_model
     from agentkv.text.tokens import TokenText
 
@@ -332,8 +332,8 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
         "completed": len(results),
         "errors": len(errors),
         "error_messages": errors[:3],
-        "ttft_p50_ms": round(_percentile(ttfts, 50), 1) if ttfts else None,
-        "ttft_p99_ms": round(_percentile(ttfts, 99), 1) if ttfts else None,
+        "ttft_p50_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
+        "ttft_p99_ms": round(percentile(ttfts, 99), 1) if ttfts else None,
         "seconds": round(elapsed, 1),
         "evictions": stats.evictions,
         "rss_before_engine_bytes": rss_before,
@@ -341,11 +341,6 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
         "peak_rss_bytes": peak,
         "peak_vs_budget_plus_model": round(peak / (budget + model_rss), 3),
     }
-
-
-def _percentile(values: list[float], q: float) -> float:
-    index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[index]
 
 
 def _rss_bytes() -> int:
@@ -367,7 +362,7 @@ def _peak_rss_bytes() -> int:
 
 
 def ops(*, blocks: int = 4096, repeats: int = 5) -> dict:
-    from agentkv.kv.blocks import BLOCK_TOKENS
+    from agentkv.format.geometry import BLOCK_TOKENS
     from agentkv.pool import BlockPool, BlockTable
     from agentkv.pool.hashing import chain, chain_seed
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from .common import emit, median_ms, progress, timed
 from .kv_candidates import texts
 
-V1 = {"key_scheme": "token", "rotate": False}  # format 1 (agentkv.kv.quant.V1)
+V1 = {"key_scheme": "token", "rotate": False}  # format 1 (agentkv.format.quant.V1)
 FORMATS = {  # name: KVQuant arguments
     "fp16": {"key_bits": 16, "value_bits": 16, **V1},
     "q8": {"key_bits": 8, "value_bits": 8, **V1},
@@ -57,7 +57,7 @@ FLAT = {"q4.v2.flat"}  # format 2 with 4-bit keys in every layer (no wide layers
 def quant_of(name: str, loaded=None):
     """The format ``name`` names; format 2 with keys under 8 bits takes the model's wide
     layers (as ``Engine()`` stores it) unless the name is in ``FLAT``."""
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.quant import KVQuant
     from agentkv.model.wide_layers import with_wide_layers
 
     quant = KVQuant(**FORMATS[name])
@@ -83,7 +83,7 @@ def _windows(total: int, window: int, stride: int) -> list[tuple[int, int, int]]
 
 
 def _pool_for(spec, quant, tokens: int):
-    from agentkv.kv.blocks import BLOCK_TOKENS, blocks_for
+    from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
     from agentkv.pool import KVPool
 
     blocks = blocks_for(tokens) + 2
@@ -134,7 +134,7 @@ def decode_attention(quants: dict, *, layers: int = 30, rounds: int = 60) -> dic
     model's ``layers`` (a format with wide layers attends over 8-bit keys in those), in ms;
     and its ratio to format 1's 4-bit attention. Every distinct layer format is timed once
     per round, the rounds interleaving them, so a busy machine slows all alike (medians)."""
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.quant import KVQuant
 
     baseline = KVQuant(**FORMATS[BASELINE])
     kinds = {name: [q.layer(i) for i in range(layers)] for name, q in quants.items()}
@@ -159,7 +159,7 @@ def attention_step(quant, *, batch: int = 4, tokens: int = 4096):
     query and the output); run once (warm) before it is returned."""
     import mlx.core as mx
 
-    from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
+    from agentkv.format.spec import LayerKind, LayerSpec, ModelCacheSpec
     from agentkv.pool.arena import WritePlan
     from agentkv.pool.step import PagedStep
 

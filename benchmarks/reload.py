@@ -36,7 +36,7 @@ def _mlx_lm_caches(pool, table):
     of the same bytes, not one to generate with)."""
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from agentkv.kv.blocks import BLOCK_TOKENS
+    from agentkv.format.geometry import BLOCK_TOKENS
 
     heads, n = pool.spec.kv_heads, table.length
     t = np.arange(n)
@@ -53,7 +53,7 @@ def _mlx_lm_caches(pool, table):
 
 
 def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> list[dict]:
-    from agentkv.kv.quant import V1, V2, KVQuant
+    from agentkv.format.quant import V1, V2, KVQuant
     from agentkv.model.load import load_model
 
     progress("reload: loading the embedded model for its cache geometry...")
@@ -95,7 +95,7 @@ class _Case:
     def __init__(self, root: Path, spec, quant, tokens: int):
         from mlx_lm.models.cache import save_prompt_cache
 
-        from agentkv.kv.blocks import BLOCK_TOKENS
+        from agentkv.format.geometry import BLOCK_TOKENS
         from agentkv.pool import KVPool
         from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 
@@ -134,7 +134,7 @@ class _Case:
 
     def agentkv_load(self):
         """What a warm resume does: the manifest, then every block into a pool slot."""
-        from agentkv.kv.blocks import BLOCK_TOKENS
+        from agentkv.format.geometry import BLOCK_TOKENS
 
         loader, store, agent = self.loader, self.store, self.agent
         manifest, _ = store.read_manifest(agent)

@@ -19,8 +19,8 @@ from .common import emit, extend_table, progress, synthetic_table, timed
 
 
 def run(tokens: int, turn: int, as_json: bool = False) -> list[dict]:
-    from agentkv.kv.blocks import BLOCK_TOKENS
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.geometry import BLOCK_TOKENS
+    from agentkv.format.quant import KVQuant
     from agentkv.model.load import load_model
     from agentkv.pool import KVPool
     from agentkv.store.agent_store import AgentStore, DurableState, build_save_job

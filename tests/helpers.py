@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 
 from agentkv import _ext
-from agentkv.kv.blocks import BLOCK_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.quant import V1, KVQuant, native_layout
+from agentkv.format.spec import LayerKind, LayerSpec, ModelCacheSpec
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V1, KVQuant, native_layout
-from agentkv.model.spec import LayerKind, LayerSpec, ModelCacheSpec
 from agentkv.pool.arena import WritePlan
 from agentkv.store.format import encode_segment_header
 
@@ -102,7 +102,7 @@ DATA = TESTS / "data"
 
 def pool_for(spec: ModelCacheSpec, quant=None, blocks: int = 24):
     """A small pool for ``spec`` (its arenas are committed only as blocks fill)."""
-    from agentkv.kv.blocks import BLOCK_TOKENS
+    from agentkv.format.geometry import BLOCK_TOKENS
     from agentkv.pool import KVPool
 
     quant = quant or KVQuant(**V1)
@@ -150,7 +150,7 @@ def fill_table(pool, tokens: int, *, seed=0, positional=False, ids=None, table=N
 
 def table_arrays(pool, table, tokens: int | None = None) -> list[np.ndarray]:
     """Every (layer, component) of the table's first ``tokens`` tokens as [heads, n, width]."""
-    from agentkv.kv.blocks import BLOCK_TOKENS
+    from agentkv.format.geometry import BLOCK_TOKENS
 
     n = table.length if tokens is None else tokens
     arena = pool.arena

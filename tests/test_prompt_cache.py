@@ -9,7 +9,7 @@ from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
 
 import agentkv
 from agentkv.errors import CacheFormatError, InvalidRequestError
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.quant import V1, KVQuant
 
 
 @pytest.fixture(scope="module")

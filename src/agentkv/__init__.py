@@ -19,7 +19,7 @@ from .errors import (
     ModelImportError,
 )
 from .kv.cache import AgentKVCache
-from .kv.quant import KVQuant
+from .format.quant import KVQuant
 from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 __version__ = "0.1.0"

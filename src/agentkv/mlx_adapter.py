@@ -1,4 +1,5 @@
-"""Everything agentkv needs to know about mlx-lm's internals, in one place.
+"""Everything agentkv needs to know about mlx-lm's internals, in one place: no other module
+of agentkv imports ``mlx_lm`` (tests/test_layering.py checks it).
 
 mlx-lm models call ``mlx_lm.models.base.scaled_dot_product_attention(queries,
 keys, values, cache=..., scale=..., mask=...)``, which picks mlx-lm's quantized
@@ -12,6 +13,10 @@ rebound too; call it again after importing a new model architecture.
 ``make_batch_invariant`` swaps a model's float32 linear layers (and a tied
 embedding's output projection) for agentkv's batch-invariant GEMM on CPU, so
 a row's result does not depend on which other rows share the matmul.
+
+The rest names what agentkv uses of mlx-lm, pinned to 0.32.2 (its cache serialization
+changed between 0.32.0 and 0.32.2): loading, sampling, its cache classes and masks, and its
+prompt-cache files.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .errors import ModelImportError
+from .format.spec import LayerKind, LayerSpec, ModelCacheSpec
 
 _ORIGINAL = "__agentkv_original__"
 
@@ -79,79 +87,106 @@ def make_batch_invariant(model: nn.Module) -> int:
     return switched
 
 
+# -- loading, sampling, masks ------------------------------------------------------------
+
+
+def load(target: str):
+    """(model, tokenizer) of an mlx-lm model directory or hub id."""
+    from mlx_lm import load as mlx_lm_load
+
+    return mlx_lm_load(target)
+
+
+def dequantize_model(model: nn.Module) -> None:
+    from mlx_lm.utils import dequantize_model as mlx_lm_dequantize
+
+    mlx_lm_dequantize(model)
+
+
+def make_sampler(*, temp: float, top_p: float):
+    from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+    return mlx_lm_make_sampler(temp=temp, top_p=top_p)
+
+
+def create_causal_mask(N: int, offset, *, window_size=None, right_padding=None, left_padding=None):
+    from mlx_lm.models.base import create_causal_mask as mlx_lm_mask
+
+    return mlx_lm_mask(
+        N, offset, window_size=window_size, right_padding=right_padding, left_padding=left_padding
+    )
+
+
+def dynamic_roll(x: mx.array, shifts: mx.array, axis: int) -> mx.array:
+    from mlx_lm.models.cache import dynamic_roll as mlx_lm_roll
+
+    return mlx_lm_roll(x, shifts, axis)
+
+
+def cache_class(name: str) -> type:
+    """mlx-lm's cache class ``name`` (``KVCache``, ``QuantizedKVCache``, ...)."""
+    import mlx_lm.models.cache as mlx_cache
+
+    cls = getattr(mlx_cache, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_state"):
+        raise ValueError(f"unknown cache class {name!r}")
+    return cls
+
+
+def cache_spec_of(model, *, weights_id: str, model_type: str | None = None) -> ModelCacheSpec:
+    """The KV geometry of ``model``: its cache classes from mlx-lm's ``make_prompt_cache``
+    (full attention or a sliding window), and one probe token through it (KV heads, head
+    dims)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+    model_type = model_type or getattr(model, "model_type", type(model).__module__)
+    caches = make_prompt_cache(model)
+    layers = []
+    for i, cache in enumerate(caches):
+        if isinstance(cache, RotatingKVCache):
+            layers.append(LayerSpec(LayerKind.SLIDING, int(cache.max_size)))
+        elif isinstance(cache, KVCache):
+            layers.append(LayerSpec(LayerKind.FULL))
+        else:
+            what = ", a recurrent state (state-space or convolution layer)"
+            raise ModelImportError(
+                f"model {model_type!r}: layer {i} uses {type(cache).__name__}"
+                f"{what if isinstance(cache, ArraysCache) else ''}; agentkv caches "
+                "attention layers only (mlx-lm's KVCache or RotatingKVCache)"
+            )
+    model(mx.array([[0]]), cache=caches)
+    shapes = {(c.keys.shape[1], c.keys.shape[-1], c.values.shape[-1]) for c in caches}
+    if len(shapes) != 1:
+        raise ModelImportError(f"layers have different KV geometries {sorted(shapes)}")
+    ((heads, key_dim, value_dim),) = shapes
+    sinks = any(
+        getattr(getattr(layer, "self_attn", None), "sinks", None) is not None
+        for layer in getattr(model, "layers", [])
+    )
+    return ModelCacheSpec(
+        model_type=model_type,
+        num_layers=len(caches),
+        kv_heads=int(heads),
+        key_head_dim=int(key_dim),
+        value_head_dim=int(value_dim),
+        layers=tuple(layers),
+        attention_sinks=bool(sinks),
+        dtype=str(caches[0].keys.dtype).removeprefix("mlx.core."),
+        weights_id=weights_id,
+    )
+
+
 # -- mlx-lm 0.32.2 prompt-cache files ---------------------------------------------------
 # Tensors are tree_flatten([c.state for c in cache]) ("0.0.0", "0.2", ...); metadata is
 # tree_flatten([user metadata, class names, scalars]) where scalars = ["", (path, kind)...]
 # marks state entries stored as arrays but meant as Python scalars/strings/None.
 
 
-def to_mlx_lm_cache(cache):
-    """An mlx-lm cache object holding what ``cache`` holds (agentkv caches converted)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+def save_prompt_cache(path: str, caches: list, metadata: dict[str, str] | None) -> None:
+    """mlx-lm's own writer (``caches``: mlx-lm cache objects)."""
+    from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
 
-    from .errors import InvalidRequestError
-    from .kv.cache import AgentKVCache
-
-    if not isinstance(cache, AgentKVCache):
-        if type(cache).__module__.startswith("agentkv"):
-            raise InvalidRequestError(f"{type(cache).__name__} has no mlx-lm equivalent")
-        return cache
-    if cache.start:
-        raise InvalidRequestError(
-            "this cache dropped the blocks its sliding window no longer sees; "
-            "mlx-lm's prompt-cache files cannot describe that"
-        )
-    q = cache.quant
-    keys, values = cache.keys_and_values() if cache.keys is not None else (None, None)
-    if q.version > 1:
-        return _format_2_to_mlx_lm(cache)
-    if q.key_bits == q.value_bits == 16:
-        out = KVCache()
-        out.keys, out.values = (keys[0], values[0]) if keys else (None, None)
-    elif q.key_bits == q.value_bits:
-        out = QuantizedKVCache(group_size=q.group_size, bits=q.key_bits)
-        out.keys, out.values = keys, values
-    else:
-        raise InvalidRequestError(
-            f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
-            f"{q.key_bits} and values at {q.value_bits} bits"
-        )
-    out.offset = cache.offset
-    return out
-
-
-def _format_2_to_mlx_lm(cache):
-    """mlx-lm's QuantizedKVCache for a format-2 cache: keys and values dequantized, rotated
-    back and quantized again per token, at the wider of the cache's key and value bits
-    (mlx-lm's cache has one width: a wide layer's 8-bit keys give an 8-bit cache). Lossy:
-    the per-token 4-bit keys mlx-lm reads cost the model what format 1 costs (see
-    docs/kv-format-v2.md)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    q = cache.quant
-    bits = max(q.key_bits, q.value_bits)
-    out = QuantizedKVCache(group_size=q.group_size, bits=bits)
-    if cache.keys is not None:
-        k, v = (x.astype(mx.float16) for x in cache.dequantized())
-        out.keys = tuple(mx.quantize(k, group_size=q.group_size, bits=bits))
-        out.values = tuple(mx.quantize(v, group_size=q.group_size, bits=bits))
-    out.offset = cache.offset
-    return out
-
-
-def prompt_cache_class(name: str):
-    """The class a prompt-cache file names: mlx-lm's, or agentkv's own."""
-    import mlx_lm.models.cache as mlx_cache
-
-    from .kv.batch import BatchQuantizedKVCache
-    from .kv.cache import AgentKVCache
-
-    ours = {"AgentKVCache": AgentKVCache, "BatchQuantizedKVCache": BatchQuantizedKVCache}
-    cls = ours.get(name) or getattr(mlx_cache, name, None)
-    if not isinstance(cls, type) or not hasattr(cls, "from_state"):
-        raise ValueError(f"unknown cache class {name!r}")
-    return cls
+    mlx_lm_save(path, caches, metadata)
 
 
 def split_prompt_cache_metadata(metadata: dict) -> tuple[dict, list[str], dict[str, str]]:
@@ -161,25 +196,6 @@ def split_prompt_cache_metadata(metadata: dict) -> tuple[dict, list[str], dict[s
     user, classes, scalars = tree_unflatten(list(metadata.items()))
     kinds = {pos: kind for pos, kind in scalars[1:]}
     return user, list(classes), kinds
-
-
-def build_prompt_cache(arrays: dict, classes: list[str], kinds: dict[str, str]) -> list:
-    """Cache objects from a prompt-cache file's arrays, as mlx-lm's loader builds them."""
-    from mlx.utils import tree_unflatten
-
-    values = dict(arrays)
-    for pos, kind in kinds.items():
-        array = values[pos]
-        if kind == "scalar":
-            values[pos] = array.item()
-        elif kind == "string":
-            values[pos] = "".join(chr(i) for i in array.tolist())
-        elif kind == "none":
-            values[pos] = None
-        else:
-            raise ValueError(f"unknown scalar kind {kind!r}")
-    states = tree_unflatten(list(values.items()))
-    return [prompt_cache_class(c).from_state(state) for c, state in zip(classes, states)]
 
 
 # mlx-lm caches whose state starts (keys, values, offset, ...) over [B, H, T, D] buffers.

@@ -21,11 +21,15 @@ import os
 import struct
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_unflatten
 
 from . import _ext, mlx_adapter
-from .errors import CacheFormatError
-from .kv.blocks import BLOCK_TOKENS
+from .errors import CacheFormatError, InvalidRequestError
+from .format.geometry import BLOCK_TOKENS
+from .kv.batch import BatchQuantizedKVCache
+from .kv.cache import AgentKVCache
 from .paths import fsync_dir
 from .store.format import read_header
 
@@ -71,8 +75,8 @@ def make_prompt_cache(loaded, quant=None) -> list:
     its wide layers: measured once per model, about 20 s for the embedded one unless its
     result ships with agentkv); a ``KVQuant`` is used as given (``quant.layer(i)`` in layer
     i)."""
+    from .format.choice import choose_kv_quant
     from .kv.cache import AgentKVCache
-    from .model.kv_format import choose_kv_quant
     from .model.wide_layers import with_wide_layers
 
     spec = loaded.spec
@@ -86,13 +90,11 @@ def make_prompt_cache(loaded, quant=None) -> list:
 
 def save_prompt_cache(file_name, cache: list, metadata: dict[str, str] | None = None) -> None:
     """Save a prompt cache in mlx-lm's format (crash-safe: temp file, fsync, rename)."""
-    from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
-
-    caches = [mlx_adapter.to_mlx_lm_cache(c) for c in cache]
+    caches = [to_mlx_lm_cache(c) for c in cache]
     target = _target(file_name)
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp.safetensors")
     try:
-        mlx_lm_save(str(tmp), caches, metadata)
+        mlx_adapter.save_prompt_cache(str(tmp), caches, metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -139,7 +141,7 @@ def load_prompt_cache(file_name, return_metadata: bool = False):
 
     arrays = {n: mx.array(a) for n, a in small.items()} | dict(zip(names, loaded))
     try:
-        caches = mlx_adapter.build_prompt_cache(arrays, classes, kinds)
+        caches = build_prompt_cache(arrays, classes, kinds)
     except (KeyError, TypeError, ValueError) as exc:
         raise CacheFormatError(path, f"cannot rebuild the caches ({exc})") from None
     return (caches, user) if return_metadata else caches
@@ -167,3 +169,75 @@ def _capacity(name: str, shape: list[int], classes: list[str], small: dict) -> i
     if offset is None or int(offset) < rows:
         return -1
     return rows + BLOCK_TOKENS
+
+
+def to_mlx_lm_cache(cache):
+    """An mlx-lm cache object holding what ``cache`` holds (agentkv caches converted)."""
+    KVCache, QuantizedKVCache = (mlx_adapter.cache_class(n) for n in mlx_adapter.GROWABLE_CACHES)
+    if not isinstance(cache, AgentKVCache):
+        if type(cache).__module__.startswith("agentkv"):
+            raise InvalidRequestError(f"{type(cache).__name__} has no mlx-lm equivalent")
+        return cache
+    if cache.start:
+        raise InvalidRequestError(
+            "this cache dropped the blocks its sliding window no longer sees; "
+            "mlx-lm's prompt-cache files cannot describe that"
+        )
+    q = cache.quant
+    keys, values = cache.keys_and_values() if cache.keys is not None else (None, None)
+    if q.version > 1:
+        return _format_2_to_mlx_lm(cache)
+    if q.key_bits == q.value_bits == 16:
+        out = KVCache()
+        out.keys, out.values = (keys[0], values[0]) if keys else (None, None)
+    elif q.key_bits == q.value_bits:
+        out = QuantizedKVCache(group_size=q.group_size, bits=q.key_bits)
+        out.keys, out.values = keys, values
+    else:
+        raise InvalidRequestError(
+            f"mlx-lm's QuantizedKVCache has one bit width; this cache stores keys at "
+            f"{q.key_bits} and values at {q.value_bits} bits"
+        )
+    out.offset = cache.offset
+    return out
+
+
+def _format_2_to_mlx_lm(cache):
+    """mlx-lm's QuantizedKVCache for a format-2 cache: keys and values dequantized, rotated
+    back and quantized again per token, at the wider of the cache's key and value bits
+    (mlx-lm's cache has one width: a wide layer's 8-bit keys give an 8-bit cache). Lossy:
+    the per-token 4-bit keys mlx-lm reads cost the model what format 1 costs (see
+    docs/kv-format-v2.md)."""
+    QuantizedKVCache = mlx_adapter.cache_class("QuantizedKVCache")
+    q = cache.quant
+    bits = max(q.key_bits, q.value_bits)
+    out = QuantizedKVCache(group_size=q.group_size, bits=bits)
+    if cache.keys is not None:
+        k, v = (x.astype(mx.float16) for x in cache.dequantized())
+        out.keys = tuple(mx.quantize(k, group_size=q.group_size, bits=bits))
+        out.values = tuple(mx.quantize(v, group_size=q.group_size, bits=bits))
+    out.offset = cache.offset
+    return out
+
+
+def prompt_cache_class(name: str):
+    """The class a prompt-cache file names: mlx-lm's, or agentkv's own."""
+    ours = {"AgentKVCache": AgentKVCache, "BatchQuantizedKVCache": BatchQuantizedKVCache}
+    return ours.get(name) or mlx_adapter.cache_class(name)
+
+
+def build_prompt_cache(arrays: dict, classes: list[str], kinds: dict[str, str]) -> list:
+    """Cache objects from a prompt-cache file's arrays, as mlx-lm's loader builds them."""
+    values = dict(arrays)
+    for pos, kind in kinds.items():
+        array = values[pos]
+        if kind == "scalar":
+            values[pos] = array.item()
+        elif kind == "string":
+            values[pos] = "".join(chr(i) for i in array.tolist())
+        elif kind == "none":
+            values[pos] = None
+        else:
+            raise ValueError(f"unknown scalar kind {kind!r}")
+    states = tree_unflatten(list(values.items()))
+    return [prompt_cache_class(c).from_state(state) for c, state in zip(classes, states)]

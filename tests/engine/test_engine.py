@@ -11,8 +11,8 @@ import pytest
 from helpers import SCRIPTS
 
 from agentkv import InvalidAgentIdError, InvalidRequestError
-from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.model.spec import LayerKind
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.spec import LayerKind
 
 SYSTEM = (
     "You are the planner of a small software team. You break a request into steps, name "
@@ -51,7 +51,7 @@ def test_spec_of_the_embedded_model(engine):
     )
     assert all(layer.kind is LayerKind.FULL for layer in spec.layers)
     assert not spec.attention_sinks and spec.dtype == "float32"
-    from agentkv.kv.quant import KVQuant
+    from agentkv.format.quant import KVQuant
 
     assert spec.bytes_per_token(KVQuant(16, 16)) == 23_040
     assert spec.bytes_per_token(KVQuant(4, 4, 64)) == 6_480

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from agentkv import kernels
 from agentkv.errors import InvalidRequestError
+from agentkv.format.quant import V1, KVQuant
 from agentkv.kernels import RowSource
 from agentkv.kernels.types import as_units
-from agentkv.kv.quant import V1, KVQuant
 
 formats = st.sampled_from(
     [(4, 4, 32), (4, 4, 64), (4, 4, 128), (8, 8, 64), (8, 4, 64), (4, 16, 64)]

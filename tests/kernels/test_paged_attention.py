@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext, kernels
-from agentkv.kernels import PagedQuery
-from agentkv.kv import attention
-from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.quant import V1, KVQuant
+from agentkv.kernels import PagedQuery, attention, cpu
 
 formats = st.sampled_from([(4, 4, 64), (4, 4, 32), (8, 4, 64), (8, 8, 64), (2, 2, 32)])
 
@@ -46,21 +45,7 @@ def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=6
 
 
 def fused(q, paged, scale=0.125):
-    return _ext.paged_attention(
-        q,
-        list(paged.keys),
-        list(paged.values),
-        paged.tables,
-        paged.lengths,
-        paged.kv_heads,
-        paged.block_tokens,
-        scale,
-        paged.key_bits,
-        paged.value_bits,
-        paged.group,
-        paged.window,
-        paged.sinks,
-    )
+    return cpu.fused_paged_attention(q, paged, scale=scale)
 
 
 def close(a, b):
@@ -83,7 +68,7 @@ def test_fused_kernel_body_and_reference_agree(fmt, lengths, queries, window, si
     ours = fused(q, paged)
     reference = kernels.reference.paged_attention(q, paged, scale=0.125)
     with kernels.use_backend("cpu"):
-        body = kernels.paged_attention(q, paged, scale=0.125)
+        body = kernels.paged_attention_body(q, paged, scale=0.125)
     close(ours, reference)
     close(body, reference)
 
@@ -116,23 +101,15 @@ def test_float16_caches_take_the_reference_beside_the_fused_kernel():
     pool, _, q, paged = jagged_batch(quant, [300, 70], queries=2)
     close(fused(q, paged), kernels.reference.paged_attention(q, paged, scale=0.125))
     with pytest.raises(Exception, match="quantized"):
-        kernels.paged_attention(q, paged, scale=0.125)
+        kernels.paged_attention_body(q, paged, scale=0.125)
 
 
 def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(monkeypatch):
     pool, _, q, paged = jagged_batch(KVQuant(**V1), [300, 9])
-    args = dict(
-        tables=paged.tables,
-        lengths=paged.lengths,
-        kv_heads=paged.kv_heads,
-        block_tokens=BLOCK_TOKENS,
-        scale=0.125,
-        quant=KVQuant(**V1),
-    )
     before = attention.paths_used()
-    fast = attention.paged_attention(q, paged.keys, paged.values, **args)
+    fast = attention.paged_attention(q, paged, scale=0.125)
     monkeypatch.setenv(attention.ENV, "reference")
-    slow = attention.paged_attention(q, paged.keys, paged.values, **args)
+    slow = attention.paged_attention(q, paged, scale=0.125)
     now = attention.paths_used()
     assert {k: now[k] - before[k] for k in now} == {
         attention.FUSED: 1,
@@ -148,4 +125,4 @@ def test_a_table_naming_a_block_outside_the_arenas_never_reads_it():
     out = fused(q, paged._replace(tables=bad))
     assert bool(mx.all(mx.isnan(out)).item())  # refused, not read out of bounds
     with kernels.use_backend("cpu"), pytest.raises(ValueError, match="outside the arenas"):
-        kernels.paged_attention(q, paged._replace(tables=bad), scale=0.125)
+        kernels.paged_attention_body(q, paged._replace(tables=bad), scale=0.125)

@@ -7,10 +7,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext
-from agentkv.kv import attention
+from agentkv.format.quant import V1, KVQuant
+from agentkv.kernels import attention, reference
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V1, KVQuant
 
 formats = st.sampled_from(
     [(4, 4, 64), (4, 4, 32), (8, 8, 64), (8, 4, 128), (2, 4, 64), (4, 16, 64), (16, 16, 64)]
@@ -80,7 +80,7 @@ def test_fused_matches_reference(
 
     ours = fused(q, keys, values, quant, window=window, left_padding=padding, sinks=sinks)
     mask = explicit_mask(batch, queries, keys_len, window, pads)
-    theirs = attention.quantized_attention(
+    theirs = reference.quantized_attention(
         q, keys, values, scale=dim**-0.5, mask=mask, quant=quant, sinks=sinks
     )
     assert ours.shape == theirs.shape and ours.dtype == mx.float32

@@ -9,9 +9,9 @@ from helpers import held_arrays, positional_caches, synthetic_spec
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from agentkv import make_prompt_cache
+from agentkv.format.quant import V1, V2, KVQuant
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
-from agentkv.kv.quant import V1, V2, KVQuant
 
 FORMATS = [KVQuant(**V1), KVQuant(**V2)]
 IDS = ["v1", "v2"]

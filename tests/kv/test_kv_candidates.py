@@ -5,6 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from agentkv.benchmarks.kv_candidates import (
     CANDIDATES,
     FP16,
@@ -94,9 +95,9 @@ def test_bytes_per_token_of_each_candidate(cand):
 def test_the_simulation_stores_and_attends_like_the_real_cache():
     """Today's formats simulated == the same formats in agentkv's real cache (the same
     values read back, the same attention), so a candidate's figures are the format's."""
-    from agentkv.kv.attention import cache_attention
+    from agentkv.format.quant import V1, KVQuant
+    from agentkv.kernels.attention import cache_attention
     from agentkv.kv.cache import AgentKVCache
-    from agentkv.kv.quant import V1, KVQuant
 
     by_name = {c.name: c for c in CANDIDATES}
     k = keys_with_outlier_channels(tokens=100, seed=4)
@@ -125,8 +126,7 @@ def test_quality_measures_on_the_real_model(engine):
     compared end to end.)"""
     from agentkv.benchmarks.kv_candidates import _segment_logprobs
     from agentkv.benchmarks.quality import compare, window_logprobs
-
-    from agentkv.kv.quant import V1, KVQuant
+    from agentkv.format.quant import V1, KVQuant
 
     model = engine.loaded.model
     ids = engine.loaded.tokenizer.encode("def add(a, b):\n    return a + b\n" * 30)[:600]

@@ -1,7 +1,7 @@
 import pytest
 
 from agentkv.errors import InvalidRequestError
-from agentkv.kv.quant import V1, V2, KVQuant
+from agentkv.format.quant import V1, V2, KVQuant
 
 # The embedded model: 30 layers, 3 KV heads, head dim 64.
 GEOMETRY = dict(layers=30, heads=3, key_dim=64, value_dim=64)

@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from agentkv.format.spec import LayerKind
 from agentkv.model.load import ensure_embedded_model
-from agentkv.model.spec import LayerKind
 
 WINDOW = 128
 

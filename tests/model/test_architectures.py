@@ -23,9 +23,9 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from agentkv import Engine
 from agentkv.cli.main import main as agentkv_main
 from agentkv.errors import InvalidRequestError, ModelImportError
-from agentkv.kv.blocks import BLOCK_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.spec import LayerKind
 from agentkv.model.load import ensure_embedded_model
-from agentkv.model.spec import LayerKind
 
 WINDOW = 128
 COMMON = {

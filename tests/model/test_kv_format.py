@@ -6,7 +6,7 @@ import pytest
 from helpers import synthetic_spec
 
 from agentkv.errors import InvalidRequestError
-from agentkv.model.kv_format import AUTO_GROUP_SIZES, choose_kv_quant
+from agentkv.format.choice import AUTO_GROUP_SIZES, choose_kv_quant
 
 
 @pytest.mark.parametrize(

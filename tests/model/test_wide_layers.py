@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_llama_dir
 
 from agentkv.errors import InvalidRequestError
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.quant import V1, KVQuant
 from agentkv.model import wide_layers
 from agentkv.model.load import load_model
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 from helpers import TESTS, fill_table, synthetic_spec, table_arrays
 
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.quant import V1, KVQuant
 from agentkv.pool import KVPool
 
 RSS_SCRIPT = """
@@ -18,8 +18,8 @@ sys.path.insert(0, sys.argv[1])
 import agentkv
 import mlx.core as mx
 from helpers import fill_table, synthetic_spec
-from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.quant import V1, KVQuant
 from agentkv.pool import KVPool
 
 def rss():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agentkv.kv.blocks import BLOCK_TOKENS, blocks_for
+from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
 from agentkv.pool import BlockPool, BlockTable, PoolExhaustedError
 from agentkv.pool.hashing import block_hash, chain, chain_seed
 

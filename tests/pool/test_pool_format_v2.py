@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import _kv_for, fill_table, synthetic_spec, table_arrays
 
-from agentkv.kv.quant import V1, V2, KVQuant, dequantize_tokens, hadamard
+from agentkv.format.quant import V1, V2, KVQuant, dequantize_tokens, hadamard
 from agentkv.pool import KVPool
 from agentkv.pool.arena import WritePlan
 from agentkv.pool.step import PagedStep
@@ -214,7 +214,7 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
     """kernels/paged_attention.metal (compiled for CPU through the shim: the Metal and CUDA
     body) and the MLX reference, against the fused CPU kernel, on tables with tails."""
     from agentkv import kernels
-    from agentkv.kv.attention import paged_attention
+    from agentkv.kernels.attention import paged_attention
 
     spec = synthetic_spec(layers=1, heads=2)
     pool = pool_for(spec)
@@ -228,17 +228,14 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
     step = PagedStep(pool.arena, spec, tables, 3)
     keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
     pool.arena.settle()
-    args = dict(
-        tables=step.tables, lengths=step.lengths, kv_heads=2, block_tokens=256, scale=0.125,
-        quant=V2Q, window=window, tail=pool.arena.tails[0], tail_slots=step.plan.tail_slots,
-    )  # fmt: skip
-    fused = paged_attention(q, keys, values, **args)
     paged = kernels.PagedQuery(
         tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
         64, pool.arena.tails[0], step.plan.tail_slots,
     )  # fmt: skip
+    assert paged.quant() == V2Q
+    fused = paged_attention(q, paged, scale=0.125)
     with kernels.use_backend("cpu"):
-        body = kernels.paged_attention(q, paged, scale=0.125)
+        body = kernels.paged_attention_body(q, paged, scale=0.125)
     reference = kernels.reference.paged_attention(q, paged, scale=0.125)
     np.testing.assert_allclose(np.array(body), np.array(fused), atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(np.array(reference), np.array(fused), atol=2e-3, rtol=1e-3)

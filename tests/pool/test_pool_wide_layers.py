@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from agentkv.errors import InvalidRequestError
-from agentkv.kv.quant import V1, KVQuant, hadamard
+from agentkv.format.quant import V1, KVQuant, hadamard
 from agentkv.store.agent_store import AgentStore
 
 GEOMETRY = dict(layers=30, heads=3, key_dim=64, value_dim=64)  # the embedded model

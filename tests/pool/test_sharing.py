@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from agentkv.kv.blocks import BLOCK_TOKENS, GROUP_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 
 BRIEF = (
     "The team builds csvjson, a command line tool that converts CSV files to JSON. "

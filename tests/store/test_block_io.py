@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.errors import CacheFormatError
-from agentkv.kv.blocks import BLOCK_TOKENS
-from agentkv.kv.quant import V1, KVQuant
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.quant import V1, KVQuant
 
 
 @settings(max_examples=12, deadline=None)

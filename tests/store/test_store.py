@@ -12,7 +12,7 @@ from helpers import cache_arrays, fill_table, pool_for, synthetic_spec, table_ar
 
 from agentkv import _ext
 from agentkv.errors import CacheFormatError, InvalidAgentIdError
-from agentkv.kv.blocks import BLOCK_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.store.agent_store import AgentStore, DurableState, build_save_job
 from agentkv.store.format import MANIFEST_NAME, decode_manifest, encode_manifest
 

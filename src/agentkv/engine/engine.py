@@ -33,8 +33,8 @@ import mlx.core as mx
 
 from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
-from ..kv.quant import KVQuant
-from ..model.kv_format import choose_kv_quant
+from ..format.choice import choose_kv_quant
+from ..format.quant import KVQuant
 from ..model.load import LoadedModel, load_model
 from ..model.wide_layers import with_wide_layers
 from ..paths import kv_dir

@@ -50,7 +50,7 @@ class SamplingParams:
     def sampler(self) -> Callable[[mx.array], mx.array]:
         if self.temperature == 0.0:
             return lambda logits: mx.argmax(logits, axis=-1)
-        from mlx_lm.sample_utils import make_sampler
+        from ..mlx_adapter import make_sampler
 
         sample = make_sampler(temp=self.temperature, top_p=self.top_p)
         return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CacheFormatError, InvalidRequestError
-from ..kv.blocks import BLOCK_TOKENS, blocks_for
+from ..format.geometry import BLOCK_TOKENS, blocks_for
 from ..kv.cache import window_start
 from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan

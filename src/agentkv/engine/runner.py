@@ -15,7 +15,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..errors import InvalidRequestError
-from ..kv.blocks import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS
 from ..kv.cache import window_start
 from ..model.load import LoadedModel
 from ..pool import KVPool

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import KVQuant
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant
 from ..pool import BlockTable
 
 

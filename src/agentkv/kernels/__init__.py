@@ -2,6 +2,10 @@
 queries over the block pool, through block tables), merge (caches -> left-padded batch)
 and extract (batch row -> one agent) for the mlx-lm drop-in batch cache.
 
+What production calls for attention is ``kernels.attention`` (it picks the fused CPU kernels,
+this package's GPU bodies or the reference); ``paged_attention_body`` here runs the shared
+body itself on the selected backend, which is how tests hold it to the reference on CPU.
+
 Each kernel body is written once in ``kernels/*.metal`` (installed as
 ``agentkv/_kernel_sources``) in the C++ subset that Metal, CUDA and host C++
 share. It runs through ``mx.fast.metal_kernel`` on Metal, ``mx.fast.cuda_kernel``
@@ -36,8 +40,8 @@ __all__ = [
     "bytes_moved",
     "extract",
     "extract_rows",
-    "paged_attention",
     "merge",
+    "paged_attention_body",
     "set_backend",
     "use_backend",
 ]
@@ -112,9 +116,9 @@ def _impl():
     return gpu.for_backend(name)
 
 
-def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-    """Attention of a jagged batch's queries over the pool's arenas, read through block
-    tables (kernels/paged_attention.metal; quantized keys and values)."""
+def paged_attention_body(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    """The shared body kernels/paged_attention.metal on the selected backend (quantized keys
+    and values): a jagged batch's queries over the pool's arenas, through block tables."""
     if paged.key_bits == 16 or paged.value_bits == 16:
         raise InvalidRequestError("the paged attention kernel reads quantized keys and values")
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):

@@ -1,4 +1,11 @@
-"""The kernels on CPU: kernels/*.metal compiled into the extension through kernels/shim.h."""
+"""The kernels on CPU.
+
+merge, extract and ``paged_attention`` are the shared bodies kernels/*.metal compiled into
+the extension through kernels/shim.h. Attention in production runs the fused kernels
+(``fused_paged_attention``, ``fused_cache_attention``: csrc/core/attention*), written for the
+CPU's caches and vector units; they and the shared body are held to the same reference in
+tests, and docs/kernels.md gives their measured difference.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from .. import _ext
+from ..format.quant import KVQuant
 from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -26,6 +34,55 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         THREADS,
         paged.tail,
         paged.tail_slots,
+    )
+
+
+def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    return _ext.paged_attention(
+        queries,
+        list(paged.keys),
+        list(paged.values),
+        paged.tables,
+        paged.lengths,
+        paged.kv_heads,
+        paged.block_tokens,
+        scale,
+        paged.key_bits,
+        paged.value_bits,
+        paged.group,
+        paged.window,
+        paged.sinks,
+        paged.channel_tokens,
+        paged.tail,
+        paged.tail_slots,
+    )
+
+
+def fused_cache_attention(
+    queries: mx.array,
+    keys: tuple,
+    values: tuple,
+    *,
+    scale: float,
+    quant: KVQuant,
+    window: int,
+    left_padding: mx.array | None,
+    sinks: mx.array | None,
+    tail: mx.array | None,
+) -> mx.array:
+    return _ext.quantized_attention(
+        queries,
+        list(keys),
+        list(values),
+        scale,
+        quant.key_bits,
+        quant.value_bits,
+        quant.group_size,
+        window,
+        left_padding,
+        sinks,
+        quant.channel_tokens if quant.channel_keys else 0,
+        tail,
     )
 
 

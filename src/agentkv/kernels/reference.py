@@ -1,11 +1,20 @@
-"""The kernels' operations in plain MLX ops: the twin every backend is checked against."""
+"""The kernels' operations in plain MLX ops: the twin every backend is checked against.
+
+Attention reads stored keys and values through ``mx.quantized_matmul`` with the queries in
+their dtype (never dequantizing the cache; float16 kinds are cast to the query dtype), takes
+different bits for keys and values and attention sinks, and never scales the caller's
+``queries`` in place. It is also the production path wherever no kernel applies (a GPU with
+float16 KV, a mask agentkv did not make, other bit widths).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 
+from ..format.quant import FLOAT_BITS, KVQuant
 from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
 
 
@@ -16,17 +25,9 @@ def _pad_rows(x: mx.array, before: int, after: int) -> mx.array:
 
 
 def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-    """Each row's blocks gathered (``mx.take``) into a contiguous cache, then the
-    ``mx.quantized_matmul`` attention of ``kv/attention.py``."""
-    from ..kv.attention import channel_keys_as_float, quantized_attention
-    from ..kv.quant import V1, V2, KVQuant
-
-    quant = KVQuant(paged.key_bits, paged.value_bits, paged.group, **V1)
-    if paged.channel_tokens:
-        quant = KVQuant(
-            paged.key_bits, paged.value_bits, paged.group, **V2,
-            channel_tokens=paged.channel_tokens,
-        )  # fmt: skip
+    """Each row's blocks gathered (``mx.take``) into a contiguous cache, then
+    ``quantized_attention``."""
+    quant = paged.quant()
     B, _, L, _ = queries.shape
     heads, block = paged.kv_heads, paged.block_tokens
     outs = []
@@ -84,3 +85,80 @@ def extract_rows(batch: Sequence[mx.array], rows: Sequence[ExtractRow]) -> list[
         )
         for r in rows
     ]
+
+
+def channel_keys_as_float(keys: tuple, tail: mx.array, quant: KVQuant, left_padding):
+    """Format-2 keys of a contiguous cache as float16 (the reference path): complete groups
+    dequantized, the filling one from the tail. Returns (keys, the format to read them as)."""
+    if left_padding is not None:
+        raise NotImplementedError(
+            "KV format 2 in a left-padded batch runs on the CPU fused kernel only, so far"
+        )
+    ct = quant.channel_tokens
+    held = keys[0].shape[2]
+    full = held // ct * ct
+    parts = [quant.dequantize_keys(tuple(x[..., :full, :] for x in keys))] if full else []
+    if held > full:
+        parts.append(tail[..., : held - full, :].astype(mx.float32))
+    floats = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    return (floats.astype(mx.float16),), replace(quant, key_bits=FLOAT_BITS, key_scheme="token")
+
+
+def _scores(q: mx.array, keys: tuple, bits: int, group_size: int) -> mx.array:
+    if bits == FLOAT_BITS:
+        return q @ keys[0].astype(q.dtype).swapaxes(-1, -2)
+    return mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
+
+
+def _weighted(p: mx.array, values: tuple, bits: int, group_size: int) -> mx.array:
+    if bits == FLOAT_BITS:
+        return p @ values[0].astype(p.dtype)
+    return mx.quantized_matmul(p, *values, transpose=False, group_size=group_size, bits=bits)
+
+
+def causal_mask(q_len: int, k_len: int) -> mx.array:
+    """Boolean [q_len, k_len]: the queries are the last ``q_len`` of ``k_len`` positions."""
+    q_idx = mx.arange(k_len - q_len, k_len)
+    return q_idx[:, None] >= mx.arange(k_len)[None]
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: tuple,
+    values: tuple,
+    *,
+    scale: float,
+    mask,
+    quant: KVQuant,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """Scaled dot-product attention of ``queries`` [B, Hq, L, D] over stored keys/values."""
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = keys[0].shape[1]
+    repeats = n_q_heads // n_kv_heads
+    q = queries * scale
+    if repeats > 1:
+        q = q.reshape(B, n_kv_heads, repeats, L, D)
+        keys = tuple(mx.expand_dims(x, 2) for x in keys)
+        values = tuple(mx.expand_dims(x, 2) for x in values)
+
+    scores = _scores(q, keys, quant.key_bits, quant.group_size)
+    if mask is not None:
+        if isinstance(mask, str):
+            mask = causal_mask(scores.shape[-2], scores.shape[-1])
+        if repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        sink = sinks.astype(scores.dtype).reshape(scores.shape[1:-2] if repeats > 1 else (-1,))
+        sink = mx.broadcast_to(sink.reshape(*sink.shape, 1, 1), (*scores.shape[:-1], 1))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    out = _weighted(probs, values, quant.value_bits, quant.group_size)
+    if repeats > 1:
+        out = out.reshape(B, n_q_heads, L, -1)
+    return out

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
+
+from ..format.quant import V1, V2, KVQuant
 
 
 class PagedQuery(NamedTuple):
@@ -29,6 +32,10 @@ class PagedQuery(NamedTuple):
     tail: mx.array | None = None
     tail_slots: mx.array | None = None
 
+    def quant(self) -> KVQuant:
+        """The KV format these arenas hold."""
+        return _paged_quant(self.key_bits, self.value_bits, self.group, self.channel_tokens)
+
     def dims(self, queries: mx.array) -> tuple[int, ...]:
         """The kernel's dims, in the order paged_attention.metal reads them."""
         B, q_heads, L, dim = queries.shape
@@ -49,6 +56,13 @@ class PagedQuery(NamedTuple):
             int(self.sinks is not None),
             self.channel_tokens,
         )
+
+
+@lru_cache(maxsize=64)
+def _paged_quant(key_bits: int, value_bits: int, group: int, channel_tokens: int) -> KVQuant:
+    if channel_tokens:
+        return KVQuant(key_bits, value_bits, group, **V2, channel_tokens=channel_tokens)
+    return KVQuant(key_bits, value_bits, group, **V1)
 
 
 class RowSource(NamedTuple):

@@ -27,11 +27,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import kernels
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant, hadamard
 from ..kernels import RowSource
-from .attention import cache_attention, remember_mask
-from .base import CacheBase
-from .blocks import BLOCK_TOKENS
-from .quant import V1, KVQuant, hadamard
+from ..kernels.attention import CacheBase, cache_attention
+from ..kernels.masks import remember_mask
+from .state import CacheState
 
 
 def _stack_tails(parts: list[tuple[mx.array | None, int]]) -> mx.array | None:
@@ -119,8 +120,9 @@ class BatchQuantizedKVCache(CacheBase):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         q = self.quant
+        keys, values = q.rotated(keys), q.rotated(values)  # attention reads H k, H v
         if q.channel_keys:
-            return self._update_channels(q.rotated(keys), q.rotated(values))
+            return self._update_channels(keys, values)
         n = keys.shape[2]
         q_keys = self.quant.quantize(keys, self.quant.key_bits)
         q_values = self.quant.quantize(values, self.quant.value_bits)
@@ -235,7 +237,7 @@ class BatchQuantizedKVCache(CacheBase):
     def _rows_alone(self, queries, *, scale, sinks):
         """A right-padded prompt: each row's own queries over its own rows, as its cache
         alone computes them; the padding's queries get zeros (mlx-lm drops them)."""
-        from mlx_lm.models.base import create_causal_mask
+        from ..mlx_adapter import create_causal_mask
 
         n = queries.shape[2]
         pads = self.left_padding.tolist()
@@ -268,7 +270,7 @@ class BatchQuantizedKVCache(CacheBase):
         return mx.concatenate(outs)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
-        from mlx_lm.models.base import create_causal_mask
+        from ..mlx_adapter import create_causal_mask
 
         window = window_size or self.window
         mask = create_causal_mask(
@@ -294,7 +296,7 @@ class BatchQuantizedKVCache(CacheBase):
         """After a right-padded prompt: roll each row so its padding is on the left."""
         if self._right_padding is None:
             return
-        from mlx_lm.models.cache import dynamic_roll
+        from ..mlx_adapter import dynamic_roll
 
         padding = self._right_padding
         self._set(
@@ -384,38 +386,23 @@ class BatchQuantizedKVCache(CacheBase):
         return sum(x.nbytes for x in self.components)
 
     @property
-    def state(self):
+    def state(self) -> CacheState:
         keys, values = self.keys_and_values() if self.keys is not None else (None, None)
-        q = self.quant
-        state = (
-            keys,
-            values,
-            self.offset,
-            self.left_padding,
-            self._idx,
-            self.window or 0,
-            q.key_bits,
-            q.value_bits,
-            q.group_size,
-        )
-        if not q.channel_keys:
-            return state
-        return (*state, q.channel_tokens, int(q.rotate), self.tails)
+        return CacheState.of(
+            keys, values, self.offset, self.quant, window=self.window,
+            tail=self.tails, left_padding=self.left_padding, idx=self._idx,
+        )  # fmt: skip
 
     @state.setter
     def state(self, v):
-        keys, values, self.offset, self.left_padding, self._idx, window, *fmt = v
-        self.tails = None
-        if len(fmt) > 3:  # per-channel keys: channel tokens, rotation, tails
-            ct, rotate, self.tails = fmt[3:6]
-            extra = {"key_scheme": "channel", "rotate": bool(int(rotate))}
-            extra["channel_tokens"] = int(ct)
-            self.quant = KVQuant(*(int(x) for x in fmt[:3]), **extra)
-        else:
-            self.quant = KVQuant(*(int(x) for x in fmt), **V1)
-        self.window = window or None
-        self.keys = tuple(keys) if keys is not None else None
-        self.values = tuple(values) if values is not None else None
+        state = CacheState.from_batch_sequence(v)
+        self.quant = state.quant()
+        self.offset, self.left_padding, self._idx = state.offset, state.left_padding, state.idx
+        self._idx = int(self._idx)
+        self.window = int(state.window) or None
+        self.tails = state.tail if self.quant.channel_keys else None
+        self.keys = tuple(state.keys) if state.keys is not None else None
+        self.values = tuple(state.values) if state.values is not None else None
         self._right_padding = None
         self._prompt = None
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import cache_attention, remember_mask
-from .base import CacheBase
-from .blocks import BLOCK_TOKENS
-from .quant import V1, KVQuant, hadamard
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant, hadamard
+from ..kernels.attention import CacheBase, cache_attention
+from ..kernels.masks import remember_mask
+from .state import CacheState
 
 
 def _round_up(n: int, step: int = BLOCK_TOKENS) -> int:
@@ -119,8 +120,9 @@ class AgentKVCache(CacheBase):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store new keys/values [B, heads, n, dim]; return all stored ones."""
         q = self.quant
+        keys, values = q.rotated(keys), q.rotated(values)  # attention reads H k, H v
         if q.channel_keys:
-            return self._update_channels(q.rotated(keys), q.rotated(values))
+            return self._update_channels(keys, values)
         n = keys.shape[2]
         q_keys = q.quantize(keys, q.key_bits)
         q_values = q.quantize(values, q.value_bits)
@@ -172,8 +174,8 @@ class AgentKVCache(CacheBase):
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """The held keys and values as float32 [1, heads, held, dim], in the model's space
         (format 2: per-channel groups and the tail read, the rotation undone)."""
-        from .attention import channel_keys_as_float
-        from .quant import dequantize_tokens
+        from ..format.quant import dequantize_tokens
+        from ..kernels.reference import channel_keys_as_float
 
         q = self.quant
         keys, values = self.keys_and_values()
@@ -210,26 +212,6 @@ class AgentKVCache(CacheBase):
         if window is not None:
             mask = mask & (q_pos - k_pos < window)
         return remember_mask(mask, window)
-
-    def drop_before(self, token: int) -> None:
-        """Free the rows of tokens before ``token`` (a block boundary; sliding windows only)."""
-        if token <= self.start or self.keys is None:
-            return
-        if token % BLOCK_TOKENS or token > self.offset:
-            raise ValueError(
-                f"cannot drop to token {token} (start {self.start}, offset {self.offset})"
-            )
-        cut = token - self.start
-        capacity = max(_round_up(self.offset - token) + self.step, self.step)
-
-        def shift(x):
-            kept = mx.zeros((*x.shape[:2], capacity, x.shape[-1]), dtype=x.dtype)
-            kept[..., : self.offset - token, :] = x[..., cut : self.held, :]
-            return kept
-
-        self.keys = tuple(shift(x) for x in self.keys)
-        self.values = tuple(shift(x) for x in self.values)
-        self.start = token
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (never below ``start``); returns how many."""
@@ -274,44 +256,29 @@ class AgentKVCache(CacheBase):
         return BatchQuantizedKVCache.merge(caches)
 
     @property
-    def state(self):
-        """mlx-lm 0.32.2's convention: arrays and scalars in one tuple (see mlx_adapter).
-        Format 2 appends its scheme, rotation, channel tokens and the tail."""
+    def state(self) -> CacheState:
+        """mlx-lm's convention: arrays and scalars in one tuple, here a ``CacheState``.
+        Format 2 also keeps the tail's filled rows."""
         keys, values = self.keys_and_values() if self.keys is not None else (None, None)
         q = self.quant
-        state = (
-            keys,
-            values,
-            self.offset,
-            self.start,
-            self.window or 0,
-            q.key_bits,
-            q.value_bits,
-            q.group_size,
-        )
-        if q.version == 1:
-            return state
         tail = None
         if self.tail is not None:
             tail = self.tail[..., : self.offset % q.channel_tokens, :]
-        return (*state, q.key_scheme, int(q.rotate), q.channel_tokens, tail)
+        return CacheState.of(
+            keys, values, self.offset, q, window=self.window, start=self.start, tail=tail
+        )
 
     @state.setter
     def state(self, v):
-        keys, values, self.offset, self.start, window, *fmt = v
-        key_bits, value_bits, group = fmt[:3]
-        extra = dict(V1)
-        if len(fmt) > 3:  # format 2
-            scheme, rotate, channel_tokens = fmt[3:6]
-            extra = {"key_scheme": scheme, "rotate": bool(int(rotate))}
-            extra["channel_tokens"] = int(channel_tokens)
-        self.quant = KVQuant(int(key_bits), int(value_bits), int(group), **extra)
-        self.window = window or None
-        self.keys = tuple(keys) if keys is not None else None
-        self.values = tuple(values) if values is not None else None
+        state = CacheState.from_sequence(v)
+        self.quant = state.quant()
+        self.offset, self.start = int(state.offset), int(state.start)
+        self.window = int(state.window) or None
+        self.keys = tuple(state.keys) if state.keys is not None else None
+        self.values = tuple(state.values) if state.values is not None else None
         self.tail = None
         if self.quant.channel_keys and self.keys is not None:
-            self._set_tail(fmt[6], self.keys[0].shape[1], self.quant)
+            self._set_tail(state.tail, self.keys[0].shape[1], self.quant)
 
     @classmethod
     def from_state(cls, state) -> AgentKVCache:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .. import mlx_adapter
 from ..errors import ModelImportError
-from ..mlx_adapter import install_attention_dispatch, make_batch_invariant
+from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
 from .gguf import import_gguf, read_import_info
-from .spec import ModelCacheSpec
 
 EMBEDDED_NAME = embedded.NAME
 
@@ -149,29 +149,25 @@ def _prepare_for_cpu(model) -> None:
     from mlx.utils import tree_flatten
 
     if any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters())):
-        from mlx_lm.utils import dequantize_model
-
-        dequantize_model(model)
+        mlx_adapter.dequantize_model(model)
     model.set_dtype(mx.float32)
 
 
 def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
     """Load a model and tokenizer through mlx-lm and describe its KV cache."""
     target, name = resolve_model(model)
-    from mlx_lm import load
-
     try:
-        mlx_model, tokenizer = load(target)
+        mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
         raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
     if mx.default_device() == mx.cpu:
         _prepare_for_cpu(mlx_model)
-        make_batch_invariant(mlx_model)
-    install_attention_dispatch()
+        mlx_adapter.make_batch_invariant(mlx_model)
+    mlx_adapter.install_attention_dispatch()
     path = Path(target)
     weights_id = weights_identity(path) if path.exists() else f"hub:{target}"
     config = json.loads((path / "config.json").read_text()) if path.exists() else {}
-    spec = ModelCacheSpec.from_model(
+    spec = mlx_adapter.cache_spec_of(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
     )
     check_attention(mlx_model, spec)
@@ -184,9 +180,9 @@ def check_attention(model, spec: ModelCacheSpec) -> None:
     attend through mlx-lm's ``scaled_dot_product_attention`` (agentkv's dispatch) with a
     mask its cache made. A model that computes attention itself (gemma2's soft-capped
     scores) or builds its own masks is refused here, at load, by name."""
-    from ..kv.attention import NOT_OURS, mask_window
+    from ..format.quant import KVQuant
+    from ..kernels.masks import NOT_OURS, mask_window
     from ..kv.cache import AgentKVCache
-    from ..kv.quant import KVQuant
 
     class Probe(AgentKVCache):
         calls = 0

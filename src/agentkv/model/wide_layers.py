@@ -32,9 +32,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..kv.quant import KVQuant, dequantize_channels, quantize_channels
+from ..format.quant import KVQuant, dequantize_channels, quantize_channels
+from ..format.spec import ModelCacheSpec
 from ..paths import agentkv_home, atomic_write_text, secure_mkdir
-from .spec import ModelCacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +148,9 @@ def calibration_text() -> str:
 
 def layer_errors(model, tokenizer, quant: KVQuant) -> list[float]:
     """Every layer's attention-output error with ``quant``'s keys (module docstring)."""
-    from mlx_lm.models.cache import KVCache
+    from ..mlx_adapter import cache_class, install_attention_dispatch
 
-    from ..mlx_adapter import install_attention_dispatch
+    KVCache = cache_class("KVCache")
 
     layers = _layer_list(model)
     projections = [getattr(getattr(layer, "self_attn", None), "o_proj", None) for layer in layers]

@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
-from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import KVQuant
-from ..model.spec import LayerKind, ModelCacheSpec
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant
+from ..format.spec import LayerKind, ModelCacheSpec
 from .arena import KVArena
 from .blocks import BlockPool, BlockRecord, BlockState, PoolExhaustedError, Reservation
 from .hashing import chain_seed

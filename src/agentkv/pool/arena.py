@@ -34,9 +34,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import _ext
-from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import KVQuant, native_layout
-from ..model.spec import LayerKind, ModelCacheSpec
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant, native_layout
+from ..format.spec import LayerKind, ModelCacheSpec
 from .blocks import PoolExhaustedError
 
 IO_THREADS = 2

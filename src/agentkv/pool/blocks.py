@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import AgentKVError
-from ..kv.blocks import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS
 from .hashing import block_hash
 
 

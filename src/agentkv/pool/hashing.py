@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..kv.blocks import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS
 
 DOMAIN = b"agentkv/block/v1"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..kv.blocks import BLOCK_TOKENS, GROUP_TOKENS
+from ..format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 from .hashing import chain
 
 

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..kv.attention import NOT_OURS, mask_window, paged_attention, remember_mask
-from ..kv.base import CacheBase
-from ..kv.blocks import BLOCK_TOKENS, blocks_for
-from ..kv.quant import KVQuant, hadamard
-from ..model.spec import ModelCacheSpec
+from ..format.geometry import BLOCK_TOKENS, blocks_for
+from ..format.quant import KVQuant, hadamard
+from ..format.spec import ModelCacheSpec
+from ..kernels import PagedQuery
+from ..kernels.attention import CacheBase, paged_attention
+from ..kernels.masks import NOT_OURS, mask_window, remember_mask
 from .arena import KVArena, WritePlan
 from .tables import BlockTable
 
@@ -91,23 +92,27 @@ class PagedLayerCache(CacheBase):
                 "this model builds its own attention mask; agentkv's paged cache masks "
                 "causally (with the layer's sliding window) and cannot honour it"
             )
-        step = self.step
-        rotate = self.quant.rotate
-        out = paged_attention(
-            hadamard(queries) if rotate else queries,  # q.(H k) == (H q).(H k)
-            keys,
-            values,
+        step, quant = self.step, self.quant
+        channel = step.arena.ct > 0
+        paged = PagedQuery(
+            keys=tuple(keys),
+            values=tuple(values),
             tables=step.tables,
             lengths=step.lengths,
             kv_heads=step.arena.heads,
             block_tokens=BLOCK_TOKENS,
-            scale=scale,
-            quant=self.quant,
-            window=self.window,
+            key_bits=quant.key_bits,
+            value_bits=quant.value_bits,
+            group=quant.group_size,
+            window=self.window or 0,
             sinks=sinks,
-            tail=step.arena.tails[self.layer] if step.arena.ct else None,
-            tail_slots=step.plan.tail_slots if step.arena.ct else None,
+            channel_tokens=quant.channel_tokens if quant.channel_keys else 0,
+            tail=step.arena.tails[self.layer] if channel else None,
+            tail_slots=step.plan.tail_slots if channel else None,
         )
+        rotate = quant.rotate
+        q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
+        out = paged_attention(q, paged, scale=scale)
         return hadamard(out) if rotate else out  # values are stored as H v
 
     def empty(self) -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..kv.blocks import BLOCK_TOKENS, blocks_for
+from ..format.geometry import BLOCK_TOKENS, blocks_for
 from .blocks import BlockPool, PoolExhaustedError, Reservation
 
 CopyRows = Callable[[int, int, int], None]  # (src block, dst block, tokens)

@@ -6,7 +6,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engine.results import ChatResult
-from ..kv.attention import paths_used
+from ..kernels.attention import paths_used
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

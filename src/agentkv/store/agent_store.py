@@ -31,10 +31,10 @@ from .. import _ext
 from .._faults import crash_point
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError, InvalidRequestError
-from ..kv.blocks import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant, native_layout
+from ..format.spec import LayerKind, ModelCacheSpec
 from ..kv.cache import AgentKVCache, window_start
-from ..kv.quant import KVQuant, native_layout
-from ..model.spec import LayerKind, ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
 from .blocks import SharedBlocks
 from .format import (

@@ -27,9 +27,9 @@ import numpy as np
 
 from .._faults import crash_point
 from ..errors import CacheFormatError
-from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import KVQuant
-from ..model.spec import ModelCacheSpec
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import KVQuant
+from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_text, fsync_dir, secure_mkdir
 from .format import (
     BLOCK_FILE_RE,

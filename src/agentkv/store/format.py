@@ -40,8 +40,8 @@ import numpy as np
 
 from .. import _ext
 from ..errors import CacheFormatError, InvalidRequestError
-from ..kv.blocks import BLOCK_TOKENS
-from ..kv.quant import Component, KVQuant
+from ..format.geometry import BLOCK_TOKENS
+from ..format.quant import Component, KVQuant
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)

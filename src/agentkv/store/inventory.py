@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import _ext
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError
-from ..kv.quant import native_layout
+from ..format.quant import native_layout
 from .blocks import collect_block_files
 from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest, is_shared_file
 

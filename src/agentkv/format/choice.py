@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import InvalidRequestError
-from ..kv.quant import V1, V2, KVQuant
+from .quant import V1, V2, KVQuant
 from .spec import ModelCacheSpec
 
 # The default first (the format agentkv is measured in); then the smaller group, which

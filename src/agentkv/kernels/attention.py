@@ -1,0 +1,144 @@
+"""Attention over agentkv caches: the one dispatch, and the protocol caches speak.
+
+Three caches speak ``CacheBase`` (mlx-lm's model code drives them; ``mlx_adapter``'s
+attention dispatch hands attention to their ``agentkv_attention``):
+
+* ``AgentKVCache`` — one agent's layer, contiguous (the mlx-lm drop-in; prompt-cache files);
+* ``BatchQuantizedKVCache`` — several of those as one left-padded batch (``BatchGenerator``);
+* ``PagedLayerCache`` — one layer of a forward pass over the block pool (the engine).
+
+Each call takes one of three paths, counted by ``paths_used``:
+
+* ``fused_cpu`` — on CPU, the extension's fused kernels (``kernels/cpu.py``,
+  csrc/core/attention*): keys and values dequantized 64 tokens at a time in L1, every query's
+  result in one fixed order whether it runs alone or in a batch. They recompute the mask from
+  the cache, so they run only for masks an agentkv cache made (``kernels/masks.py``).
+* ``gpu_kernel`` — on Metal and CUDA, the shared body ``kernels/paged_attention.metal``
+  (``kernels/gpu.py``), for the block pool's quantized KV.
+* ``quantized_matmul`` — everywhere else, the pure-MLX reference (``kernels/reference.py``).
+  ``AGENTKV_ATTENTION=reference`` forces it.
+
+Format 2 (per-channel keys) also reads each row's float16 tail, its filling group; rotation
+is the caller's (queries in, output out, both in the stored space).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import mlx.core as mx
+
+from ..format.quant import FLOAT_BITS, KVQuant
+from . import backend, cpu, gpu, reference
+from .masks import NOT_OURS, mask_window
+from .types import PagedQuery
+
+FUSED_BITS = (2, 4, 8, 16)
+ENV = "AGENTKV_ATTENTION"  # "reference" forces the mx.quantized_matmul path
+FUSED, KERNEL, REFERENCE = "fused_cpu", "gpu_kernel", "quantized_matmul"
+_PATHS = {FUSED: 0, KERNEL: 0, REFERENCE: 0}
+
+
+class CacheBase:
+    """What every agentkv cache is, for mlx-lm's model code and agentkv's attention.
+
+    mlx-lm's models drive a cache through ``offset``, ``update_and_fetch`` and
+    ``make_mask``; the attention dispatch then calls ``agentkv_attention``.
+    """
+
+    quant: KVQuant
+    window: int | None = None
+    trimmable: ClassVar[bool] = True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store new keys and values [B, kv_heads, L, dim]; what attention will read."""
+        raise NotImplementedError
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        raise NotImplementedError
+
+    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None) -> mx.array:
+        """Attention of ``queries`` over this cache (called by mlx-lm's model code through
+        the dispatch ``mlx_adapter`` installs)."""
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable
+
+
+def paths_used() -> dict[str, int]:
+    """How many attention calls over agentkv caches took each path, in this process."""
+    return dict(_PATHS)
+
+
+def fused_takes(quant: KVQuant, queries: mx.array) -> bool:
+    """Whether the fused CPU kernels take attention of ``queries`` over ``quant``'s KV."""
+    return (
+        os.environ.get(ENV) != "reference"
+        and mx.default_device() == mx.cpu
+        and queries.dtype == mx.float32
+        and quant.key_bits in FUSED_BITS
+        and quant.value_bits in FUSED_BITS
+        and queries.shape[-1] % 8 == 0
+        and queries.shape[-1] <= 256
+    )
+
+
+def fused_available(quant: KVQuant, queries: mx.array, mask) -> bool:
+    """``fused_takes``, for a contiguous cache whose ``mask`` an agentkv cache made."""
+    return fused_takes(quant, queries) and mask_window(mask, queries.shape[-2]) != NOT_OURS
+
+
+def cache_attention(
+    queries,
+    keys,
+    values,
+    *,
+    scale,
+    mask,
+    quant: KVQuant,
+    sinks=None,
+    left_padding: mx.array | None = None,
+    tail: mx.array | None = None,
+) -> mx.array:
+    """Attention over a contiguous agentkv cache (one agent, or a left-padded batch).
+
+    ``mask`` must come from the cache's ``make_mask`` (or be None/"causal") for the fused
+    kernel, which recomputes it from the window recorded with it. Format 2 also reads
+    ``tail`` [B, heads, ct, dim], each row's filling group.
+    """
+    if quant.channel_keys and not fused_available(quant, queries, mask):
+        keys, quant = reference.channel_keys_as_float(keys, tail, quant, left_padding)
+    if fused_available(quant, queries, mask):
+        _PATHS[FUSED] += 1
+        window = mask_window(mask, queries.shape[-2])
+        return cpu.fused_cache_attention(
+            queries, keys, values, scale=scale, quant=quant, window=window,
+            left_padding=left_padding, sinks=sinks, tail=tail,
+        )  # fmt: skip
+    _PATHS[REFERENCE] += 1
+    return reference.quantized_attention(
+        queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks
+    )
+
+
+def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    """Attention of a jagged batch over the pool's arenas, read through block tables.
+
+    Row ``b`` holds ``paged.lengths[b]`` tokens in blocks ``paged.tables[b]``; its ``L``
+    queries are its last ``L`` tokens and see keys from 0 (or their sliding window's start)
+    to themselves. The paths agree within float rounding (tests/kernels).
+    """
+    if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
+        raise ValueError("per-channel keys need their tails and tail slots")
+    quant = paged.quant()
+    if fused_takes(quant, queries):
+        _PATHS[FUSED] += 1
+        return cpu.fused_paged_attention(queries, paged, scale=scale)
+    quantized = FLOAT_BITS not in (quant.key_bits, quant.value_bits)
+    if quantized and os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
+        _PATHS[KERNEL] += 1
+        return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
+    _PATHS[REFERENCE] += 1
+    return reference.paged_attention(queries, paged, scale=scale)
