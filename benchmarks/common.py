@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -48,6 +49,13 @@ def machine() -> dict:
 
 def median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1000, 3)
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """The nearest-rank percentile of ascending ``sorted_values``: the smallest value with
+    at least ``pct`` percent of the values at or below it."""
+    rank = math.ceil(pct / 100 * len(sorted_values))
+    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
 
 
 def timed(fn) -> tuple[float, object]:

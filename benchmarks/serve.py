@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from .common import machine, progress
+from .common import machine, percentile, progress
 from .server_process import ServerProcess
 
 MODEL_ROUTE = "/v1/chat/completions"
@@ -252,7 +252,7 @@ def load(tmp: Path, clients: int, turns: int, max_tokens: int) -> dict:
         "requests_per_s": round(len(flat) / serving_s, 3),
         "tokens_per_s": round(tokens / serving_s, 2),
         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
-        "ttft_p99_ms": round(_percentile(ttfts, 99) * 1000, 1) if ttfts else None,
+        "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 1) if ttfts else None,
         "serving_s": round(serving_s, 1),
         "restart_s": round(restart_s, 1),
         "post_restart_first_turn": outcomes,
@@ -382,11 +382,6 @@ def _valid_json(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _percentile(sorted_values: list[float], pct: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * len(sorted_values)) - 1))
-    return sorted_values[index]
 
 
 def run(
