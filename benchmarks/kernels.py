@@ -10,6 +10,12 @@ group 64, random bits. For B agents with lengths spread over 512-4096 tokens:
 
 ``bytes`` counts bytes read plus bytes written; ``memcpy_gbps`` is this machine's
 copy bandwidth measured in the same run. Medians of ``repeats``.
+
+* attention: one decode step of one layer (9 query heads over 3 KV heads, as the embedded
+  model) over the block pool, B agents of ``context`` tokens each, KV format 1 and 2 at 4 bits:
+  the fused CPU kernel production runs (csrc/core/attention*) vs the shared body
+  kernels/paged_attention.metal compiled for CPU (what Metal and CUDA run) vs the pure-MLX
+  reference; ``kv_gbps`` is KV bytes read per second by the fused kernel.
 """
 
 from __future__ import annotations
@@ -69,8 +75,75 @@ def run(batches=(2, 4, 8), repeats: int = 5, as_json: bool = False) -> list[dict
     for batch, lengths in cases:
         progress(f"kernels: {batch} agents, {lengths[0]}-{lengths[-1]} tokens")
         rows += _case(comps, batch, lengths, repeats, copy_bw)
+    for version in (1, 2):
+        for batch, context in ((1, 1024), (1, 4096), (4, 4096)):
+            progress(f"kernels: attention, format {version}, {batch} x {context} tokens")
+            rows.append(_attention_case(version, batch, context, repeats, copy_bw))
     emit("kernels", rows, as_json)
     return rows
+
+
+def _attention_case(version: int, batch: int, context: int, repeats: int, copy_bw: float):
+    import mlx.core as mx
+
+    from agentkv import kernels
+    from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
+    from agentkv.format.quant import V1, V2, KVQuant
+    from agentkv.kernels import cpu, reference
+
+    quant = KVQuant(4, 4, 64, **(V1 if version == 1 else V2))
+    rng = np.random.default_rng(version * 100 + batch)
+    per_row = blocks_for(context)
+    rows_total = batch * per_row * HEADS * BLOCK_TOKENS
+
+    def component(c):
+        shape = (rows_total, c.width)
+        if c.dtype == "uint32":
+            return mx.array(rng.integers(0, 2**32, shape, dtype=np.uint32))
+        return mx.array(rng.uniform(-0.05, 0.05, shape).astype(np.float16))
+
+    comps = quant.components(HEADS, DIM, DIM)
+    arrays = tuple(component(c) for c in comps)
+    keys, values = arrays[: quant.key_parts], arrays[quant.key_parts :]
+    tables = mx.array(np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row))
+    ct = quant.channel_tokens if quant.channel_keys else 0
+    tail = tail_slots = None
+    if ct:
+        tail = mx.array(rng.standard_normal((batch * HEADS * ct, DIM)).astype(np.float16))
+        tail_slots = mx.arange(batch, dtype=mx.int32)
+    paged = kernels.PagedQuery(
+        keys, values, tables, mx.full((batch,), context, mx.int32), HEADS, BLOCK_TOKENS,
+        4, 4, 64, 0, None, ct, tail, tail_slots,
+    )  # fmt: skip
+    q = mx.array(rng.standard_normal((batch, 3 * HEADS, 1, DIM)).astype(np.float32))
+    mx.eval(arrays, q)
+
+    def run(fn):
+        return lambda: mx.eval(fn(q, paged, scale=0.125))
+
+    arms = {
+        "fused": run(cpu.fused_paged_attention),
+        "body": run(cpu.paged_attention),
+        "reference": run(reference.paged_attention),
+    }
+    times = {name: [] for name in arms}
+    for _ in range(repeats):  # in rotation
+        for name, fn in arms.items():
+            times[name].append(timed(fn)[0])
+    kv_bytes = batch * context * HEADS * sum(c.row_bytes for c in comps)
+    fused_s = float(np.median(times["fused"]))
+    return {
+        "op": "attention",
+        "kv_format": quant.label,
+        "agents": batch,
+        "context": context,
+        "fused_ms": median_ms(times["fused"]),
+        "shared_body_ms": median_ms(times["body"]),
+        "reference_ms": median_ms(times["reference"]),
+        "body_over_fused": round(float(np.median(times["body"])) / fused_s, 2),
+        "kv_gbps": round(kv_bytes / fused_s / 1e9, 2),
+        "memcpy_gbps": round(copy_bw, 2),
+    }
 
 
 def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -> list[dict]:

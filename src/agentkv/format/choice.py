@@ -33,7 +33,7 @@ def choose_kv_quant(
     key_bits: int,
     value_bits: int,
     group_size: int | None,
-    kv_format: int = 1,
+    kv_format: int = 2,
 ) -> KVQuant:
     """The KV format for ``spec``'s model: ``group_size`` if given (refused with the head
     dim named if it does not fit), else the first of ``AUTO_GROUP_SIZES`` that fits.
