@@ -2,12 +2,16 @@
 
 Directories are created 0700 and files 0600: KV caches hold the text of every
 conversation. Writes that matter go to a temporary file in the same directory,
-are fsynced, atomically renamed over the target, and the directory is fsynced.
+are fsynced, atomically renamed over the target, and the directory is fsynced:
+``atomic_target`` is the one place that does it (``atomic_write_bytes`` /
+``atomic_write_text`` for bytes in hand).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ._faults import crash_point
@@ -58,26 +62,56 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one."""
+@contextmanager
+def atomic_target(
+    path: Path, *, label: str | None = None, suffix: str = ".tmp", sync_dir: bool = True
+) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; what the ``with`` block writes there becomes
+    ``path`` so that a crash leaves the old file or the new one, never a mix: the file is
+    fsynced, renamed over ``path`` (``os.replace``) and the directory fsynced (unless
+    ``sync_dir`` is false: the caller syncs it, once for many files). If the block raises,
+    the temporary file is removed and ``path`` is untouched.
+
+    Fault points (``_faults``), named by ``label`` (default: the file name):
+    ``<label>-written`` (fsynced, not renamed) and ``<label>-renamed`` (renamed, the
+    directory not synced)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    label = label or path.name
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        crash_point(f"{label}-written")
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
-    crash_point(f"before-replace:{path.name}")
-    os.replace(tmp, path)
-    crash_point(f"after-replace:{path.name}")
-    fsync_dir(path.parent)
+    crash_point(f"{label}-renamed")
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def atomic_write_bytes(
+    path: Path, *parts: bytes | memoryview, label: str | None = None, sync_dir: bool = True
+) -> None:
+    """Write ``parts`` back to back as ``path`` through ``atomic_target`` (mode 0600); the
+    fault point ``<label>-part-written`` follows each part."""
+    path = Path(path)
+    label = label or path.name
+    with atomic_target(path, label=label, sync_dir=sync_dir) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+                crash_point(f"{label}-part-written")
+        finally:
+            os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

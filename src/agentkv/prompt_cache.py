@@ -30,7 +30,7 @@ from .errors import CacheFormatError, InvalidRequestError
 from .format.geometry import BLOCK_TOKENS
 from .kv.batch import BatchQuantizedKVCache
 from .kv.cache import AgentKVCache
-from .paths import fsync_dir
+from .paths import atomic_target
 from .store.format import read_header
 
 LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -91,19 +91,8 @@ def make_prompt_cache(loaded, quant=None) -> list:
 def save_prompt_cache(file_name, cache: list, metadata: dict[str, str] | None = None) -> None:
     """Save a prompt cache in mlx-lm's format (crash-safe: temp file, fsync, rename)."""
     caches = [to_mlx_lm_cache(c) for c in cache]
-    target = _target(file_name)
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}.tmp.safetensors")
-    try:
+    with atomic_target(_target(file_name), suffix=".tmp.safetensors") as tmp:
         mlx_adapter.save_prompt_cache(str(tmp), caches, metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(target.parent)
 
 
 def load_prompt_cache(file_name, return_metadata: bool = False):

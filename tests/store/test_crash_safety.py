@@ -42,8 +42,8 @@ CRASH_POINTS = [
     ("block-renamed", "old"),  # the block file in place, no manifest names it yet
     ("segment-part-written", "old"),  # the new segment half written, not renamed
     ("segment-renamed", "old"),  # the segment in place, its directory entry not synced
-    ("before-replace:manifest.safetensors", "old"),  # the new manifest written, not switched
-    ("after-replace:manifest.safetensors", "new"),  # switched, the directory not synced
+    ("manifest-written", "old"),  # the new manifest written, not switched
+    ("manifest-renamed", "new"),  # switched, the directory not synced
     ("manifest-switched", "new"),  # switched and synced, old segments still there
     ("garbage-removed", "new"),  # killed between deleting two dead segments
 ]

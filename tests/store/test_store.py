@@ -1,5 +1,5 @@
-"""AgentStore on real files: format version 2 (shared block files + private tails),
-incremental saves, loading into the pool, version-1 files, validation, quarantine."""
+"""AgentStore on real files: store version 2 (shared block files + private tails),
+incremental saves, loading into the pool, store-version-1 files, validation, quarantine."""
 
 import dataclasses
 import json
@@ -151,7 +151,7 @@ def test_block_files_are_collected_only_when_no_manifest_names_them(store, pool)
         assert np.array_equal(w, g)
 
 
-def test_version_1_manifests_still_load(store, pool):
+def test_store_version_1_manifests_still_load(store, pool):
     """A state written before shared blocks existed: every block in the agent's segment."""
     table = fill_table(pool, 600)
     job = build_save_job(
@@ -181,7 +181,7 @@ def test_version_1_manifests_still_load(store, pool):
     meta["agentkv_crc32c"] = str(_ext.crc32c(meta["agentkv"].encode()))
     path.write_bytes(st_save(load(data), metadata=meta))
     manifest, _ = store.read_manifest("old")
-    assert manifest.version == 1 and all(b.hash is None for b in manifest.blocks)
+    assert manifest.store_version == 1 and all(b.hash is None for b in manifest.blocks)
     for w, g in zip(table_arrays(pool, table), loaded_into_pool(store, "old", 600)):
         assert np.array_equal(w, g)
 
@@ -299,7 +299,7 @@ def test_a_block_record_naming_another_hash_is_rejected(store, pool):
         store.read_manifest("a1")
 
 
-def test_unknown_version_is_rejected(store, pool):
+def test_unknown_store_version_is_rejected(store, pool):
     from safetensors.numpy import load
     from safetensors.numpy import save as st_save
 
@@ -313,7 +313,7 @@ def test_unknown_version_is_rejected(store, pool):
     meta["agentkv"] = json.dumps(record)  # as a future agentkv would write it
     meta["agentkv_crc32c"] = str(_ext.crc32c(meta["agentkv"].encode()))
     path.write_bytes(st_save(load(data), metadata=meta))
-    with pytest.raises(CacheFormatError, match="unknown format version 99"):
+    with pytest.raises(CacheFormatError, match="unknown store version 99"):
         store.read_manifest("a1")
 
 

@@ -36,12 +36,12 @@ from ..format.quant import KVQuant, native_layout
 from ..format.spec import LayerKind, ModelCacheSpec
 from ..kv.cache import AgentKVCache, window_start
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
-from .blocks import SharedBlocks
+from .block_files import SharedBlocks
 from .format import (
     MANIFEST_NAME,
     SEGMENT_RE,
-    BlockRecord,
     Manifest,
+    ManifestBlock,
     SegmentRecord,
     block_file_name,
     decode_manifest,
@@ -116,12 +116,22 @@ class BlockSource(NamedTuple):
 
 
 @dataclass
+class WrittenPart:
+    """What one step of a save wrote: the manifest entries naming it, and the bytes it
+    added on disk (a block file already stored adds none)."""
+
+    blocks: list[ManifestBlock]
+    segments: dict[str, SegmentRecord]
+    bytes_written: int
+
+
+@dataclass
 class DurableState:
     """What the store knows is on disk for one agent."""
 
     signature: Signature = None
     generation: int = 0
-    blocks: list[BlockRecord] = field(default_factory=list)
+    blocks: list[ManifestBlock] = field(default_factory=list)
     segments: dict[str, SegmentRecord] = field(default_factory=dict)
 
 
@@ -341,104 +351,126 @@ class AgentStore:
         switch; the shared-blocks lock is held from the first block file to the switch.
         """
         started = time.perf_counter()
-        directory = self.agent_dir(job.agent_id)
-        path = directory / MANIFEST_NAME
+        sealed, private = _split_sealed(job.regions)
+        path = self.manifest_path(job.agent_id)
+        generation = durable.generation + 1
         with self.shared.writing(), self._locked(job.agent_id, exclusive=True):
-            if self._signature(path) != durable.signature:
-                raise StoreConflictError(
-                    f"{path} changed on disk since this process read it (another agentkv "
-                    "process is using this agent); not overwriting it"
-                )
-            base = durable.blocks[: job.keep]
-            if len(base) != job.keep:
-                raise StoreConflictError(f"{path}: blocks before {job.keep} are not durable")
-            if job.kept_hashes and tuple(b.hash for b in base) != job.kept_hashes:
-                raise StoreConflictError(
-                    f"{path}: the stored blocks before {job.keep} are not the ones this save "
-                    "builds on (an earlier save failed); the next save writes them all"
-                )
-            generation = durable.generation + 1
-            segments = {b.segment: durable.segments[b.segment] for b in base}
-            blocks = list(base)
+            blocks = self._kept_blocks(job, durable, path)
+            segments = {b.segment: durable.segments[b.segment] for b in blocks}
             written = 0
-            shared_names = []
-            private = []
-            for r in job.regions:
-                if r.hash is None:
-                    private.append(r)
-                    continue
-                if private:
-                    raise ValueError("only the trailing blocks of a save may be unsealed")
-                region = memoryview(job.packed)[r.offset : r.offset + r.length]
-                existed = (self.model_dir / block_file_name(r.hash)).exists()
-                stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
-                segments[stored.name] = SegmentRecord(stored.size, stored.header_crc)
-                blocks.append(
-                    BlockRecord(
-                        stored.name,
-                        stored.offset,
-                        stored.length,
-                        stored.checksum,
-                        r.tokens,
-                        r.hash.hex(),
-                    )
-                )
-                shared_names.append(stored.name)
-                written += 0 if existed else stored.size
-            self.shared.sync_dirs(shared_names)
-            if private:
-                name = segment_name(generation)
-                first = job.keep + len(job.regions) - len(private)
-                body = np.concatenate([job.packed[r.offset : r.offset + r.length] for r in private])
-                relative, at = [], 0
-                for r in private:
-                    relative.append((0, at, r.length, r.checksum, r.tokens))
-                    at += r.length
-                header, records = encode_segment_header(
-                    agent_id=job.agent_id,
-                    fingerprint=self.spec.fingerprint,
-                    generation=generation,
-                    components=self.spec.components(job.quant),
-                    first_block=first,
-                    packed=relative,
-                )
-                _write_durably(directory / name, header, body)
-                crash_point("segment-renamed")
-                fsync_dir(directory)
-                data_start = len(header)
-                segments[name] = SegmentRecord(data_start + body.nbytes, _ext.crc32c(header[8:]))
-                blocks += [
-                    BlockRecord(name, data_start + off, ln, crc, t)
-                    for _, off, ln, crc, t in records
-                ]
-                written += data_start + body.nbytes
-            manifest = Manifest(
-                agent_id=job.agent_id,
-                model_fingerprint=self.spec.fingerprint,
-                model_name=self.model_name,
-                geometry=self.spec.geometry(),
-                quant=job.quant,
-                generation=generation,
-                tokens=job.tokens,
-                spans=job.spans,
-                text=job.text,
-                blocks=blocks,
-                segments=segments,
-                messages=job.messages,
-                updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                chain_seed=job.chain_seed.hex(),
-                tail=job.tail,
-            )
-            data = encode_manifest(manifest)
-            atomic_write_bytes(path, data)
-            written += len(data)
-            crash_point("manifest-switched")
-            self._collect_garbage(directory, segments)
+            parts = (self._write_shared(job, sealed), self._write_segment(job, private, generation))
+            for part in parts:
+                blocks += part.blocks
+                segments |= part.segments
+                written += part.bytes_written
+            written += self._switch_manifest(job, generation, blocks, segments)
+            self._collect_garbage(path.parent, segments)
             new_state = DurableState(self._signature(path), generation, blocks, segments)
         report = SaveReport(
             job.agent_id, generation, written, len(job.regions), time.perf_counter() - started
         )
         return report, new_state
+
+    def _kept_blocks(self, job: SaveJob, durable: DurableState, path: Path) -> list[ManifestBlock]:
+        """The durable blocks the save keeps, once the disk is known to hold what the
+        engine believes it does (raises StoreConflictError if not)."""
+        if self._signature(path) != durable.signature:
+            raise StoreConflictError(
+                f"{path} changed on disk since this process read it (another agentkv "
+                "process is using this agent); not overwriting it"
+            )
+        base = durable.blocks[: job.keep]
+        if len(base) != job.keep:
+            raise StoreConflictError(f"{path}: blocks before {job.keep} are not durable")
+        if job.kept_hashes and tuple(b.hash for b in base) != job.kept_hashes:
+            raise StoreConflictError(
+                f"{path}: the stored blocks before {job.keep} are not the ones this save "
+                "builds on (an earlier save failed); the next save writes them all"
+            )
+        return list(base)
+
+    def _write_shared(self, job: SaveJob, regions: list[NewRegion]) -> WrittenPart:
+        """Complete blocks as shared block files (those not stored yet), their directories
+        fsynced."""
+        part = WrittenPart([], {}, 0)
+        for r in regions:
+            region = memoryview(job.packed)[r.offset : r.offset + r.length]
+            existed = (self.model_dir / block_file_name(r.hash)).exists()
+            stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
+            part.segments[stored.name] = SegmentRecord(stored.size, stored.header_crc)
+            part.blocks.append(
+                ManifestBlock(
+                    stored.name,
+                    stored.offset,
+                    stored.length,
+                    stored.checksum,
+                    r.tokens,
+                    r.hash.hex(),
+                )
+            )
+            part.bytes_written += 0 if existed else stored.size
+        self.shared.sync_dirs(part.segments)
+        return part
+
+    def _write_segment(
+        self, job: SaveJob, regions: list[NewRegion], generation: int
+    ) -> WrittenPart:
+        """The trailing unsealed blocks as a new private segment of the agent (fsynced, its
+        directory too); nothing if there are none."""
+        if not regions:
+            return WrittenPart([], {}, 0)
+        name = segment_name(generation)
+        body = np.concatenate([job.packed[r.offset : r.offset + r.length] for r in regions])
+        packed, at = [], 0
+        for r in regions:
+            packed.append((0, at, r.length, r.checksum, r.tokens))
+            at += r.length
+        header, records = encode_segment_header(
+            agent_id=job.agent_id,
+            fingerprint=self.spec.fingerprint,
+            generation=generation,
+            components=self.spec.components(job.quant),
+            first_block=job.keep + len(job.regions) - len(regions),
+            packed=packed,
+        )
+        path = self.agent_dir(job.agent_id) / name
+        atomic_write_bytes(path, header, body, label="segment")
+        data_start = len(header)
+        segment = SegmentRecord(data_start + body.nbytes, _ext.crc32c(header[8:]))
+        blocks = [
+            ManifestBlock(name, data_start + off, ln, crc, t) for _, off, ln, crc, t in records
+        ]
+        return WrittenPart(blocks, {name: segment}, segment.size)
+
+    def _switch_manifest(
+        self,
+        job: SaveJob,
+        generation: int,
+        blocks: list[ManifestBlock],
+        segments: dict[str, SegmentRecord],
+    ) -> int:
+        """Write the new manifest over the old one (the save's switch point); its size."""
+        manifest = Manifest(
+            agent_id=job.agent_id,
+            model_fingerprint=self.spec.fingerprint,
+            model_name=self.model_name,
+            geometry=self.spec.geometry(),
+            quant=job.quant,
+            generation=generation,
+            tokens=job.tokens,
+            spans=job.spans,
+            text=job.text,
+            blocks=blocks,
+            segments=segments,
+            messages=job.messages,
+            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            chain_seed=job.chain_seed.hex(),
+            tail=job.tail,
+        )
+        data = encode_manifest(manifest)
+        atomic_write_bytes(self.manifest_path(job.agent_id), data, label="manifest")
+        crash_point("manifest-switched")
+        return len(data)
 
     def collect_blocks(self) -> int:
         """Delete shared block files that no manifest names (agents' and quarantined ones);
@@ -504,7 +536,7 @@ class AgentStore:
                     shutil.copy2(source / name, target / name)
             fsync_dir(target)
             manifest.agent_id = dst
-            atomic_write_bytes(target / MANIFEST_NAME, encode_manifest(manifest))
+            atomic_write_bytes(target / MANIFEST_NAME, encode_manifest(manifest), label="manifest")
 
     def delete(self, agent_id: str) -> bool:
         directory = self.agent_dir(agent_id)
@@ -613,18 +645,9 @@ def _capacity(rows: int) -> int:
     return (rows + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS + BLOCK_TOKENS
 
 
-def _write_durably(path: Path, header: bytes, body: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        for chunk in (memoryview(header), memoryview(body).cast("B")):
-            while chunk:
-                chunk = chunk[os.write(fd, chunk) :]
-            crash_point("segment-part-written")
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
+def _split_sealed(regions: list[NewRegion]) -> tuple[list[NewRegion], list[NewRegion]]:
+    """A save's complete (hashed) blocks, then its unsealed ones, which must come last."""
+    first = next((i for i, r in enumerate(regions) if r.hash is None), len(regions))
+    if any(r.hash is not None for r in regions[first:]):
+        raise ValueError("only the trailing blocks of a save may be unsealed")
+    return regions[:first], regions[first:]

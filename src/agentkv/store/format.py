@@ -1,4 +1,4 @@
-"""agentkv's on-disk format (version 2): safetensors files, shared blocks stored once.
+"""agentkv's files on disk (store version 2): safetensors files, shared blocks stored once.
 
 ::
 
@@ -19,12 +19,12 @@ reader's mmap never sees a change.
 The *manifest* holds the agent's token ids (int32 [n]), each token's byte span in the text
 (int32 [n, 2]), the text (uint8), in KV format 2 the float16 keys of the channel group
 still filling (``tail`` [layers, heads, n % channel_tokens, key_dim]: they are not in any
-block until the group completes) and a JSON record: format version, model fingerprint and
+block until the group completes) and a JSON record: store version, model fingerprint and
 cache geometry, quantization, the chain seed of its block hashes, token count, generation,
 files (name, size, header CRC-32C) and blocks (file, offset, length, checksum, tokens,
 hash), CRC-32Cs of the arrays and of the record itself. A save writes and fsyncs its new
 block files and segment, then atomically replaces the manifest: a crash leaves the old
-state or the new one, never a mix. Version-1 manifests (every block in the agent's own
+state or the new one, never a mix. Store-version-1 manifests (every block in the agent's own
 segments, no hashes) are still read.
 """
 
@@ -43,8 +43,11 @@ from ..errors import CacheFormatError, InvalidRequestError
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import Component, KVQuant
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# The store version: the layout of these files (not the KV format of the bytes inside a
+# block, ``KVQuant``: a manifest records that separately, under "quant"). Each file keeps
+# it under its on-disk key "format_version".
+STORE_VERSION = 2
+READABLE_STORE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.safetensors"
 MANIFEST_KIND = "agentkv-manifest"
 SEGMENT_KIND = "agentkv-segment"
@@ -76,7 +79,7 @@ class SegmentRecord:
 
 
 @dataclass(frozen=True)
-class BlockRecord:
+class ManifestBlock:
     """Where one block of an agent is stored: a region of a file (a shared block file, or
     one of the agent's segments) and, for a complete block, its chain hash."""
 
@@ -85,7 +88,7 @@ class BlockRecord:
     length: int
     checksum: int
     tokens: int
-    hash: str | None = None  # hex chain hash (complete blocks of version-2 manifests)
+    hash: str | None = None  # hex chain hash (complete blocks; store version 2)
 
 
 @dataclass
@@ -101,18 +104,18 @@ class Manifest:
     tokens: np.ndarray  # int32 [n]
     spans: np.ndarray  # int32 [n, 2], byte offsets into text
     text: bytes
-    blocks: list[BlockRecord]
+    blocks: list[ManifestBlock]
     segments: dict[str, SegmentRecord]
     messages: list | None = None
     updated_at: str = ""
     block_tokens: int = BLOCK_TOKENS
-    chain_seed: str | None = None  # hex; None in version-1 manifests (the default seed)
-    version: int = FORMAT_VERSION
+    chain_seed: str | None = None  # hex; None in store version 1 (the default seed)
+    store_version: int = STORE_VERSION
     extra: dict = field(default_factory=dict)
-    tail: np.ndarray | None = None  # float16 [layers, heads, n % ct, key_dim]: format 2
+    tail: np.ndarray | None = None  # float16 [layers, heads, n % ct, key_dim]: KV format 2
 
     def tail_shape(self) -> tuple[int, ...] | None:
-        """The shape ``tail`` must have (None: this format keeps no tail)."""
+        """The shape ``tail`` must have (None: this KV format keeps no tail)."""
         if not self.quant.channel_keys:
             return None
         g = self.geometry
@@ -124,7 +127,7 @@ class Manifest:
         return int(self.tokens.shape[0])
 
     def components(self) -> list[list[Component]]:
-        """Every layer's stored components (the format's ``layer(i)``)."""
+        """Every layer's stored components (the KV format's ``layer(i)``)."""
         g = self.geometry
         return self.quant.layer_components(
             int(g["num_layers"]), g["kv_heads"], g["key_head_dim"], g["value_head_dim"]
@@ -146,7 +149,7 @@ def encode_manifest(m: Manifest) -> bytes:
     spans = np.ascontiguousarray(m.spans, dtype=np.int32).reshape(-1, 2)
     text = np.frombuffer(m.text, dtype=np.uint8)
     record = {
-        "format_version": FORMAT_VERSION,
+        "format_version": STORE_VERSION,
         "agent_id": m.agent_id,
         "model_fingerprint": m.model_fingerprint,
         "model_name": m.model_name,
@@ -165,7 +168,7 @@ def encode_manifest(m: Manifest) -> bytes:
     arrays = {"tokens": tokens, "spans": spans, "text": text}
     if m.tail_shape() is not None:
         if m.tail is None or m.tail.shape != m.tail_shape() or m.tail.dtype != np.float16:
-            raise ValueError(f"a format-2 manifest needs its float16 tail {m.tail_shape()}")
+            raise ValueError(f"a manifest in KV format 2 needs its float16 tail {m.tail_shape()}")
         arrays["tail"] = np.ascontiguousarray(m.tail)
         record["checksums"]["tail"] = _crc(arrays["tail"])
     text_record = json.dumps(record, separators=(",", ":"))
@@ -219,11 +222,11 @@ def decode_manifest(data: bytes, path) -> Manifest:
     except ValueError:
         raise CacheFormatError(path, "manifest record is not JSON") from None
     _require(isinstance(record, dict), path, "manifest record is not a JSON object")
-    version = record.get("format_version")
+    version = record.get("format_version")  # the store version, under its on-disk key
     _require(
-        version in READABLE_VERSIONS,
+        version in READABLE_STORE_VERSIONS,
         path,
-        f"unknown format version {version!r} (this agentkv reads {READABLE_VERSIONS})",
+        f"unknown store version {version!r} (this agentkv reads {READABLE_STORE_VERSIONS})",
     )
 
     from safetensors import SafetensorError
@@ -259,7 +262,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
             str(name): SegmentRecord(int(size), int(crc))
             for name, (size, crc) in record["segments"].items()
         }
-        blocks = [_block_record(entry, version) for entry in record["blocks"]]
+        blocks = [_manifest_block(entry, version) for entry in record["blocks"]]
         seed = record.get("chain_seed") if version >= 2 else None
         if seed is not None:
             bytes.fromhex(seed)
@@ -281,7 +284,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
         updated_at=str(record.get("updated_at", "")),
         block_tokens=block_tokens,
         chain_seed=seed,
-        version=version,
+        store_version=version,
     )
     _check_blocks(manifest, path)
     if manifest.tail_shape() is not None:
@@ -296,7 +299,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     return manifest
 
 
-def _block_record(entry, version: int) -> BlockRecord:
+def _manifest_block(entry, version: int) -> ManifestBlock:
     if version == 1:
         segment, offset, length, checksum, tokens = entry
         digest = None
@@ -304,7 +307,7 @@ def _block_record(entry, version: int) -> BlockRecord:
         segment, offset, length, checksum, tokens, digest = entry
         if digest is not None and (len(bytes.fromhex(digest)) != 32):
             raise ValueError(f"bad block hash {digest!r}")
-    return BlockRecord(str(segment), int(offset), int(length), int(checksum), int(tokens), digest)
+    return ManifestBlock(str(segment), int(offset), int(length), int(checksum), int(tokens), digest)
 
 
 def _check_spans(spans: np.ndarray, text_len: int, path) -> None:
@@ -379,36 +382,43 @@ def encode_segment_header(
     blocks = []
     for i, (_, offset, length, checksum, tokens) in enumerate(packed):
         index = first_block + i
-        position = offset
-        for layer, comps in enumerate(components):
-            for comp in comps:
-                size = comp.heads * tokens * comp.row_bytes
-                tensors[f"b{index:06d}.l{layer:03d}.{comp.name}"] = {
-                    "dtype": _DTYPE_CODES[comp.dtype],
-                    "shape": [comp.heads, tokens, comp.width],
-                    "data_offsets": [position, position + size],
-                }
-                position += size
-        assert position == offset + length
+        end = _add_region(tensors, f"b{index:06d}.", components, tokens, offset)
+        assert end == offset + length
         blocks.append([index, offset, length, checksum, tokens])
     record = {
-        "format_version": FORMAT_VERSION,
+        "format_version": STORE_VERSION,
         "agent_id": agent_id,
         "model_fingerprint": fingerprint,
         "generation": generation,
         "block_tokens": BLOCK_TOKENS,
         "blocks": blocks,
     }
-    header = {
-        "__metadata__": {
-            "format": SEGMENT_KIND,
-            "agentkv": json.dumps(record, separators=(",", ":")),
-        },
-        **tensors,
-    }
-    body = json.dumps(header, separators=(",", ":")).encode()
+    return _safetensors_header(SEGMENT_KIND, record, tensors), blocks
+
+
+def _add_region(tensors: dict, prefix: str, components, tokens: int, start: int) -> int:
+    """Describe one block region (layer-major from ``start``) as tensors
+    ``<prefix>l017.k.w`` [heads, tokens, width]; returns where the region ends."""
+    position = start
+    for layer, comps in enumerate(components):
+        for comp in comps:
+            size = comp.heads * tokens * comp.row_bytes
+            tensors[f"{prefix}l{layer:03d}.{comp.name}"] = {
+                "dtype": _DTYPE_CODES[comp.dtype],
+                "shape": [comp.heads, tokens, comp.width],
+                "data_offsets": [position, position + size],
+            }
+            position += size
+    return position
+
+
+def _safetensors_header(kind: str, record: dict, tensors: dict) -> bytes:
+    """A safetensors header (length prefix included, padded to 8 bytes) whose metadata
+    names the file's ``kind`` and holds agentkv's JSON ``record``."""
+    metadata = {"format": kind, "agentkv": json.dumps(record, separators=(",", ":"))}
+    body = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
-    return struct.pack("<Q", len(body)) + body, blocks
+    return struct.pack("<Q", len(body)) + body
 
 
 @dataclass(frozen=True)
@@ -437,35 +447,22 @@ def encode_block_header(
     """The safetensors header of a shared block file: the region's tensors ``l017.k.w``
     [heads, 256, width], then ``tokens`` int32 [256] (length prefix included, padded)."""
     tensors: dict = {}
-    position = 0
-    for layer, comps in enumerate(components):
-        for comp in comps:
-            size = comp.heads * BLOCK_TOKENS * comp.row_bytes
-            tensors[f"l{layer:03d}.{comp.name}"] = {
-                "dtype": _DTYPE_CODES[comp.dtype],
-                "shape": [comp.heads, BLOCK_TOKENS, comp.width],
-                "data_offsets": [position, position + size],
-            }
-            position += size
-    assert position == length
+    end = _add_region(tensors, "", components, BLOCK_TOKENS, 0)
+    assert end == length
     tensors["tokens"] = {
         "dtype": "I32",
         "shape": [BLOCK_TOKENS],
         "data_offsets": [length, length + 4 * BLOCK_TOKENS],
     }
     record = {
-        "format_version": FORMAT_VERSION,
+        "format_version": STORE_VERSION,
         "model_fingerprint": fingerprint,
         "hash": digest.hex(),
         "parent": parent.hex(),
         "block_tokens": BLOCK_TOKENS,
         "checksum": checksum,
     }
-    text = json.dumps(record, separators=(",", ":"))
-    header = {"__metadata__": {"format": BLOCK_KIND, "agentkv": text}, **tensors}
-    body = json.dumps(header, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
-    return struct.pack("<Q", len(body)) + body
+    return _safetensors_header(BLOCK_KIND, record, tensors)
 
 
 def decode_block_file(
@@ -489,7 +486,7 @@ def decode_block_file(
         checksum = int(record["checksum"])
     except (KeyError, TypeError, ValueError):
         raise CacheFormatError(path, "block record is malformed") from None
-    _require(record.get("format_version") == FORMAT_VERSION, path, "unknown block format")
+    _require(record.get("format_version") == STORE_VERSION, path, "unknown block store version")
     _require(record.get("model_fingerprint") == fingerprint, path, "another model's block")
     _require(record.get("hash") == digest.hex(), path, "block file holds another hash")
     _require(size == data_start + length + 4 * BLOCK_TOKENS, path, "block file has the wrong size")

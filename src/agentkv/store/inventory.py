@@ -17,7 +17,7 @@ from .. import _ext
 from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError
 from ..format.quant import native_layout
-from .blocks import collect_block_files
+from .block_files import collect_block_files
 from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest, is_shared_file
 
 

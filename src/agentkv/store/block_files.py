@@ -6,10 +6,11 @@
     <model_dir>/.blocks.lock                       flock(2): writers shared, the collector
                                                    exclusive
 
-A block file is written once (temporary name, fsync, rename, fsync the directory) and never
-modified. Writers hold the lock *shared* from before they write or check a block file until
-their manifest naming it is switched; the collector holds it *exclusive* while it deletes
-the block files no manifest names. So a block file exists before any manifest names it, and
+A block file is written once (``paths.atomic_write_bytes``: temporary name, fsync, rename;
+its directory fsynced by ``sync_dirs`` before a manifest names it) and never modified.
+Writers hold the lock *shared* from before they write or check a block file until their
+manifest naming it is switched; the collector holds it *exclusive* while it deletes the
+block files no manifest names. So a block file exists before any manifest names it, and
 is deleted only when no switched manifest names it — across processes too.
 """
 
@@ -30,7 +31,7 @@ from ..errors import CacheFormatError
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import KVQuant
 from ..format.spec import ModelCacheSpec
-from ..paths import FILE_MODE, atomic_write_text, fsync_dir, secure_mkdir
+from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
 from .format import (
     BLOCK_FILE_RE,
     StoredBlock,
@@ -115,8 +116,9 @@ class SharedBlocks:
     ) -> StoredBlock:
         """The block file of ``digest``, written from ``region`` unless a sound one exists.
 
-        Call inside ``writing()``. The file is fsynced and renamed into place; its
-        directory is fsynced by ``sync_dirs`` before any manifest names it.
+        Call inside ``writing()``. The file is fsynced and renamed into place (fault points
+        ``block-written``, ``block-renamed``); its directory is fsynced by ``sync_dirs``
+        before any manifest names it.
         """
         found = self.find(digest)
         if found is not None:
@@ -135,21 +137,7 @@ class SharedBlocks:
         ids = np.ascontiguousarray(tokens, dtype="<i4")
         if ids.shape != (BLOCK_TOKENS,):
             raise ValueError("a block file holds exactly one complete block")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        try:
-            for chunk in (memoryview(header), region, memoryview(ids).cast("B")):
-                while chunk:
-                    chunk = chunk[os.write(fd, chunk) :]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        crash_point("block-written")
-        os.replace(tmp, path)
-        crash_point("block-renamed")
+        atomic_write_bytes(path, header, region, ids, label="block", sync_dir=False)
         found = self.find(digest)
         if found is None:
             raise OSError(f"{path} vanished right after it was written")
