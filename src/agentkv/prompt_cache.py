@@ -2,7 +2,7 @@
 written safely.
 
 ``make_prompt_cache(loaded)`` is mlx-lm's ``make_prompt_cache`` for agentkv: one
-``AgentKVCache`` per layer, in the format ``Engine()`` stores (4-bit format 2 with 8-bit
+``AgentKVCache`` per layer, in the KV format ``Engine()`` stores (4-bit KV format 2 with 8-bit
 keys in the model's wide layers, ``model/wide_layers.py``).
 
 ``save_prompt_cache`` / ``load_prompt_cache`` have mlx-lm's signatures and
@@ -70,8 +70,8 @@ def _target(file_name) -> Path:
 
 def make_prompt_cache(loaded, quant=None) -> list:
     """One ``AgentKVCache`` per layer of ``loaded`` (``agentkv.model.load.load_model``'s
-    result), each with its layer's sliding window. ``quant`` None: the format ``Engine()``
-    stores for this model (4-bit format 2, the group fitted to its head dims, 8-bit keys in
+    result), each with its layer's sliding window. ``quant`` None: the KV format ``Engine()``
+    stores for this model (4-bit KV format 2, the group fitted to its head dims, 8-bit keys in
     its wide layers: measured once per model, about 20 s for the embedded one unless its
     result ships with agentkv); a ``KVQuant`` is used as given (``quant.layer(i)`` in layer
     i)."""
@@ -192,10 +192,10 @@ def to_mlx_lm_cache(cache):
 
 
 def _format_2_to_mlx_lm(cache):
-    """mlx-lm's QuantizedKVCache for a format-2 cache: keys and values dequantized, rotated
+    """mlx-lm's QuantizedKVCache for a cache in KV format 2: keys and values dequantized, rotated
     back and quantized again per token, at the wider of the cache's key and value bits
     (mlx-lm's cache has one width: a wide layer's 8-bit keys give an 8-bit cache). Lossy:
-    the per-token 4-bit keys mlx-lm reads cost the model what format 1 costs (see
+    the per-token 4-bit keys mlx-lm reads cost the model what KV format 1 costs (see
     docs/kv-format-v2.md)."""
     QuantizedKVCache = mlx_adapter.cache_class("QuantizedKVCache")
     q = cache.quant

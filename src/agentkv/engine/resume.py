@@ -200,7 +200,7 @@ class Resumer:
             self.pool.spec.fingerprint, manifest.quant.identity, salt
         ):
             return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
-        if convert:  # every block is written again, in this format: named under its chain
+        if convert:  # every block is written again, in this KV format: named under its chain
             seed = fresh_seed
         m = self._readable_prefix(manifest, m)
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
@@ -429,7 +429,7 @@ class Resumer:
                 if block is not None:
                     pool.release(block)
         table.seal_full()
-        if manifest.tail is not None:  # format 2: the keys of the group still filling
+        if manifest.tail is not None:  # KV format 2: the keys of the group still filling
             self.pool.arena.write_tail(table.take_tail(), manifest.tail)
         table.trim(reuse)
         state.tokens = manifest.tokens[:reuse].tolist()
@@ -445,7 +445,7 @@ class Resumer:
 
     def _convert_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
         """Warm, from another KV format: read the stored blocks, dequantize them and store
-        them in this engine's format (once; the next save writes the new format)."""
+        them in this engine's KV format (once; the next save writes the new one)."""
         t0 = time.perf_counter()
         manifest, reuse = plan.manifest, plan.reuse
         try:
@@ -465,7 +465,7 @@ class Resumer:
         state.spans = plan.own_spans
         state.text = manifest.text[: int(manifest.spans[reuse - 1, 1])]
         state.messages = manifest.messages
-        state.durable = 0  # saved again, in this engine's format
+        state.durable = 0  # saved again, in this engine's KV format
         plan.load_ms += (time.perf_counter() - t0) * 1000
 
     def _reject_file(self, agent_id: str, exc: CacheFormatError) -> str:

@@ -3,7 +3,7 @@
 ::
 
     arrays[layer][comp]   [capacity * heads * 256, width]      comp: k.w k.s k.b v.w v.s v.b
-                          (widths per layer: a format's wide layers hold 8-bit keys)
+                          (widths per layer: a KV format's wide layers hold 8-bit keys)
     row of (block, head, token t of the block) = (block * heads + head) * 256 + t
 
 On CPU each array is allocated once and left untouched, so a block's pages are committed
@@ -14,7 +14,7 @@ buffer moved; the tests require 0). Between forward passes the arrays are evalua
 the block I/O here (``read_regions``, ``pack``, ``copy_rows``) works on their memory
 directly through the extension.
 
-Per-channel keys (format 2, ``quant.channel_keys``): a channel group of ``ct`` tokens is
+Per-channel keys (KV format 2, ``quant.channel_keys``): a channel group of ``ct`` tokens is
 quantized when it completes; until then its keys are float16 rows of the agent's *tail
 slot*, one per block table that holds tokens::
 

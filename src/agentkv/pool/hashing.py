@@ -2,7 +2,7 @@
 
 ``seed = sha256("agentkv/block/v1" | model fingerprint | KV format | tenant salt)``
 ``hash(block i) = sha256(hash(block i-1) | its 256 token ids as int32 little-endian)``,
-with ``hash(block -1) = seed``. The same tokens under the same model, format and salt
+with ``hash(block -1) = seed``. The same tokens under the same model, KV format and salt
 always give the same hash (in any process, on any machine), so hashes name shared
 blocks in memory and on disk. Never Python's ``hash()``.
 """

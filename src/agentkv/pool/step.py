@@ -71,7 +71,7 @@ class PagedLayerCache(CacheBase):
 
     @property
     def quant(self) -> KVQuant:
-        """This layer's format (8-bit keys in a wide layer)."""
+        """This layer's KV format (8-bit keys in a wide layer)."""
         return self.step.arena.layer_quants[self.layer]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):

@@ -15,7 +15,7 @@ may hold the blocks for the tokens being written too); block ``i`` holds tokens
 ``[256 i, 256 (i + 1))`` of the agent, so every block but the last is full; the table
 holds one reference on each of its blocks (``refs`` counts tables); on a model with
 sliding-window layers it also holds a window reference on ``blocks[window_from:]``.
-Per-channel keys (format 2): from its first ``grow`` until ``release`` the table owns a
+Per-channel keys (KV format 2): from its first ``grow`` until ``release`` the table owns a
 tail slot of the arena (``tail``), holding the keys of its channel group still filling:
 tokens ``[length // ct * ct, length)``; ``fork`` copies it, ``trim`` into a complete
 group refills it from the group's quantized keys.

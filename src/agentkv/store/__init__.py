@@ -1,1 +1,2 @@
-"""Persistent per-(model, agent) KV state: on-disk format, store, background writer."""
+"""Persistent per-(model, agent) KV state: the files (store version 2), the store, the background
+writer."""

@@ -92,7 +92,7 @@ class SaveJob:
     # The hex chain hashes the engine believes the first ``keep`` durable blocks have: a save
     # queued behind one that failed must not build on blocks that were never replaced.
     kept_hashes: tuple[str | None, ...] = ()
-    tail: np.ndarray | None = None  # format 2: the keys of the channel group still filling
+    tail: np.ndarray | None = None  # KV format 2: the keys of the channel group still filling
 
     @property
     def nbytes(self) -> int:
@@ -292,8 +292,8 @@ class AgentStore:
 
     def load_caches(self, manifest: Manifest, agent_id: str, tokens: int) -> list[AgentKVCache]:
         """Tokens [0, tokens) of the agent's blocks as contiguous per-layer caches in the
-        agent's stored format (mmap, one copy, checked): for mlx-lm interop and tests.
-        Format 2: every stored token is read (its tail describes the last ones), then the
+        agent's stored KV format (mmap, one copy, checked): for mlx-lm interop and tests.
+        KV format 2: every stored token is read (its tail describes the last ones), then the
         caches are trimmed to ``tokens``."""
         wanted = tokens
         if manifest.quant.channel_keys:
