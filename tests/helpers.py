@@ -67,6 +67,22 @@ def held_arrays(cache: AgentKVCache) -> list[np.ndarray]:
     return [np.array(x) for x in (*keys, *values)]
 
 
+def assert_same_cache(got: AgentKVCache, want: AgentKVCache) -> None:
+    """``got`` holds the tokens ``want`` holds, bit for bit: the same positions, every held
+    row of every component, and in format 2 the float16 tail rows of the channel group still
+    filling (where the newest keys are until their group completes)."""
+    assert (got.offset, got.start, got.held) == (want.offset, want.start, want.held)
+    if not want.held:
+        return
+    for x, y in zip(held_arrays(got), held_arrays(want), strict=True):
+        assert np.array_equal(x, y)
+    filling = want.offset % want.quant.channel_tokens if want.quant.channel_keys else 0
+    if filling:
+        assert np.array_equal(
+            np.array(got.tail[..., :filling, :]), np.array(want.tail[..., :filling, :])
+        )
+
+
 def positional_caches(spec: ModelCacheSpec, tokens: int, quant=None) -> list[AgentKVCache]:
     """Caches whose token t depends only on t (so any prefix of any save is comparable)."""
     quant = quant or KVQuant(**V1)
