@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 _SESSION_HOME = None
+_OWN_HOME = False  # made by this run (removed at its end), not given by AGENTKV_TEST_HOME
 
 
 def pytest_configure(config):
-    global _SESSION_HOME
+    global _SESSION_HOME, _OWN_HOME
     import tempfile
 
     from agentkv.paths import MODELS_ENV, models_dir
@@ -24,7 +25,32 @@ def pytest_configure(config):
         _SESSION_HOME = Path(os.environ["AGENTKV_TEST_HOME"])
     else:
         _SESSION_HOME = Path(tempfile.mkdtemp(prefix="agentkv-test-home-"))
+        _OWN_HOME = True
     os.environ["AGENTKV_HOME"] = str(_SESSION_HOME)
+
+
+def pytest_unconfigure(config):
+    """The run's own home goes with it (its stores and saved caches are gigabytes)."""
+    if _OWN_HOME:
+        import shutil
+
+        shutil.rmtree(_SESSION_HOME, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Peak resident memory of this run, so CI reports it: the test process, and the largest
+    of its finished child processes (a forked child starts with its parent's pages)."""
+    import resource
+    import sys
+
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit
+    terminalreporter.write_sep("-", "peak memory")
+    terminalreporter.write_line(
+        f"peak RSS: test process {own / 2**20:.0f} MiB, largest child process "
+        f"{child / 2**20:.0f} MiB"
+    )
 
 
 import agentkv  # noqa: E402,F401  (BLAS preload before anything imports mlx)
