@@ -3,9 +3,14 @@
 Each agent keeps one growing conversation (seed 000's cross-phase context):
 every phase appends to it, so each turn extends the agent's cached prefix.
 Then a fresh process resumes every agent and the demo reports, per agent, the
-time to first token of the same next turn three ways: cold (the whole context
-prefilled from scratch, by a scratch agent), warm (the first turn after the
-restart, cache reloaded from disk) and hot (the turn after, cache in memory).
+time to first token of its next turn three ways: warm (the first turn after the
+restart, cache reloaded from disk), cold (the same turn with the whole context
+prefilled from scratch, by a scratch agent) and hot (one more short question, cache
+in memory).
+
+Every progress line and table cell says how many tokens its turn prefilled: time to
+first token follows that count. A hot phase turn prefills the other agents' replies,
+so it can take nearly as long as a cold one; the table's hot turn prefills a few words.
 """
 
 from __future__ import annotations
@@ -55,52 +60,15 @@ def run_demo(args) -> int:
         return 2
     if args.resume_from:
         return _resume(args)
-    from ..engine import Engine
-
-    roles = ROLES[: args.agents]
     workdir = tempfile.mkdtemp(prefix="agentkv-demo-")
     try:
-        progress(f"demo: {len(roles)} agents x {args.turns} phases; caches in {workdir}")
-        with Engine(model=args.model, cache_dir=workdir) as eng:
-            model_name, kv = eng.loaded.name, eng.quant.label
-            conversations = {
-                name: [{"role": "system", "content": f"{role} {TASK}"}] for name, role in roles
-            }
-            outputs: dict[str, str] = {}
-            for phase in range(args.turns):
-                for name, _ in roles:
-                    conversations[name].append(
-                        {"role": "user", "content": _phase_message(phase, name, outputs)}
-                    )
-                    r = eng.chat(name, conversations[name], max_tokens=args.max_tokens)
-                    conversations[name].append({"role": "assistant", "content": r.text})
-                    outputs[name] = r.text
-                    s = r.stats
-                    progress(
-                        f"  phase {phase + 1}/{args.turns} {name:<9} {s.cache:<4} "
-                        f"context {s.prompt_tokens:>5} tokens, reused {s.reused_tokens:>5}, "
-                        f"first token {s.ttft_ms:7.0f} ms"
-                    )
+        model_name, kv = _work_through_phases(args, workdir)
         progress(
             "demo: engine closed (every agent flushed to disk); restarting in a new process..."
         )
-        command = [
-            sys.executable,
-            "-m",
-            "agentkv.cli.main",
-            "demo",
-            "--resume-from",
-            workdir,
-            "--agents",
-            str(args.agents),
-            "--max-tokens",
-            str(args.max_tokens),
-        ]
-        if args.model:
-            command += ["--model", args.model]
-        child = subprocess.run(command, capture_output=True, text=True)
+        child = subprocess.run(_resume_command(args, workdir), capture_output=True, text=True)
+        sys.stderr.write(child.stderr)  # its progress lines: each resumed turn, three ways
         if child.returncode != 0:
-            sys.stderr.write(child.stderr)
             return child.returncode
         rows = json.loads(child.stdout)
     finally:
@@ -109,27 +77,7 @@ def run_demo(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        table(
-            [
-                "AGENT",
-                "CONTEXT",
-                "COLD TTFT",
-                "WARM TTFT (after restart)",
-                "HOT TTFT",
-                "WARM SPEEDUP",
-            ],
-            [
-                [
-                    r["agent"],
-                    f"{r['context_tokens']} tokens",
-                    f"{r['cold_ttft_ms']:.0f} ms",
-                    f"{r['warm_ttft_ms']:.0f} ms",
-                    f"{r['hot_ttft_ms']:.0f} ms",
-                    f"{r['cold_ttft_ms'] / r['warm_ttft_ms']:.1f}x",
-                ]
-                for r in rows
-            ],
-        )
+        _print_table(rows)
     not_warm = [r["agent"] for r in rows if r["resumed_as"] != "warm"]
     if not_warm:
         print(f"agentkv: error: after the restart {not_warm} did not resume warm", file=sys.stderr)
@@ -137,45 +85,113 @@ def run_demo(args) -> int:
     return 0
 
 
+def turn_summary(stats) -> str:
+    """What a turn did: where its cache came from, the tokens it reused and prefilled.
+    Time to first token follows the prefilled count, not the tier alone."""
+    return f"{stats.cache:<4} reused {stats.reused_tokens:>5}, prefilled {stats.prefill_tokens:>5}"
+
+
+def _work_through_phases(args, workdir: str) -> tuple[str, str]:
+    """Every agent through every phase, each turn extending its conversation; returns the
+    model's name and the KV format's label."""
+    from ..engine import Engine
+
+    roles = ROLES[: args.agents]
+    progress(f"demo: {len(roles)} agents x {args.turns} phases; caches in {workdir}")
+    progress("demo: a phase's turn prefills what the other agents said since its last one")
+    with Engine(model=args.model, cache_dir=workdir) as eng:
+        conversations = {
+            name: [{"role": "system", "content": f"{role} {TASK}"}] for name, role in roles
+        }
+        outputs: dict[str, str] = {}
+        for phase in range(args.turns):
+            for name, _ in roles:
+                conversations[name].append(
+                    {"role": "user", "content": _phase_message(phase, name, outputs)}
+                )
+                r = eng.chat(name, conversations[name], max_tokens=args.max_tokens)
+                conversations[name].append({"role": "assistant", "content": r.text})
+                outputs[name] = r.text
+                progress(
+                    f"  phase {phase + 1}/{args.turns} {name:<9} {turn_summary(r.stats)} of "
+                    f"{r.stats.prompt_tokens:>5} tokens; first token {r.stats.ttft_ms:7.0f} ms"
+                )
+        return eng.loaded.name, eng.quant.label
+
+
+def _resume_command(args, workdir: str) -> list[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "agentkv.cli.main",
+        "demo",
+        "--resume-from",
+        workdir,
+        "--agents",
+        str(args.agents),
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
+    return command + ["--model", args.model] if args.model else command
+
+
+def _print_table(rows: list[dict]) -> None:
+    def ttft(row: dict, tier: str) -> str:
+        return f"{row[f'{tier}_ttft_ms']:.0f} ms ({row[f'{tier}_prefill_tokens']} prefilled)"
+
+    table(
+        [
+            "AGENT",
+            "CONTEXT",
+            "COLD TTFT",
+            "WARM TTFT (after restart)",
+            "HOT TTFT (next question)",
+            "WARM SPEEDUP",
+        ],
+        [
+            [
+                r["agent"],
+                f"{r['context_tokens']} tokens",
+                ttft(r, "cold"),
+                ttft(r, "warm"),
+                ttft(r, "hot"),
+                f"{r['cold_ttft_ms'] / r['warm_ttft_ms']:.1f}x",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def _resume(args) -> int:
     """The restarted process: resume each agent (warm), continue it (hot), redo it cold."""
     from ..engine import Engine
 
-    rows = []
     with Engine(model=args.model, cache_dir=args.resume_from) as eng:
-        for name, _ in ROLES[: args.agents]:
-            history = eng.history(name)
-            if not history:
-                raise SystemExit(f"agent {name} has no stored conversation")
-            turn = history + [{"role": "user", "content": RESUME}]
-            warm = eng.chat(name, turn, max_tokens=args.max_tokens)
-            hot = eng.chat(
-                name,
-                turn
-                + [{"role": "assistant", "content": warm.text}, {"role": "user", "content": AFTER}],
-                max_tokens=args.max_tokens,
-            )
-            # A scratch agent under its own salt: none of the real agents' blocks are
-            # shared with it, so this is what the turn costs with no cache at all.
-            cold = eng.chat(
-                f"{name}.cold", turn, max_tokens=args.max_tokens, cache_salt=f"demo-cold-{name}"
-            )
-            eng.delete_agent(f"{name}.cold")
-            progress(
-                f"  resumed {name:<9} {warm.stats.cache}: context {warm.stats.stored_tokens} "
-                f"tokens, first token cold {cold.stats.ttft_ms:.0f} ms / warm "
-                f"{warm.stats.ttft_ms:.0f} ms / hot {hot.stats.ttft_ms:.0f} ms"
-            )
-            rows.append(
-                {
-                    "agent": name,
-                    "context_tokens": warm.stats.stored_tokens,
-                    "cold_ttft_ms": round(cold.stats.ttft_ms, 1),
-                    "warm_ttft_ms": round(warm.stats.ttft_ms, 1),
-                    "hot_ttft_ms": round(hot.stats.ttft_ms, 1),
-                    "resumed_as": warm.stats.cache,
-                    "warm_load_ms": round(warm.stats.load_ms, 2),
-                }
-            )
+        rows = [_resume_agent(eng, name, args.max_tokens) for name, _ in ROLES[: args.agents]]
     print(json.dumps(rows))
     return 0
+
+
+def _resume_agent(eng, name: str, max_tokens: int) -> dict:
+    """One agent's next turn three ways: warm (its first after the restart), hot (the
+    question after that) and cold (the warm turn again with nothing cached)."""
+    history = eng.history(name)
+    if not history:
+        raise SystemExit(f"agent {name} has no stored conversation")
+    turn = history + [{"role": "user", "content": RESUME}]
+    warm = eng.chat(name, turn, max_tokens=max_tokens)
+    after = [{"role": "assistant", "content": warm.text}, {"role": "user", "content": AFTER}]
+    hot = eng.chat(name, turn + after, max_tokens=max_tokens)
+    # A scratch agent under its own salt: none of the real agents' blocks are
+    # shared with it, so this is what the turn costs with no cache at all.
+    cold = eng.chat(f"{name}.cold", turn, max_tokens=max_tokens, cache_salt=f"demo-cold-{name}")
+    eng.delete_agent(f"{name}.cold")
+    progress(f"  resumed {name}: context {warm.stats.stored_tokens} tokens")
+    row = {"agent": name, "context_tokens": warm.stats.stored_tokens}
+    for tier, r in (("warm", warm), ("hot", hot), ("cold", cold)):
+        progress(f"    {turn_summary(r.stats)}; first token {r.stats.ttft_ms:7.0f} ms")
+        row[f"{tier}_ttft_ms"] = round(r.stats.ttft_ms, 1)
+        row[f"{tier}_prefill_tokens"] = r.stats.prefill_tokens
+    row["resumed_as"] = warm.stats.cache
+    row["warm_load_ms"] = round(warm.stats.load_ms, 2)
+    return row
