@@ -59,81 +59,95 @@ def _entry_summary(e: inventory.AgentEntry) -> dict:
 
 
 def run_cache(args) -> int:
-    root = _root(args)
-    action = args.cache_command
-    if action in ("ls", "show"):
-        found = inventory.entries(root, args.agent if action == "show" else None)
-        if action == "show" and not found:
-            print(f"agentkv: no stored agent {args.agent!r} under {root}")
-            return 1
-        if args.json:
+    action = {"ls": _cache_ls, "show": _cache_show, "rm": _cache_rm, "verify": _cache_verify}
+    return action[args.cache_command](args, _root(args))
+
+
+def _cache_ls(args, root: Path) -> int:
+    found = inventory.entries(root)
+    if args.json:
+        print(json.dumps([_entry_summary(e) for e in found], indent=2))
+        return 0
+    if not found:
+        print(f"no stored agents under {root}")
+        return 0
+    table(
+        ["AGENT", "MODEL", "FINGERPRINT", "TOKENS", "KV", "SHARED", "DISK", "UPDATED", "STATUS"],
+        [_summary_row(_entry_summary(e)) for e in found],
+    )
+    for model_dir in sorted({e.model_dir for e in found}):
+        count, size = inventory.block_files(model_dir)
+        if count:
             print(
-                json.dumps(
-                    [_details(e) if action == "show" else _entry_summary(e) for e in found],
-                    indent=2,
-                )
+                f"{model_dir.name}: {_files(count, 'shared block file')}, {human_bytes(size)} "
+                "(stored once, named by every agent whose prefix they hold)"
             )
-            return 0
-        if action == "show":
-            for e in found:
-                for key, value in _details(e).items():
-                    print(f"{key:>14}: {value}")
-                print()
-            return 0
-        rows = [
-            [
-                s["agent"],
-                s["model"],
-                s["fingerprint"],
-                s["tokens"] if s["tokens"] is not None else "-",
-                s["kv_format"] or "-",
-                f"{s['shared_blocks']}/{s['blocks']}" if s["blocks"] is not None else "-",
-                human_bytes(s["disk_bytes"]),
-                s["updated_at"] or "-",
-                s["problem"] or "ok",
-            ]
-            for s in map(_entry_summary, found)
-        ]
-        if not rows:
-            print(f"no stored agents under {root}")
-            return 0
-        table(
-            [
-                "AGENT",
-                "MODEL",
-                "FINGERPRINT",
-                "TOKENS",
-                "KV",
-                "SHARED",
-                "DISK",
-                "UPDATED",
-                "STATUS",
-            ],
-            rows,
+    return 0
+
+
+def _summary_row(s: dict) -> list:
+    return [
+        s["agent"],
+        s["model"],
+        s["fingerprint"],
+        s["tokens"] if s["tokens"] is not None else "-",
+        s["kv_format"] or "-",
+        f"{s['shared_blocks']}/{s['blocks']}" if s["blocks"] is not None else "-",
+        human_bytes(s["disk_bytes"]),
+        s["updated_at"] or "-",
+        s["problem"] or "ok",
+    ]
+
+
+def _cache_show(args, root: Path) -> int:
+    found = inventory.entries(root, args.agent)
+    if not found:
+        print(f"agentkv: no stored agent {args.agent!r} under {root}")
+        return 1
+    if args.json:
+        print(json.dumps([_details(e) for e in found], indent=2))
+        return 0
+    for e in found:
+        for key, value in _details(e).items():
+            print(f"{key:>14}: {value}")
+        print()
+    return 0
+
+
+def _cache_rm(args, root: Path) -> int:
+    found = [
+        e
+        for e in inventory.entries(root, args.agent)
+        if not args.model or e.model_dir.name.startswith(args.model)
+    ]
+    if not found:
+        print(f"agentkv: no stored agent {args.agent!r} under {root}")
+        return 1
+    for e in found:
+        print(
+            f"removed {e.agent_id} ({e.model_name}) from {e.path}: " + _removed(inventory.remove(e))
         )
-        for model_dir in sorted({e.model_dir for e in found}):
-            count, size = inventory.block_files(model_dir)
-            if count:
-                print(
-                    f"{model_dir.name}: {count} shared block files, {human_bytes(size)} "
-                    "(stored once, named by every agent whose prefix they hold)"
-                )
-        return 0
-    if action == "rm":
-        found = [
-            e
-            for e in inventory.entries(root, args.agent)
-            if not args.model or e.model_dir.name.startswith(args.model)
-        ]
-        if not found:
-            print(f"agentkv: no stored agent {args.agent!r} under {root}")
-            return 1
-        for e in found:
-            inventory.remove(e)
-            print(
-                f"removed {e.agent_id} ({e.model_name}, {human_bytes(e.disk_bytes)}) from {e.path}"
-            )
-        return 0
+    return 0
+
+
+def _removed(r: inventory.Removal) -> str:
+    """``3 agent files (6.2 KiB) and 1 shared block file (1.6 MiB), 1.6 MiB in all``, and
+    how many of the shared block files the agent named stay, because others name them."""
+    text = (
+        f"{_files(r.agent_files, 'agent file')} ({human_bytes(r.agent_bytes)}) and "
+        f"{_files(r.block_files, 'shared block file')} ({human_bytes(r.block_bytes)}), "
+        f"{human_bytes(r.total_bytes)} in all"
+    )
+    if r.blocks_kept:
+        text += f"; {_files(r.blocks_kept, 'shared block file')} kept, named by other agents"
+    return text
+
+
+def _files(count: int, what: str) -> str:
+    return f"{count} {what}{'' if count == 1 else 's'}"
+
+
+def _cache_verify(args, root: Path) -> int:
     bad = 0
     found = inventory.entries(root, args.agent)
     for e in found:

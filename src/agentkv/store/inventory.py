@@ -132,20 +132,58 @@ def shared_blocks(entry: AgentEntry) -> int:
 
 def block_files(model_dir: Path) -> tuple[int, int]:
     """(count, bytes) of the shared block files of one model."""
-    count = total = 0
-    for path in (model_dir / "blocks").glob("*/*.safetensors"):
-        try:
-            total += path.stat().st_size
-            count += 1
-        except FileNotFoundError:
-            continue
-    return count, total
+    sizes = _file_sizes((model_dir / "blocks").glob("*/*.safetensors"))
+    return len(sizes), sum(sizes.values())
 
 
-def remove(entry: AgentEntry) -> int:
-    """Delete the agent's directory, then the shared block files no other agent names;
-    returns how many of those went."""
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove`` deleted: the agent's own files, and the shared block files no agent
+    named any more (those this agent alone named, and any an interrupted save left);
+    ``blocks_kept``: the shared block files the agent named that stay, named by others."""
+
+    agent_files: int
+    agent_bytes: int
+    block_files: int
+    block_bytes: int
+    blocks_kept: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.agent_bytes + self.block_bytes
+
+
+def remove(entry: AgentEntry) -> Removal:
+    """Delete the agent's directory, then the shared block files no other agent names."""
     validate_agent_id(entry.agent_id)
+    own = _file_sizes(entry.path.rglob("*"))
+    blocks = _file_sizes((entry.model_dir / "blocks").glob("*/*"))
+    named = _shared_files(entry)
     _ext.forget_mappings([str(p) for p in entry.path.iterdir()])
     shutil.rmtree(entry.path)
-    return collect_block_files(entry.model_dir)
+    collect_block_files(entry.model_dir)
+    gone = {path: size for path, size in blocks.items() if not path.exists()}
+    return Removal(
+        agent_files=len(own),
+        agent_bytes=sum(own.values()),
+        block_files=len(gone),
+        block_bytes=sum(gone.values()),
+        blocks_kept=sum(1 for path in named if path in blocks and path not in gone),
+    )
+
+
+def _shared_files(entry: AgentEntry) -> set[Path]:
+    blocks = entry.manifest.blocks if entry.manifest else ()
+    return {entry.model_dir / b.segment for b in blocks if is_shared_file(b.segment)}
+
+
+def _file_sizes(paths) -> dict[Path, int]:
+    """Bytes of each regular file among ``paths`` (one that vanishes meanwhile is left out)."""
+    sizes = {}
+    for path in paths:
+        try:
+            if path.is_file():
+                sizes[path] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return sizes
