@@ -28,6 +28,7 @@
 #include "core/mapping_cache.h"
 #include "core/parallel.h"
 #include "core/pool_io.h"
+#include "core/qmm.h"
 #include "core/store_error.h"
 #include "kernels_cpu.h"
 #include "ops.h"
@@ -352,6 +353,7 @@ nb::dict build_info() {
                              std::to_string(NB_VERSION_PATCH);
   info["crc32c"] = agentkv::crc32c_implementation();
   info["gemm"] = agentkv::gemm_implementation();
+  info["qmm"] = agentkv::qmm_implementation();
   info["attention"] = agentkv::attention_implementation();
 #ifdef NDEBUG
   info["build_type"] = "release";
@@ -391,9 +393,6 @@ NB_MODULE(_ext, m) {
   m.def(
       "clear_mappings", [] { agentkv::mapping_cache().clear(); },
       "Drop every cached segment mapping (the next loads map their files again).");
-  m.def(
-      "mapped_bytes", [] { return agentkv::mapping_cache().mapped_bytes(); },
-      "Bytes of segment files currently mapped by the loader's cache.");
   m.def("kernel_paged_attention", &agentkv::kernels::paged_attention, "q"_a, "keys"_a, "values"_a,
         "tables"_a, "lengths"_a, "dims"_a, "sinks"_a = nb::none(), "scale"_a = 1.0f,
         "threads"_a = 2, "tail"_a = nb::none(), "tail_slots"_a = nb::none(),
@@ -402,6 +401,11 @@ NB_MODULE(_ext, m) {
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,
         "kernels/extract.metal on CPU, for many outputs at once.");
+  m.def("quantized_matmul", &agentkv::ops::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, "
+        "integer dot products (AVX2 or portable), every output reduced in one fixed order "
+        "whatever the batch.");
   m.def("invariant_linear", &agentkv::ops::invariant_linear, "x"_a, "w"_a, "bias"_a = nb::none(),
         "x @ w.T (+ bias), float32 on CPU, with results independent of the batch.");
   m.def(

@@ -10,9 +10,13 @@
 
 #include "core/attention.h"
 #include "core/gemm.h"
+#include "core/qmm.h"
 
 namespace agentkv::ops {
 namespace {
+
+using agentkv::QuantizedWeights;
+using agentkv::ScaleType;
 
 class InvariantLinear : public mx::UnaryPrimitive {
  public:
@@ -56,6 +60,57 @@ class InvariantLinear : public mx::UnaryPrimitive {
 
  private:
   bool has_bias_;
+};
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group, int bits)
+      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int group = group_;
+    const int bits = bits_;
+    encoder.dispatch([inputs, out, group, bits]() mutable {
+      const mx::array& x = inputs[0];
+      const mx::array& w = inputs[1];
+      const mx::Dtype dtype = inputs[2].dtype();
+      QuantizedWeights weights{w.data<uint32_t>(),
+                               inputs[2].data<void>(),
+                               inputs[3].data<void>(),
+                               dtype == mx::float32   ? ScaleType::f32
+                               : dtype == mx::float16 ? ScaleType::f16
+                                                      : ScaleType::bf16,
+                               bits,
+                               group,
+                               w.shape(0),
+                               x.shape(-1)};
+      agentkv::quantized_matmul(x.data<float>(), weights, out.data<float>(),
+                                static_cast<int64_t>(x.size() / x.shape(-1)));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's quantized matmul runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVQuantizedMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_;
+  int bits_;
 };
 
 class QuantizedAttention : public mx::UnaryPrimitive {
@@ -450,6 +505,47 @@ mx::array invariant_linear(const mx::array& x, const mx::array& w,
   shape.back() = w.shape(0);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<InvariantLinear>(stream, bias.has_value()), std::move(inputs));
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("quantized_matmul takes 4- or 8-bit weights, not " +
+                                std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("quantized_matmul takes groups of 32, 64 or 128, not " +
+                                std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    throw std::invalid_argument("quantized_matmul: w must be uint32 [N, K * bits / 32]");
+  }
+  const int64_t N = w.shape(0);
+  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    throw std::invalid_argument("quantized_matmul: x [..., K] does not match w's K = " +
+                                std::to_string(K));
+  }
+  const mx::Shape groups = {static_cast<int>(N), static_cast<int>(K / group_size)};
+  const mx::Dtype sdt = scales.dtype();
+  if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
+      (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
+    throw std::invalid_argument(
+        "quantized_matmul: scales and biases must be float32/float16/bfloat16 [N, K / group]");
+  }
+  if (!mx::issubdtype(x.dtype(), mx::floating)) {
+    throw std::invalid_argument("quantized_matmul: x must be floating point");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
+      mx::contiguous(w, false, stream), mx::contiguous(scales, false, stream),
+      mx::contiguous(biases, false, stream)};
+  mx::Shape shape = x.shape();
+  shape.back() = static_cast<int>(N);
+  mx::array out(std::move(shape), mx::float32,
+                std::make_shared<QuantizedMatmul>(stream, group_size, bits), std::move(inputs));
+  return x.dtype() == mx::float32 ? out : mx::astype(out, x.dtype(), stream);
 }
 
 }  // namespace agentkv::ops

@@ -15,6 +15,14 @@ namespace mx = mlx::core;
 mx::array invariant_linear(const mx::array& x, const mx::array& w,
                            const std::optional<mx::array>& bias);
 
+// x [..., K] @ W^T for W [N, K] in MLX's affine format (w: uint32 codes [N, K * bits / 32],
+// scales and biases [N, K / group_size]), as nn.QuantizedLinear stores it; bits 4 or 8,
+// groups of 32, 64 or 128, float32/float16/bfloat16 scales. Activations go int16 per 32 and
+// every output is reduced in one fixed order whatever the batch (see csrc/core/qmm.h).
+// Returns x's dtype. CPU only.
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits);
+
 // Attention of queries [B, Hq, L, D] float32 over stored keys and values (each a
 // tuple: words, scales, biases for 2/4/8 bits, or one float16 array for 16 bits,
 // [B, Hkv, T, ...]) with causal masking from each row's left padding, an optional

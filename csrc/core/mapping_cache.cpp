@@ -48,11 +48,6 @@ void MappingCache::clear() {
   bytes_ = 0;
 }
 
-size_t MappingCache::mapped_bytes() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return bytes_;
-}
-
 void MappingCache::evict_locked() {
   while (bytes_ > max_bytes_ && !lru_.empty()) {
     bytes_ -= lru_.back().second->size();

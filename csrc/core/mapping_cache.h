@@ -27,7 +27,6 @@ class MappingCache {
   // Drop the mapping of a file that is being deleted, so its space is freed.
   void forget(const std::string& path);
   void clear();
-  size_t mapped_bytes() const;
   size_t max_bytes() const {
     return max_bytes_;
   }

