@@ -32,6 +32,75 @@ def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def _best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_quantized_matmul(n: int = 4096, repeats: int = 5) -> dict:
+    """Which kernel runs 4-bit weights (one decode row through an n x n layer, group 32,
+    float16 scales, as the embedded model ships) and the weight bytes it streams per second."""
+    w, scales, biases = mx.quantize(mx.random.normal((n, n)) * 0.05, group_size=32, bits=4)
+    scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
+    x = mx.random.normal((1, n))
+    mx.eval(w, scales, biases, x)
+    if mx.default_device() == mx.cpu:
+        name = _ext.build_info()["qmm"]
+
+        def run():
+            mx.eval(_ext.quantized_matmul(x, w, scales, biases, 32, 4))
+
+    else:
+        name = f"mx.quantized_matmul ({mx.default_device()})"
+
+        def run():
+            mx.eval(mx.quantized_matmul(x, w, scales, biases, group_size=32, bits=4))
+
+    seconds = _best_seconds(run, repeats)
+    weight_bytes = w.nbytes + scales.nbytes + biases.nbytes
+    return {"implementation": name, "weight_gbps": round(weight_bytes / seconds / 1e9, 2)}
+
+
+def measure_attention(tokens: int = 4096, repeats: int = 5) -> dict:
+    """The path decode attention over the block pool takes (one row of ``tokens`` tokens,
+    4-bit KV format 1, 9 query heads over 3 KV heads of 64) and the KV bytes it reads per
+    second."""
+    from .format.geometry import BLOCK_TOKENS, blocks_for
+    from .format.quant import V1, KVQuant
+    from .kernels import PagedQuery, attention
+
+    quant, heads, dim = KVQuant(4, 4, 64, **V1), 3, 64
+    blocks = blocks_for(tokens)
+    rows = blocks * heads * BLOCK_TOKENS
+    parts = []
+    for c in quant.components(heads, dim, dim):
+        if c.dtype == "uint32":
+            parts.append(mx.random.randint(0, 2**31, (rows, c.width)).astype(mx.uint32))
+        else:
+            parts.append((mx.random.uniform(shape=(rows, c.width)) * 0.05).astype(mx.float16))
+    tables = mx.arange(blocks, dtype=mx.int32)[None]
+    lengths = mx.array([tokens], dtype=mx.int32)
+    paged = PagedQuery(
+        tuple(parts[: quant.key_parts]), tuple(parts[quant.key_parts :]), tables, lengths,
+        heads, BLOCK_TOKENS, 4, 4, 64, 0, None,
+    )  # fmt: skip
+    q = mx.random.normal((1, 3 * heads, 1, dim))
+    mx.eval(parts, q)
+    before = attention.paths_used()
+    seconds = _best_seconds(
+        lambda: mx.eval(attention.paged_attention(q, paged, scale=0.125)), repeats
+    )
+    after = attention.paths_used()
+    path = max(after, key=lambda k: after[k] - before[k])
+    kv_bytes = sum(p.nbytes for p in parts) * tokens // (blocks * BLOCK_TOKENS)
+    return {"path": path, "kv_gbps": round(kv_bytes / seconds / 1e9, 2)}
+
+
 def _backend() -> dict:
     info = {"default_device": str(mx.default_device())}
     for name in ("metal", "cuda"):
@@ -52,6 +121,12 @@ def report() -> dict:
             f"float32 matmul runs at {gflops:.1f} GFLOP/s: MLX is on a slow BLAS "
             "(import agentkv before mlx, and do not set AGENTKV_NO_BLAS_PRELOAD)"
         )
+    matmul = measure_quantized_matmul()
+    if mx.default_device() == mx.cpu and matmul["implementation"] == "portable":
+        warnings.append(
+            "4-bit weights run on the portable C++ path: this CPU (or AGENTKV_QMM=portable) "
+            "gives agentkv no AVX2/FMA/F16C, so decoding is slower"
+        )
     home = agentkv_home()
     writable = os.access(home if home.exists() else home.parent, os.W_OK)
     if not writable:
@@ -67,6 +142,7 @@ def report() -> dict:
             "preloaded_before_mlx": BLAS_STATUS.preloaded,
             "matmul_gflops": round(gflops, 1),
         },
+        "kernels": {"quantized_matmul": matmul, "attention": measure_attention()},
         "extension": _ext.build_info(),
         "home": {"path": str(home), "writable": writable},
         "warnings": warnings,
