@@ -9,7 +9,16 @@ from . import _quiet  # noqa: F401  (drops known third-party noise before it is 
 
 import mlx.core  # noqa: F401
 
-from .engine import AgentInfo, ChatResult, ChatStream, Constraint, Engine, ToolSpec, TurnStats
+from .engine import (
+    AgentInfo,
+    ChatResult,
+    ChatStream,
+    Constraint,
+    Engine,
+    EngineConfig,
+    ToolSpec,
+    TurnStats,
+)
 from .errors import (
     AgentKVError,
     CacheFormatError,
@@ -34,6 +43,7 @@ __all__ = [
     "Constraint",
     "Engine",
     "EngineBusyError",
+    "EngineConfig",
     "InvalidAgentIdError",
     "InvalidRequestError",
     "KVQuant",

@@ -11,7 +11,7 @@ import pytest
 from helpers import SCRIPTS
 
 from agentkv import InvalidAgentIdError, InvalidRequestError
-from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
 from agentkv.format.spec import LayerKind
 
 SYSTEM = (
@@ -63,7 +63,7 @@ def test_spec_of_the_embedded_model(engine):
     assert dataclasses.replace(spec).fingerprint == spec.fingerprint
 
 
-def test_turns_reuse_hot_then_warm(engine):
+def test_turns_reuse_hot_then_warm(engine, monkeypatch):
     first = engine.chat("tiers", convo("Plan the first step."), max_tokens=16)
     assert first.stats.cache == "cold" and first.stats.reused_tokens == 0
     assert first.stats.prefill_tokens == first.stats.prompt_tokens > 256
@@ -77,6 +77,15 @@ def test_turns_reuse_hot_then_warm(engine):
     assert s.reused_tokens == s.stored_tokens > first.stats.prompt_tokens
     assert s.prefill_tokens < 40 and s.reuse_note is None
     assert engine.evict("tiers")
+    engine.drop_cached_blocks()  # every block of the agent now comes from its files
+    reads = []
+    read_into = engine.store.read_into
+
+    def counting(arena, agent_id, items):
+        reads.append((agent_id, len(items)))
+        return read_into(arena, agent_id, items)
+
+    monkeypatch.setattr(engine.store, "read_into", counting)
     third = engine.chat(
         "tiers",
         convo(
@@ -86,8 +95,9 @@ def test_turns_reuse_hot_then_warm(engine):
     )
     t = third.stats
     assert (t.cache, t.match) == ("warm", "extend")
-    assert t.reused_tokens == t.stored_tokens > s.prompt_tokens
-    assert t.load_ms < 200
+    assert t.reused_tokens == t.stored_tokens > s.prompt_tokens and t.shared_tokens == 0
+    # the load read each of the agent's stored blocks once, in one call, and nothing else
+    assert reads == [("tiers", blocks_for(t.stored_tokens))]
 
 
 def test_exact_partial_and_diverge_on_real_turns(engine):

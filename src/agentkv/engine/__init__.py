@@ -1,5 +1,6 @@
 """The Engine and what its turns return."""
 
+from .config import EngineConfig
 from .constraints import Constraint, GrammarError, ToolSpec
 from .engine import AgentInfo, ChatStream, Engine
 from .results import ChatResult, TurnStats
@@ -10,6 +11,7 @@ __all__ = [
     "ChatStream",
     "Constraint",
     "Engine",
+    "EngineConfig",
     "GrammarError",
     "ToolSpec",
     "TurnStats",

@@ -46,6 +46,7 @@ from ..text.matcher import DEFAULT_MIN_REUSE
 from ..text.tokens import TokenText
 from ..tools import ToolFormat, tool_format
 from ..tools.render import render_prompt
+from .config import EngineConfig
 from .constraints import Constraint, GrammarCompiler
 from .generation import SamplingParams
 from .job import DONE, Job
@@ -54,12 +55,12 @@ from .residency import Residency
 from .results import ChatResult
 from .resume import Resumer
 from .runner import TurnRunner
-from .scheduler import POLICIES, Scheduler
+from .scheduler import Scheduler
 from .state import AgentState
 
 log = logging.getLogger("agentkv.engine")
 
-__all__ = ["AgentInfo", "ChatStream", "Engine"]
+__all__ = ["AgentInfo", "ChatStream", "Engine", "EngineConfig"]
 
 
 @dataclass(frozen=True)
@@ -90,16 +91,9 @@ class ChatStream:
 class Engine:
     """Serve chats for many agents, each with its own persistent quantized KV cache.
 
-    ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
-    float16); ``group_size``: values per scale (None: fitted to the head dims).
-    ``kv_format`` (default 2) is the stored layout: 2 keeps keys rotated and quantized per
-    channel (docs/kv-format-v2.md: the same bytes as 1, at 4 bits +2.5% perplexity on the
-    embedded model where 1, per-token keys, costs +18%); agents stored in the other format
-    convert once. Where format 2 cannot hold a model's KV (16-bit or 3/5/6-bit keys, a
-    head dim that is not a power of two) the engine uses 1.
-    ``kv_wide_layers``: layers whose keys format 2 keeps at 8 bits (None: chosen per model,
-    the layers whose 4-bit keys cost the most, measured once: ``model/wide_layers.py``;
-    ``()``: none).
+    The options are ``EngineConfig``'s fields, given as keywords (``Engine(kv_bits=8)``)
+    or as one record (``Engine(config=EngineConfig(kv_bits=8))``); each is checked before
+    the model loads.
     """
 
     def __init__(
@@ -108,6 +102,7 @@ class Engine:
         cache_dir: str | os.PathLike | None = None,
         kv_bits: int = 4,
         *,
+        config: EngineConfig | None = None,
         key_bits: int | None = None,
         value_bits: int | None = None,
         group_size: int | None = None,
@@ -121,89 +116,77 @@ class Engine:
         kv_format: int = 2,
         kv_wide_layers: Sequence[int] | None = None,
     ):
-        # Checked before the model loads; the group size is fitted to its head dims after.
-        wanted = KVQuant.from_bits(
-            kv_bits,
+        options = EngineConfig(
+            model=model,
+            cache_dir=cache_dir,
+            kv_bits=kv_bits,
             key_bits=key_bits,
             value_bits=value_bits,
-            group_size=64 if group_size is None else group_size,
+            group_size=group_size,
+            pool_bytes=pool_bytes,
+            min_reuse_tokens=min_reuse_tokens,
+            prefill_chunk=prefill_chunk,
+            max_batch=max_batch,
+            max_queue=max_queue,
+            schedule=schedule,
+            warmup=warmup,
+            kv_format=kv_format,
+            kv_wide_layers=kv_wide_layers,
         )
-        if min_reuse_tokens < 0 or prefill_chunk < 64:
-            raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
-        if max_batch < 1 or max_queue < 1:
-            raise InvalidRequestError("max_batch and max_queue must be >= 1")
-        if schedule not in POLICIES:
-            raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
-        if kv_format not in (1, 2):
-            raise InvalidRequestError(f"kv_format must be 1 or 2, not {kv_format!r}")
-        if kv_wide_layers is not None:  # indices checked now; against the model's layers below
-            KVQuant(wide_layers=kv_wide_layers)
-        if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
-            raise InvalidRequestError("pool_bytes must be a positive number of bytes")
+        self.config = _one_config(config, options)
+        self._registry = threading.Lock()
+        self._agent_locks: dict[str, threading.Lock] = {}
+        self._tool_format: ToolFormat | None = None
+        self._closed = False
         with ProgressBar(2, "starting the engine", unit="step") as bar:
-            self.loaded: LoadedModel = load_model(model)
+            self.loaded: LoadedModel = load_model(self.config.model)
             bar.advance()
-            spec = self.loaded.spec
-            self.quant = choose_kv_quant(
-                spec,
-                key_bits=wanted.key_bits,
-                value_bits=wanted.value_bits,
-                group_size=group_size,
-                kv_format=kv_format,
-            )
-            if kv_wide_layers is None:
-                self.quant = with_wide_layers(
-                    self.quant, self.loaded.model, self.loaded.tokenizer, spec
-                )
-            elif kv_wide_layers:
-                self.quant = replace(self.quant, wide_layers=kv_wide_layers)
-                spec.components(self.quant)  # every wide layer is one of the model's
-            self.pool = KVPool(spec, self.quant, pool_bytes=pool_bytes or default_pool_bytes())
-            self.context_limit = self.loaded.context_limit
-            hf_tokenizer = self.loaded.tokenizer._tokenizer
-            self.token_text = TokenText.for_tokenizer(hf_tokenizer)
-            self.eos_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
-            self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids)
-            bos = getattr(hf_tokenizer, "add_bos_token", False)
-            self.bos_id = hf_tokenizer.bos_token_id if bos else None
-            root = Path(cache_dir) if cache_dir else kv_dir()
-            self.store = AgentStore(root, spec, self.loaded.name, self.quant)
-            self.store.ensure_layout()
-            self.store.collect_blocks()
-            self.writer = BackgroundWriter(self.store)
-            self._registry = threading.Lock()
-            self._agent_locks: dict[str, threading.Lock] = {}
-            self._tool_format: ToolFormat | None = None
-            self._closed = False
-            self.residency = Residency(self.pool)
-            resumer = Resumer(
-                pool=self.pool,
-                store=self.store,
-                writer=self.writer,
-                residency=self.residency,
-                token_text=self.token_text,
-                bos_id=self.bos_id,
-                min_reuse=min_reuse_tokens,
-                context_limit=self.context_limit,
-            )
-            self.runner = TurnRunner(
-                loaded=self.loaded,
-                pool=self.pool,
-                residency=self.residency,
-                resumer=resumer,
-                writer=self.writer,
-                token_text=self.token_text,
-                eos_ids=self.eos_ids,
-                prefill_chunk=prefill_chunk,
-                agent_lock=self._agent_lock,
-            )
-            self.residency.save = self.runner.save
-            if warmup:
+            self._build_parts()
+            if self.config.warmup:
                 self._warmup()
             bar.advance()
         self.scheduler = Scheduler(
-            self.runner, max_batch=max_batch, max_queue=max_queue, policy=schedule
+            self.runner,
+            max_batch=self.config.max_batch,
+            max_queue=self.config.max_queue,
+            policy=self.config.schedule,
         )
+
+    def _build_parts(self) -> None:
+        """The pool, the store and the turn machinery for the loaded model."""
+        config, loaded = self.config, self.loaded
+        self.quant = kv_format_for(config, loaded)
+        self.pool = KVPool(
+            loaded.spec, self.quant, pool_bytes=config.pool_bytes or default_pool_bytes()
+        )
+        self.context_limit = loaded.context_limit
+        hf_tokenizer = loaded.tokenizer._tokenizer
+        self.token_text = TokenText.for_tokenizer(hf_tokenizer)
+        self.eos_ids = frozenset(loaded.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids)
+        bos = getattr(hf_tokenizer, "add_bos_token", False)
+        self.bos_id = hf_tokenizer.bos_token_id if bos else None
+        self.store = open_store(config.cache_dir, loaded, self.quant)
+        self.writer = BackgroundWriter(self.store)
+        self.residency = Residency(self.pool)
+        resumer = Resumer(
+            pool=self.pool,
+            store=self.store,
+            writer=self.writer,
+            residency=self.residency,
+            token_text=self.token_text,
+            bos_id=self.bos_id,
+            min_reuse=config.min_reuse_tokens,
+            context_limit=self.context_limit,
+        )
+        self.runner = TurnRunner(
+            loaded=loaded,
+            resumer=resumer,
+            eos_ids=self.eos_ids,
+            prefill_chunk=config.prefill_chunk,
+            agent_lock=self._agent_lock,
+        )
+        self.residency.save = self.runner.save
 
     # -- public API -------------------------------------------------------------
 
@@ -217,10 +200,7 @@ class Engine:
 
     def chat(self, agent_id: str, messages: list[dict], **options) -> ChatResult:
         """Run one chat turn: ``messages`` is the whole conversation so far."""
-        stream = self.stream_chat(agent_id, messages, **options)
-        for _ in stream:
-            pass
-        return stream.result
+        return _drain(self.stream_chat(agent_id, messages, **options))
 
     def stream_chat(
         self,
@@ -236,80 +216,42 @@ class Engine:
     ) -> ChatStream:
         """Like ``chat``, yielding text pieces as they are generated. ``constraint`` (an
         ``agentkv.Constraint``): the reply must match it (a JSON schema, a tool call...)."""
-        messages = validate_messages(messages)
-        prompt = self.render_chat(messages)
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
-        job = self._job(
-            validate_agent_id(agent_id),
-            prompt,
-            params,
-            messages,
-            stream=True,
-            salt=cache_salt,
-            constraint=constraint,
+        job = self._chat_job(
+            agent_id, messages, params, stream=True, salt=cache_salt, constraint=constraint
         )
         return self._stream(job)
 
-    def chat_many(
-        self,
-        turns,
-        *,
-        cache_salt: str | None = None,
-        constraint: Constraint | None = None,
-        **options,
-    ) -> list[ChatResult]:
+    def chat_many(self, turns, **options) -> list[ChatResult]:
         """Run several agents' turns as one batch: ``turns`` is ``[(agent_id, messages), ...]``.
 
         Each agent's cache is resumed and prefilled on its own, then all decode together
         in one batch; results come back in order. Same tokens as running each turn alone;
-        turns of the same agent run one after another. ``constraint`` applies to every turn,
-        each with its own grammar state (``submit_chat`` gives turns different ones).
+        turns of the same agent run one after another. ``options`` (``stream_chat``'s:
+        sampling, ``cache_salt``, ``constraint``) apply to every turn, a constraint with its
+        own grammar state in each (``submit_chat`` gives turns different ones).
         """
-        params = SamplingParams.create(**options)
-        jobs = []
-        for agent_id, messages in turns:
-            messages = validate_messages(messages)
-            prompt = self.render_chat(messages)
-            jobs.append(
-                self._job(
-                    validate_agent_id(agent_id),
-                    prompt,
-                    params,
-                    messages,
-                    salt=cache_salt,
-                    constraint=constraint,
-                )
-            )
-        return self._run_all(jobs)
+        return self._run_many(self._chat_job, turns, **options)
 
-    def generate_many(
+    def generate_many(self, turns, **options) -> list[ChatResult]:
+        """``generate`` for several agents as one batch: ``turns`` is ``[(agent_id, prompt)]``;
+        ``options`` as in ``chat_many``."""
+        return self._run_many(self._raw_job, turns, **options)
+
+    def _run_many(
         self,
+        make_job,
         turns,
         *,
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
-        **options,
+        **sampling,
     ) -> list[ChatResult]:
-        """``generate`` for several agents as one batch: ``turns`` is ``[(agent_id, prompt)]``."""
-        params = SamplingParams.create(**options)
-        jobs = []
-        for agent_id, prompt in turns:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("every prompt must be a non-empty string")
-            check_text(prompt, "prompt")
-            jobs.append(
-                self._job(
-                    validate_agent_id(agent_id),
-                    prompt,
-                    params,
-                    None,
-                    salt=cache_salt,
-                    constraint=constraint,
-                )
-            )
-        return self._run_all(jobs)
-
-    def _run_all(self, jobs: list[Job]) -> list[ChatResult]:
+        params = SamplingParams.create(**sampling)
+        jobs = [
+            make_job(agent_id, body, params, salt=cache_salt, constraint=constraint)
+            for agent_id, body in turns
+        ]
         self._check_open()
         for job in jobs:
             self.scheduler.submit(job)
@@ -347,57 +289,23 @@ class Engine:
         the reply must match it; a bad one raises ``InvalidRequestError`` here.
         """
         self._check_open()
-        messages = validate_messages(messages)
-        prompt = self.render_chat(messages, tools=tools) + check_text(reply_prefix, "prefix")
         params = SamplingParams.create(max_tokens, temperature, top_p, stop)
-        job = self._job(
-            validate_agent_id(agent_id),
-            prompt,
-            params,
+        job = self._chat_job(
+            agent_id,
             messages,
+            params,
+            tools=tools,
+            reply_prefix=reply_prefix,
             listener=listener,
             salt=cache_salt,
             constraint=constraint,
-            reply_prefix=reply_prefix,
         )
-        job.reply_prefix = reply_prefix
         self.scheduler.submit(job)
-        return job
-
-    def _job(
-        self,
-        agent_id,
-        prompt: str,
-        params,
-        messages,
-        *,
-        stream=False,
-        listener=None,
-        salt=None,
-        constraint: Constraint | None = None,
-        reply_prefix: str = "",
-    ) -> Job:
-        grammar = None
-        if constraint is not None:
-            grammar = self.grammars.start(constraint, prefix=reply_prefix)
-        job = Job(
-            agent_id,
-            prompt.encode("utf-8"),
-            params,
-            messages,
-            stream=stream,
-            listener=listener,
-            grammar=grammar,
-        )
-        job.salt = check_salt(salt)
         return job
 
     def generate(self, agent_id: str, prompt: str, **options) -> ChatResult:
         """Continue raw text (no chat template): ``prompt`` is the agent's whole context."""
-        stream = self.stream_generate(agent_id, prompt, **options)
-        for _ in stream:
-            pass
-        return stream.result
+        return _drain(self.stream_generate(agent_id, prompt, **options))
 
     def stream_generate(
         self,
@@ -411,20 +319,66 @@ class Engine:
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> ChatStream:
+        """Like ``generate``, yielding text pieces as they are generated."""
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        job = self._raw_job(
+            agent_id, prompt, params, stream=True, salt=cache_salt, constraint=constraint
+        )
+        return self._stream(job)
+
+    def _chat_job(
+        self,
+        agent_id: str,
+        messages: list[dict],
+        params: SamplingParams,
+        *,
+        tools: list[dict] | None = None,
+        reply_prefix: str = "",
+        **job_options,
+    ) -> Job:
+        """A turn of ``messages`` through the chat template (checked, not yet queued)."""
+        messages = validate_messages(messages)
+        prompt = self.render_chat(messages, tools=tools) + check_text(reply_prefix, "prefix")
+        return self._job(
+            agent_id, prompt, params, messages, reply_prefix=reply_prefix, **job_options
+        )
+
+    def _raw_job(self, agent_id: str, prompt: str, params: SamplingParams, **job_options) -> Job:
+        """A turn continuing raw text ``prompt`` (checked, not yet queued)."""
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string")
         check_text(prompt, "prompt")
-        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
-        job = self._job(
-            validate_agent_id(agent_id),
-            prompt,
+        return self._job(agent_id, prompt, params, None, **job_options)
+
+    def _job(
+        self,
+        agent_id: str,
+        prompt: str,
+        params: SamplingParams,
+        messages: list[dict] | None,
+        *,
+        stream: bool = False,
+        listener=None,
+        salt: str | None = None,
+        constraint: Constraint | None = None,
+        reply_prefix: str = "",
+    ) -> Job:
+        agent_id = validate_agent_id(agent_id)
+        grammar = None
+        if constraint is not None:
+            grammar = self.grammars.start(constraint, prefix=reply_prefix)
+        job = Job(
+            agent_id,
+            prompt.encode("utf-8"),
             params,
-            None,
-            stream=True,
-            salt=cache_salt,
-            constraint=constraint,
+            messages,
+            stream=stream,
+            listener=listener,
+            grammar=grammar,
         )
-        return self._stream(job)
+        job.salt = check_salt(salt)
+        job.reply_prefix = reply_prefix
+        return job
 
     def render_chat(self, messages: list[dict], *, tools: list[dict] | None = None) -> str:
         """The prompt of ``messages`` (and ``tools``) through the model's chat template."""
@@ -633,9 +587,57 @@ class Engine:
         log.info("agentkv: warm-up took %.0f ms", (time.perf_counter() - t0) * 1000)
 
 
+def _drain(stream: ChatStream) -> ChatResult:
+    """Run a stream to its end; its result."""
+    for _ in stream:
+        pass
+    return stream.result
+
+
 def _stored_tokens(store: AgentStore, agent_id: str) -> int:
     try:
         manifest, _ = store.read_manifest(agent_id)
     except CacheFormatError:
         return 0
     return manifest.token_count if manifest else 0
+
+
+def _one_config(config: EngineConfig | None, options: EngineConfig) -> EngineConfig:
+    if config is None:
+        return options
+    if not isinstance(config, EngineConfig):
+        raise InvalidRequestError(f"config must be an EngineConfig, not {type(config).__name__}")
+    if options != EngineConfig():
+        raise InvalidRequestError("give the Engine its options or a config, not both")
+    return config
+
+
+def kv_format_for(config: EngineConfig, loaded: LoadedModel) -> KVQuant:
+    """The KV format the engine stores for ``loaded``'s model: the bits asked for, in KV
+    format ``config.kv_format`` where the model's head dims allow it, with its wide layers
+    (measured per model unless ``config.kv_wide_layers`` names them)."""
+    spec = loaded.spec
+    wanted = config.requested_quant()
+    quant = choose_kv_quant(
+        spec,
+        key_bits=wanted.key_bits,
+        value_bits=wanted.value_bits,
+        group_size=config.group_size,
+        kv_format=config.kv_format,
+    )
+    if config.kv_wide_layers is None:
+        return with_wide_layers(quant, loaded.model, loaded.tokenizer, spec)
+    if config.kv_wide_layers:
+        quant = replace(quant, wide_layers=config.kv_wide_layers)
+        spec.components(quant)  # every wide layer is one of the model's
+    return quant
+
+
+def open_store(cache_dir, loaded: LoadedModel, quant: KVQuant) -> AgentStore:
+    """The model's store under ``cache_dir`` (None: ``$AGENTKV_HOME/kv``), laid out, its
+    unused shared block files collected."""
+    root = Path(cache_dir) if cache_dir else kv_dir()
+    store = AgentStore(root, loaded.spec, loaded.name, quant)
+    store.ensure_layout()
+    store.collect_blocks()
+    return store

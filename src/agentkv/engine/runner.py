@@ -38,28 +38,25 @@ class TurnRunner:
         self,
         *,
         loaded: LoadedModel,
-        pool: KVPool,
-        residency: Residency,
         resumer: Resumer,
-        writer: BackgroundWriter,
-        token_text: TokenText,
         eos_ids: frozenset,
         prefill_chunk: int,
         agent_lock: Callable[[str], threading.Lock],
     ):
         self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.pool = pool
-        self.residency = residency
         self.resumer = resumer
-        self.writer = writer
-        self.token_text = token_text
         self.eos_ids = eos_ids
         self.prefill_chunk = prefill_chunk
+        self.agent_lock = agent_lock
+        # The pool, residency, writer and text the turns' resume planning works on.
+        self.pool: KVPool = resumer.pool
+        self.residency: Residency = resumer.residency
+        self.writer: BackgroundWriter = resumer.writer
+        self.token_text: TokenText = resumer.token_text
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
         self.query_heads = loaded.query_heads
         self.context_limit = loaded.context_limit
-        self.agent_lock = agent_lock
 
     # -- admission --------------------------------------------------------------------------
 

@@ -203,6 +203,24 @@ def _require(condition: bool, path, reason: str) -> None:
 
 def decode_manifest(data: bytes, path) -> Manifest:
     """Parse and check a manifest file's bytes; raises CacheFormatError naming what is wrong."""
+    record = _manifest_record(data, path)
+    arrays = _manifest_arrays(data, record, path)
+    manifest = _manifest_of(record, arrays, path)
+    _check_blocks(manifest, path)
+    if manifest.tail_shape() is not None:
+        tail = arrays.get("tail")
+        _require(
+            tail is not None and tail.dtype == np.float16 and tail.shape == manifest.tail_shape(),
+            path,
+            f"the keys of the channel group still filling must be float16 {manifest.tail_shape()}",
+        )
+        _require(record["checksums"].get("tail") == _crc(tail), path, "tail checksum mismatch")
+        manifest.tail = tail
+    return manifest
+
+
+def _manifest_record(data: bytes, path) -> dict:
+    """The manifest's JSON record, its checksum and store version checked."""
     header, _ = read_header(data, path)
     meta = header.get("__metadata__")
     _require(
@@ -228,7 +246,12 @@ def decode_manifest(data: bytes, path) -> Manifest:
         path,
         f"unknown store version {version!r} (this agentkv reads {READABLE_STORE_VERSIONS})",
     )
+    record["checksums"] = record.get("checksums") or {}
+    return record
 
+
+def _manifest_arrays(data: bytes, record: dict, path) -> dict[str, np.ndarray]:
+    """The manifest's tensors, the tokens, spans and text checked against the record."""
     from safetensors import SafetensorError
     from safetensors.numpy import load
 
@@ -246,13 +269,18 @@ def decode_manifest(data: bytes, path) -> Manifest:
     n = tokens.shape[0]
     _require(spans.dtype == np.int32 and spans.shape == (n, 2), path, "spans must be int32 [n, 2]")
     _require(text.dtype == np.uint8 and text.ndim == 1, path, "text must be uint8 [bytes]")
-    checks = record.get("checksums") or {}
+    checks = record["checksums"]
     for name, array in (("tokens", tokens), ("spans", spans), ("text", text)):
         _require(checks.get(name) == _crc(array), path, f"{name} checksum mismatch")
     _require(record.get("token_count") == n, path, "token count disagrees with the tokens")
     _require(n > 0, path, "manifest holds no tokens")
     _check_spans(spans, len(text), path)
+    return arrays
 
+
+def _manifest_of(record: dict, arrays: dict[str, np.ndarray], path) -> Manifest:
+    """The Manifest a checked record and its arrays describe (its tail not yet read)."""
+    version = record["format_version"]
     try:
         quant = KVQuant.from_dict(record["quant"])
         geometry = record["geometry"]
@@ -268,16 +296,16 @@ def decode_manifest(data: bytes, path) -> Manifest:
             bytes.fromhex(seed)
     except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
-    manifest = Manifest(
+    return Manifest(
         agent_id=str(record.get("agent_id")),
         model_fingerprint=str(record.get("model_fingerprint")),
         model_name=str(record.get("model_name", "")),
         geometry=geometry,
         quant=quant,
         generation=generation,
-        tokens=tokens,
-        spans=spans,
-        text=text.tobytes(),
+        tokens=arrays["tokens"],
+        spans=arrays["spans"],
+        text=arrays["text"].tobytes(),
         blocks=blocks,
         segments=segments,
         messages=record.get("messages"),
@@ -286,17 +314,6 @@ def decode_manifest(data: bytes, path) -> Manifest:
         chain_seed=seed,
         store_version=version,
     )
-    _check_blocks(manifest, path)
-    if manifest.tail_shape() is not None:
-        tail = arrays.get("tail")
-        _require(
-            tail is not None and tail.dtype == np.float16 and tail.shape == manifest.tail_shape(),
-            path,
-            f"the keys of the channel group still filling must be float16 {manifest.tail_shape()}",
-        )
-        _require(checks.get("tail") == _crc(tail), path, "tail checksum mismatch")
-        manifest.tail = tail
-    return manifest
 
 
 def _manifest_block(entry, version: int) -> ManifestBlock:

@@ -1,0 +1,83 @@
+"""EngineConfig: the Engine's options in one frozen record, checked when it is made (before
+any model loads), so a bad option costs nothing and names itself."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+from ..format.quant import KVQuant
+from ..text.matcher import DEFAULT_MIN_REUSE
+from .scheduler import POLICIES
+
+KV_FORMATS = (1, 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How an Engine runs: ``Engine(config=EngineConfig(...))`` or ``Engine(**options)``.
+
+    ``model``: an mlx-lm model directory or hub id (None: the embedded SmolLM2-135M);
+    ``cache_dir``: where agents' KV is stored (None: ``$AGENTKV_HOME/kv``).
+    ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
+    float16); ``group_size``: values per scale (None: fitted to the model's head dims).
+    ``kv_format`` (default 2) is the stored KV format: 2 keeps keys rotated and quantized
+    per channel (docs/kv-format-v2.md: the same bytes as 1, at 4 bits +2.5% perplexity on
+    the embedded model where KV format 1, per-token keys, costs +18%); agents stored in
+    the other KV format convert once. Where KV format 2 cannot hold a model's KV (16-bit or
+    3/5/6-bit keys, a head dim that is not a power of two) the engine uses 1.
+    ``kv_wide_layers``: layers whose keys KV format 2 keeps at 8 bits (None: chosen per
+    model, the layers whose 4-bit keys cost the most, measured once:
+    ``model/wide_layers.py``; ``()``: none).
+    ``pool_bytes``: the block pool's memory budget (None: ``pool.default_pool_bytes()``);
+    ``min_reuse_tokens``: the shortest stored prefix worth reusing; ``prefill_chunk``:
+    prompt tokens per prefill step; ``max_batch``: turns decoded together; ``max_queue``:
+    turns waiting before ``submit_chat`` raises ``EngineBusyError``; ``schedule``: one of
+    ``scheduler.POLICIES``; ``warmup``: run the model once at start so the first turn pays
+    no one-time costs.
+    """
+
+    model: str | os.PathLike | None = None
+    cache_dir: str | os.PathLike | None = None
+    kv_bits: int = 4
+    key_bits: int | None = None
+    value_bits: int | None = None
+    group_size: int | None = None
+    pool_bytes: int | None = None
+    min_reuse_tokens: int = DEFAULT_MIN_REUSE
+    prefill_chunk: int = 512
+    max_batch: int = 8
+    max_queue: int = 64
+    schedule: str = "interleave"
+    warmup: bool = True
+    kv_format: int = 2
+    kv_wide_layers: Sequence[int] | None = None
+
+    def __post_init__(self):
+        self.requested_quant()  # the bits and the group size
+        if self.min_reuse_tokens < 0 or self.prefill_chunk < 64:
+            raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
+        if self.max_batch < 1 or self.max_queue < 1:
+            raise InvalidRequestError("max_batch and max_queue must be >= 1")
+        if self.schedule not in POLICIES:
+            raise InvalidRequestError(f"schedule must be one of {', '.join(POLICIES)}")
+        if self.kv_format not in KV_FORMATS:
+            raise InvalidRequestError(f"kv_format must be 1 or 2, not {self.kv_format!r}")
+        pool_bytes = self.pool_bytes
+        if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
+            raise InvalidRequestError("pool_bytes must be a positive number of bytes")
+        if self.kv_wide_layers is not None:  # the indices now; against the model's layers later
+            wide = KVQuant(wide_layers=self.kv_wide_layers).wide_layers
+            object.__setattr__(self, "kv_wide_layers", wide)
+
+    def requested_quant(self) -> KVQuant:
+        """The bits the caller asked for (KV format 1; ``kv_format_for`` fits them to the
+        model)."""
+        return KVQuant.from_bits(
+            self.kv_bits,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            group_size=64 if self.group_size is None else self.group_size,
+        )
