@@ -14,27 +14,20 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.routing import Route
 
 from ..engine.results import ChatResult
 from ..tools import ToolCall
-from .common import (
-    ServerLimits,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    parse_body,
-    sampling,
-    sse,
-    stop_list,
-)
-from .errors import anthropic_error_body, bad_request
+from .answer import chat_route
+from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling, stop_list
+from .endpoint import AppState
+from .errors import ANTHROPIC, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import from_anthropic
+from .replies import Dialect, Reply, in_pieces, sse
 from .requests import TurnRequest
 from .tooling import ToolChoice, check_choice, check_function, check_unique
 
-INPUT_PIECE = 16  # characters of a tool call's input per streamed delta
 CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
@@ -104,14 +97,10 @@ def _tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": call_id, "name": call.name, "input": call.arguments}
 
 
-class AnthropicDialect:
+class AnthropicDialect(Dialect):
     """Messages requests in, messages (or event streams) out."""
 
-    name = "anthropic"
-    error_body = staticmethod(anthropic_error_body)
-
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    api = ANTHROPIC
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
         req: _AnthropicMessages = parse_body(_AnthropicMessages, body)
@@ -153,88 +142,51 @@ class AnthropicDialect:
             "output_tokens": generated,
         }
 
-    @staticmethod
-    def _calls(req: TurnRequest, calls: list[ToolCall]) -> list[ToolCall]:
-        parallel = req.tool_choice is None or req.tool_choice.parallel
-        return calls if parallel else calls[:1]
-
-    def response(
-        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser
-    ) -> dict:
-        parser.feed(result.text)
-        parser.finish()
-        calls = self._calls(req, parser.calls)
+    def response(self, reply: Reply) -> dict:
+        parser, calls = reply.parser, reply.calls
         content = []
         if parser.reasoning:
             content.append({"type": "thinking", "thinking": parser.reasoning, "signature": ""})
         if parser.content.strip() or not calls:
             content.append({"type": "text", "text": parser.content})
         content += [_tool_use(c) for c in calls]
-        reason, sequence = self._stop(result, calls)
-        return {
-            "id": f"msg_{uuid.uuid4().hex}",
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": sequence,
-            "usage": self._usage(counts, result.stats.generated_tokens),
-            "agentkv": agentkv,
-        }
+        stop = self._stop(reply.result, calls)
+        usage = self._usage(reply.counts, reply.generated)
+        return {**_message(reply.req, content, stop, usage), "agentkv": reply.agentkv}
 
-    async def stream(
-        self, req: TurnRequest, turn, counts: dict, finish, parser
-    ) -> AsyncIterator[str]:
-        message = {
-            "id": f"msg_{uuid.uuid4().hex}",
-            "type": "message",
-            "role": "assistant",
-            "model": req.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": self._usage(counts, 0),
-        }
+    async def stream(self, reply: Reply) -> AsyncIterator[str]:
+        message = _message(reply.req, [], (None, None), self._usage(reply.counts, 0))
         yield sse({"type": "message_start", "message": message}, "message_start")
         blocks = _Blocks()
-        calls: list[ToolCall] = []
-        parallel = req.tool_choice is None or req.tool_choice.parallel
-
-        def events(evs) -> list[str]:
-            out = []
-            for ev in evs:
-                if ev.kind == "call":
-                    if calls and not parallel:
-                        continue
-                    calls.append(ev.call)
-                    out += blocks.tool_use(ev.call)
-                else:
-                    out += blocks.text(ev.kind, ev.text)
-            return out
-
-        async for piece in turn.pieces():
-            if piece is None:
-                yield sse({"type": "ping"}, "ping")
-                continue
-            for event in events(parser.feed(piece)):
-                yield event
-        result, agentkv = await finish()
-        for event in events(parser.finish()):
-            yield event
-        for event in blocks.close(empty_text=not calls):
-            yield event
-        reason, sequence = self._stop(result, calls)
+        async for line in reply.written(blocks, heartbeat=sse({"type": "ping"}, "ping")):
+            yield line
+        for line in blocks.close(empty_text=not reply.calls):
+            yield line
+        reason, sequence = self._stop(reply.result, reply.calls)
         yield sse(
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": {"output_tokens": result.stats.generated_tokens},
-                "agentkv": agentkv,
+                "usage": {"output_tokens": reply.generated},
+                "agentkv": reply.agentkv,
             },
             "message_delta",
         )
         yield sse({"type": "message_stop"}, "message_stop")
+
+
+def _message(req: TurnRequest, content: list, stop: tuple, usage: dict) -> dict:
+    """A message object; ``stop``: its (stop_reason, stop_sequence)."""
+    return {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": req.model,
+        "content": content,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": usage,
+    }
 
 
 class _Blocks:
@@ -271,11 +223,9 @@ class _Blocks:
             out += self._start({"type": "text", "text": ""})
         return [*out, self._delta({"type": "text_delta", "text": text})]
 
-    def tool_use(self, call: ToolCall) -> list[str]:
+    def call(self, call: ToolCall) -> list[str]:
         out = self._start({**_tool_use(call), "input": {}})
-        data = call.arguments_json
-        for at in range(0, len(data), INPUT_PIECE):
-            piece = data[at : at + INPUT_PIECE]
+        for piece in in_pieces(call.arguments_json):
             out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
         return [*out, *self._stop()]
 
@@ -285,3 +235,7 @@ class _Blocks:
         if self.index < 0 and empty_text:
             out += self._start({"type": "text", "text": ""})
         return out + self._stop()
+
+
+def routes(state: AppState) -> list[Route]:
+    return [chat_route(state, "/v1/messages", AnthropicDialect(state.limits))]

@@ -1,9 +1,8 @@
-"""What every wire protocol shares: the served models' limits, body parsing, stop lists,
-sampling bounds (the engine's), SSE framing and usage counts."""
+"""What every API's requests share: the served models' limits, strict field types, body
+validation, stop lists and sampling bounds (the engine's). (Replies: ``replies.py``.)"""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -18,7 +17,6 @@ StrictFloat = Annotated[float, Field(strict=True)]
 StrictStr = Annotated[str, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
 MAX_STOPS = 16
-HEARTBEAT = ": keep-alive\n\n"
 
 
 @dataclass(frozen=True)
@@ -86,17 +84,3 @@ def sampling(temperature: float | None, top_p: float | None, *, default_t: float
         param = "temperature" if not 0.0 <= temperature <= MAX_TEMPERATURE else "top_p"
         raise bad_request(str(exc), param) from None
     return temperature, top_p
-
-
-def sse(data: dict | str, event: str | None = None) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
-
-
-def usage_counts(resumed) -> dict:
-    """prompt / reused / prefilled token counts of a turn, as its start planned them."""
-    return {
-        "prompt": resumed.prompt_tokens,
-        "reused": resumed.reused_tokens,
-        "prefill": len(resumed.prefill_ids),
-    }

@@ -1,28 +1,27 @@
-"""agentkv's own API: ``POST /v1/agents/{agent_id}/chat`` (the agent is named in the path)."""
+"""agentkv's own API: ``POST /v1/agents/{agent_id}/chat`` (the agent is named in the path),
+``GET /v1/agents[/{agent_id}]`` (stored and in-memory agents) and ``DELETE
+/v1/agents/{agent_id}`` (forget an agent, in memory and on disk). ``?model=`` picks the
+model whose agents are listed (default: the one loaded, else the first)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Annotated
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from ..agent_id import validate_agent_id
-from ..engine.results import ChatResult
-from .common import (
-    HEARTBEAT,
-    ServerLimits,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    parse_body,
-    sampling,
-    sse,
-    stop_list,
-)
-from .errors import openai_error_body
+from .answer import chat_route
+from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling, stop_list
+from .endpoint import AppState, endpoint
+from .errors import DIRECT, APIError
 from .messages import from_openai
+from .replies import HEARTBEAT, Dialect, Reply, sse
 from .requests import TurnRequest
 
 
@@ -44,12 +43,60 @@ class _DirectChat(BaseModel):
     model: StrictStr | None = None  # default: the server's first model
 
 
-class DirectDialect:
-    name = "direct"
-    error_body = staticmethod(openai_error_body)
+def routes(state: AppState) -> list[Route]:
+    async def agents(request: Request) -> JSONResponse:
+        infos = await _with_engine(state, request, lambda e: e.agents())
+        return JSONResponse({"object": "list", "data": [_agent_json(i) for i in infos]})
 
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    async def agent(request: Request) -> JSONResponse:
+        agent_id = validate_agent_id(request.path_params["agent_id"])
+        info = await _with_engine(state, request, lambda e: e.agent_info(agent_id))
+        if info is None:
+            raise APIError(404, "not_found", f"no agent {agent_id!r}")
+        return JSONResponse(_agent_json(info))
+
+    async def delete_agent(request: Request) -> JSONResponse:
+        agent_id = validate_agent_id(request.path_params["agent_id"])
+        if not await _with_engine(state, request, lambda e: e.delete_agent(agent_id)):
+            raise APIError(404, "not_found", f"no agent {agent_id!r}")
+        return JSONResponse({"id": agent_id, "deleted": True})
+
+    return [
+        Route("/v1/agents", endpoint(state, DIRECT, agents), methods=["GET"]),
+        Route("/v1/agents/{agent_id}", endpoint(state, DIRECT, agent), methods=["GET"]),
+        Route("/v1/agents/{agent_id}", endpoint(state, DIRECT, delete_agent), methods=["DELETE"]),
+        chat_route(
+            state,
+            "/v1/agents/{agent_id}/chat",
+            DirectDialect(state.limits),
+            agent_of=lambda request: request.path_params["agent_id"],
+        ),
+    ]
+
+
+async def _with_engine(state: AppState, request: Request, work):
+    """``work(engine)`` in a thread, on the engine of ``?model=`` (default: the one loaded,
+    else the first)."""
+    asked = request.query_params.get("model")
+    router = state.router
+    name = state.limits.check_model(asked) if asked else router.loaded or router.default
+    engine = await router.acquire(name)
+    try:
+        return await anyio.to_thread.run_sync(work, engine)
+    finally:
+        router.release(name)
+
+
+def _agent_json(info) -> dict:
+    """An ``AgentInfo`` as the API shows it (its ``agent_id`` is the ``id``)."""
+    fields = dataclasses.asdict(info)
+    return {"id": fields.pop("agent_id"), **fields}
+
+
+class DirectDialect(Dialect):
+    """Direct chat requests in (the agent named in the path), replies or events out."""
+
+    api = DIRECT
 
     def parse(self, body, agent_id: str) -> TurnRequest:
         agent_id = validate_agent_id(agent_id)
@@ -68,25 +115,23 @@ class DirectDialect:
             cache_salt=req.cache_salt,
         )
 
-    def response(
-        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser=None
-    ) -> dict:
+    def response(self, reply: Reply) -> dict:
+        result = reply.result
         return {
-            "agent_id": req.agent_id,
-            "model": req.model,
+            "agent_id": reply.req.agent_id,
+            "model": reply.req.model,
             "text": result.text,
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
             "stop_sequence": result.stop_sequence,
-            "stats": agentkv,
+            "stats": reply.agentkv,
         }
 
-    async def stream(
-        self, req: TurnRequest, turn, counts: dict, finish, parser=None
-    ) -> AsyncIterator[str]:
-        r = turn.resumed
+    async def stream(self, reply: Reply) -> AsyncIterator[str]:
+        """The raw text as it is generated (no tools here: nothing to parse)."""
+        r, counts = reply.turn.resumed, reply.counts
         start = {
-            "agent_id": req.agent_id,
+            "agent_id": reply.req.agent_id,
             "cache": r.tier,
             "match": r.match,
             "stored_tokens": r.stored_tokens,
@@ -95,7 +140,7 @@ class DirectDialect:
             "reuse_note": r.note,
         }
         yield sse(start, "start")
-        async for piece in turn.pieces():
+        async for piece in reply.turn.pieces():
             yield HEARTBEAT if piece is None else sse({"text": piece}, "delta")
-        result, agentkv = await finish()
-        yield sse(self.response(req, result, counts, agentkv), "end")
+        await reply.finish()
+        yield sse(self.response(reply), "end")

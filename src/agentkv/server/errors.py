@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from pydantic import ValidationError
 
 
@@ -58,6 +61,21 @@ def anthropic_error_body(error: APIError) -> dict:
         "type": "error",
         "error": {"type": ANTHROPIC_TYPES[error.kind], "message": error.message},
     }
+
+
+@dataclass(frozen=True)
+class API:
+    """One API as the server answers it: its name (the ``api`` label of the request count)
+    and the shape of its error bodies."""
+
+    name: str
+    error_body: Callable[[APIError], dict]
+
+
+OPENAI = API("openai", openai_error_body)
+ANTHROPIC = API("anthropic", anthropic_error_body)
+RESPONSES = API("responses", openai_error_body)
+DIRECT = API("direct", openai_error_body)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

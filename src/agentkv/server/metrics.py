@@ -11,20 +11,18 @@ from ..kernels.attention import paths_used
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+def turn_load(router) -> dict:
+    """The loaded engine's turns ``waiting`` and ``running`` (none while no model is loaded)."""
+    engine = router.engine
+    return engine.scheduler.load() if engine is not None else {"waiting": 0, "running": 0}
+
+
 class Metrics:
     """Counters of the server's turns and gauges of the loaded model's engine (0 while no
     model is loaded)."""
 
     def __init__(self, router):
         self.registry = r = CollectorRegistry()
-
-        def of_engine(read, default=0):
-            def value():
-                engine = router.engine
-                return read(engine) if engine is not None else default
-
-            return value
-
         self.requests = Counter(
             "agentkv_requests", "HTTP requests answered", ["api", "status"], registry=r
         )
@@ -41,57 +39,7 @@ class Metrics:
         self.ttft = Histogram(
             "agentkv_ttft_seconds", "time to first token", buckets=TTFT_BUCKETS, registry=r
         )
-        Gauge(
-            "agentkv_kv_resident_bytes", "KV cache bytes held in memory", registry=r
-        ).set_function(of_engine(lambda e: e.resident_bytes()))
-        Gauge(
-            "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
-        ).set_function(of_engine(lambda e: e.disk_bytes()))
-        blocks = Gauge(
-            "agentkv_pool_blocks",
-            "KV pool blocks by state: capacity, used (held by agents), shared (by more than "
-            "one), cached (held by none, kept findable), free, reserved (for running turns)",
-            ["state"],
-            registry=r,
-        )
-        fields = {
-            "capacity": "capacity_blocks",
-            "used": "used_blocks",
-            "shared": "shared_blocks",
-            "cached": "cached_blocks",
-            "free": "free_blocks",
-            "reserved": "reserved_blocks",
-        }
-        for state, field in fields.items():
-            blocks.labels(state).set_function(
-                of_engine(lambda e, field=field: getattr(e.pool_stats(), field))
-            )
-        Gauge(
-            "agentkv_pool_block_bytes", "bytes of one pool block (every layer)", registry=r
-        ).set_function(of_engine(lambda e: e.pool_stats().block_bytes))
-        Gauge(
-            "agentkv_model_swaps", "models loaded since the server started", registry=r
-        ).set_function(lambda: router.swaps)
-        calls = Gauge(
-            "agentkv_attention_calls",
-            "attention calls over agentkv caches by path (fused_cpu: agentkv's kernel, "
-            "quantized_matmul: MLX's), since the process started",
-            ["path"],
-            registry=r,
-        )
-        for path in paths_used():
-            calls.labels(path).set_function(lambda path=path: paths_used()[path])
-
-        def load():
-            engine = router.engine
-            return engine.scheduler.load() if engine is not None else {"waiting": 0, "running": 0}
-
-        Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
-            lambda: load()["waiting"]
-        )
-        Gauge("agentkv_turns_running", "turns prefilling or decoding", registry=r).set_function(
-            lambda: load()["running"]
-        )
+        _add_gauges(r, router)
 
     def turn(self, result: ChatResult) -> None:
         s = result.stats
@@ -106,3 +54,64 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _add_gauges(r: CollectorRegistry, router) -> None:
+    """The gauges of the loaded engine (its KV bytes, pool, turns) and of the process."""
+    Gauge("agentkv_kv_resident_bytes", "KV cache bytes held in memory", registry=r).set_function(
+        _of_engine(router, lambda e: e.resident_bytes())
+    )
+    Gauge(
+        "agentkv_kv_disk_bytes", "KV cache bytes stored on disk for this model", registry=r
+    ).set_function(_of_engine(router, lambda e: e.disk_bytes()))
+    blocks = Gauge(
+        "agentkv_pool_blocks",
+        "KV pool blocks by state: capacity, used (held by agents), shared (by more than "
+        "one), cached (held by none, kept findable), free, reserved (for running turns)",
+        ["state"],
+        registry=r,
+    )
+    fields = {
+        "capacity": "capacity_blocks",
+        "used": "used_blocks",
+        "shared": "shared_blocks",
+        "cached": "cached_blocks",
+        "free": "free_blocks",
+        "reserved": "reserved_blocks",
+    }
+    for state, field in fields.items():
+        blocks.labels(state).set_function(
+            _of_engine(router, lambda e, field=field: getattr(e.pool_stats(), field))
+        )
+    Gauge(
+        "agentkv_pool_block_bytes", "bytes of one pool block (every layer)", registry=r
+    ).set_function(_of_engine(router, lambda e: e.pool_stats().block_bytes))
+    Gauge("agentkv_model_swaps", "models loaded since the server started", registry=r).set_function(
+        lambda: router.swaps
+    )
+    calls = Gauge(
+        "agentkv_attention_calls",
+        "attention calls over agentkv caches by path (fused_cpu: agentkv's kernel, "
+        "quantized_matmul: MLX's), since the process started",
+        ["path"],
+        registry=r,
+    )
+    for path in paths_used():
+        calls.labels(path).set_function(lambda path=path: paths_used()[path])
+
+    Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
+        lambda: turn_load(router)["waiting"]
+    )
+    Gauge("agentkv_turns_running", "turns prefilling or decoding", registry=r).set_function(
+        lambda: turn_load(router)["running"]
+    )
+
+
+def _of_engine(router, read):
+    """A gauge's reading of the loaded engine (0 while no model is loaded)."""
+
+    def value():
+        engine = router.engine
+        return read(engine) if engine is not None else 0
+
+    return value

@@ -20,30 +20,21 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.routing import Route
 
 from ..engine.constraints import Constraint
 from ..engine.results import ChatResult
 from ..errors import InvalidRequestError
-from ..tools import ReplyParser, ToolCall
-from .common import (
-    HEARTBEAT,
-    ServerLimits,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    parse_body,
-    sampling,
-    sse,
-    stop_list,
-)
-from .errors import bad_request, openai_error_body
+from ..tools import ToolCall
+from .answer import chat_route
+from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling, stop_list
+from .endpoint import AppState
+from .errors import OPENAI, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import from_openai
+from .replies import Dialect, Reply, in_pieces, sse
 from .requests import TurnRequest
 from .tooling import ToolChoice, check_function, check_unique, openai_tool_choice
-
-ARGUMENT_PIECE = 16  # characters of arguments per streamed chunk
 
 
 class _OpenAIMessage(BaseModel):
@@ -159,17 +150,6 @@ def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
     return tools, choice
 
 
-def _function_name(choice: dict):
-    function = choice.get("function")
-    return function.get("name") if isinstance(function, dict) else None
-
-
-def _calls(req: TurnRequest, parser: ReplyParser) -> list[ToolCall]:
-    calls = parser.calls
-    parallel = req.tool_choice is None or req.tool_choice.parallel
-    return calls if parallel else calls[:1]
-
-
 def _call_json(call: ToolCall, index: int | None = None) -> dict:
     out = {
         "id": call.id,
@@ -185,14 +165,10 @@ def _finish(result: ChatResult, calls: list[ToolCall]) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-class OpenAIDialect:
+class OpenAIDialect(Dialect):
     """Chat Completions requests in, completions (or chunk streams) out."""
 
-    name = "openai"
-    error_body = staticmethod(openai_error_body)
-
-    def __init__(self, limits: ServerLimits):
-        self.limits = limits
+    api = OPENAI
 
     def parse(self, body, agent_header: str | None) -> TurnRequest:
         req: _OpenAIChat = parse_body(_OpenAIChat, body)
@@ -237,85 +213,74 @@ class OpenAIDialect:
             "prompt_tokens_details": {"cached_tokens": counts["reused"]},
         }
 
-    def response(
-        self, req: TurnRequest, result: ChatResult, counts: dict, agentkv: dict, parser
-    ) -> dict:
-        parser.feed(result.text)
-        parser.finish()
-        calls = _calls(req, parser)
+    def response(self, reply: Reply) -> dict:
+        parser, calls = reply.parser, reply.calls
         message = {"role": "assistant", "content": parser.content}
         if calls:
             message["content"] = parser.content.strip() or None
             message["tool_calls"] = [_call_json(c) for c in calls]
         if parser.reasoning:
             message["reasoning_content"] = parser.reasoning
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": _finish(reply.result, calls),
+            "logprobs": None,
+        }
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": _finish(result, calls),
-                    "logprobs": None,
-                }
-            ],
-            "usage": self._usage(counts, result.stats.generated_tokens),
-            "agentkv": agentkv,
+            "model": reply.req.model,
+            "choices": [choice],
+            "usage": self._usage(reply.counts, reply.generated),
+            "agentkv": reply.agentkv,
         }
 
-    async def stream(
-        self, req: TurnRequest, turn, counts: dict, finish, parser
-    ) -> AsyncIterator[str]:
-        base = {
+    async def stream(self, reply: Reply) -> AsyncIterator[str]:
+        chunks = _Chunks(reply.req)
+        yield chunks.chunk({"role": "assistant", "content": ""})
+        async for line in reply.written(chunks):
+            yield line
+        yield chunks.chunk({}, _finish(reply.result, reply.calls))
+        if reply.req.include_usage:
+            usage = self._usage(reply.counts, reply.generated)
+            yield sse({**chunks.base, "choices": [], "usage": usage, "agentkv": reply.agentkv})
+        yield sse("[DONE]")
+
+
+class _Chunks:
+    """The chunks of a streamed completion (one choice); its calls indexed in order."""
+
+    def __init__(self, req: TurnRequest):
+        self.base = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": req.model,
         }
-        extra = {"usage": None} if req.include_usage else {}
-        sent_calls: list[ToolCall] = []
+        self.extra = {"usage": None} if req.include_usage else {}
+        self.calls = 0
 
-        def chunk(delta: dict, finish_reason=None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            return sse({**base, "choices": [choice], **extra})
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return sse({**self.base, "choices": [choice], **self.extra})
 
-        def events(evs) -> list[str]:
-            out = []
-            for ev in evs:
-                if ev.kind == "content":
-                    out.append(chunk({"content": ev.text}))
-                elif ev.kind == "reasoning":
-                    out.append(chunk({"reasoning_content": ev.text}))
-                elif not sent_calls or req.tool_choice.parallel:
-                    out += call_chunks(ev.call, len(sent_calls))
-                    sent_calls.append(ev.call)
-            return out
+    def text(self, kind: str, text: str) -> list[str]:
+        key = "reasoning_content" if kind == "reasoning" else "content"
+        return [self.chunk({key: text})]
 
-        def call_chunks(call: ToolCall, index: int) -> list[str]:
-            head = _call_json(call, index)
-            head["function"]["arguments"] = ""
-            out = [chunk({"tool_calls": [head]})]
-            args = call.arguments_json
-            for at in range(0, len(args), ARGUMENT_PIECE):
-                piece = {"index": index, "function": {"arguments": args[at : at + ARGUMENT_PIECE]}}
-                out.append(chunk({"tool_calls": [piece]}))
-            return out
+    def call(self, call: ToolCall) -> list[str]:
+        """A call: its index, id and name (arguments ""), then its arguments in pieces."""
+        index, self.calls = self.calls, self.calls + 1
+        head = _call_json(call, index)
+        head["function"]["arguments"] = ""
+        deltas = [head] + [
+            {"index": index, "function": {"arguments": piece}}
+            for piece in in_pieces(call.arguments_json)
+        ]
+        return [self.chunk({"tool_calls": [delta]}) for delta in deltas]
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for piece in turn.pieces():
-            if piece is None:
-                yield HEARTBEAT
-                continue
-            for event in events(parser.feed(piece)):
-                yield event
-        result, agentkv = await finish()
-        for event in events(parser.finish()):
-            yield event
-        yield chunk({}, _finish(result, sent_calls))
-        if req.include_usage:
-            usage = self._usage(counts, result.stats.generated_tokens)
-            yield sse({**base, "choices": [], "usage": usage, "agentkv": agentkv})
-        yield sse("[DONE]")
+
+def routes(state: AppState) -> list[Route]:
+    return [chat_route(state, "/v1/chat/completions", OpenAIDialect(state.limits))]

@@ -34,24 +34,19 @@ from dataclasses import dataclass, field
 
 import anyio
 from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from ..engine.constraints import Constraint
-from ..engine.results import ChatResult
-from ..tools import ReplyParser, ToolCall
-from .common import (
-    HEARTBEAT,
-    ServerLimits,
-    StrictBool,
-    StrictFloat,
-    StrictInt,
-    StrictStr,
-    parse_body,
-    sampling,
-    sse,
-)
-from .errors import APIError, bad_request, openai_error_body
+from ..tools import ToolCall
+from .answer import chat_route
+from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling
+from .endpoint import AppState, endpoint
+from .errors import RESPONSES, APIError, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import check_results, tool_call, tool_result
+from .replies import Dialect, Reply, in_pieces, sse
 from .requests import TurnRequest
 from .response_store import ResponseStore, valid_id
 from .tooling import (
@@ -62,7 +57,6 @@ from .tooling import (
     parse_arguments,
 )
 
-ARGUMENT_PIECE = 16  # characters of arguments per streamed delta
 MAX_METADATA = 16
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -289,15 +283,30 @@ def _reasoning(item_id: str, text: str | None) -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content}
 
 
-class ResponsesDialect:
+def routes(state: AppState, store: ResponseStore) -> list[Route]:
+    dialect = ResponsesDialect(state.limits, store)
+
+    async def get_response(request: Request) -> JSONResponse:
+        record = await dialect.load(request.path_params["response_id"])
+        return JSONResponse(record["response"])
+
+    async def delete_response(request: Request) -> JSONResponse:
+        return JSONResponse(await dialect.delete(request.path_params["response_id"]))
+
+    one = "/v1/responses/{response_id}"
+    return [
+        chat_route(state, "/v1/responses", dialect),
+        Route(one, endpoint(state, RESPONSES, get_response), methods=["GET"]),
+        Route(one, endpoint(state, RESPONSES, delete_response), methods=["DELETE"]),
+    ]
+
+
+@dataclass
+class ResponsesDialect(Dialect):
     """Responses requests in, response objects (or event streams) out; stored responses."""
 
-    name = "responses"
-    error_body = staticmethod(openai_error_body)
-
-    def __init__(self, limits: ServerLimits, store: ResponseStore):
-        self.limits = limits
-        self.store = store
+    api = RESPONSES
+    store: ResponseStore
 
     async def parse(self, body, agent_header: str | None) -> ResponsesRequest:
         req: _Responses = parse_body(_Responses, body)
@@ -390,10 +399,6 @@ class ResponsesDialect:
             "total_tokens": counts["prompt"] + generated,
         }
 
-    @staticmethod
-    def _calls(req: ResponsesRequest, parser: ReplyParser) -> list[ToolCall]:
-        return parser.calls if req.tool_choice.parallel else parser.calls[:1]
-
     def _object(self, req: ResponsesRequest, response_id: str, created: int, **state) -> dict:
         return {
             "id": response_id,
@@ -410,42 +415,39 @@ class ResponsesDialect:
         }
 
     @staticmethod
-    def _status(result: ChatResult, calls: list[ToolCall]) -> dict:
-        if result.finish_reason == "length" and not calls:
+    def _status(reply: Reply) -> dict:
+        if reply.result.finish_reason == "length" and not reply.calls:
             return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
         return {"status": "completed", "incomplete_details": None}
 
     @staticmethod
-    def _reply(result: ChatResult, parser: ReplyParser, calls: list[ToolCall]) -> dict:
+    def _kept_message(reply: Reply) -> dict:
         """The assistant message the conversation keeps (calls structured: the agent's own
         text is replayed from its history; a plain reply as the model wrote it)."""
-        if not calls:
-            return {"role": "assistant", "content": result.text}
+        if not reply.calls:
+            return {"role": "assistant", "content": reply.result.text}
         return {
             "role": "assistant",
-            "content": parser.content.strip(),
-            "tool_calls": [tool_call(c.id, c.name, c.arguments) for c in calls],
+            "content": reply.parser.content.strip(),
+            "tool_calls": [tool_call(c.id, c.name, c.arguments) for c in reply.calls],
         }
 
-    async def _save(self, req, response: dict, reply: dict) -> None:
+    async def _save(self, reply: Reply, response: dict) -> None:
+        req = reply.req
         if not req.store:
             return
         record = {
             "id": response["id"],
             "agent_id": req.agent_id,
             "model": req.model,
-            "conversation": [*req.conversation, reply],
+            "conversation": [*req.conversation, self._kept_message(reply)],
             "response": response,
         }
         await anyio.to_thread.run_sync(self.store.put, record)
 
-    async def response(
-        self, req: ResponsesRequest, result: ChatResult, counts: dict, agentkv: dict, parser
-    ) -> dict:
-        parser.feed(result.text)
-        parser.finish()
-        calls = self._calls(req, parser)
-        status = self._status(result, calls)
+    async def response(self, reply: Reply) -> dict:
+        parser, calls = reply.parser, reply.calls
+        status = self._status(reply)
         output = []
         if parser.reasoning:
             output.append(_reasoning(f"rs_{_hex()}", parser.reasoning))
@@ -454,52 +456,29 @@ class ResponsesDialect:
             output.append(_message(f"msg_{_hex()}", parser.content, message_status))
         output += [_function_call(c, f"fc_{_hex()}") for c in calls]
         body = self._object(
-            req,
+            reply.req,
             f"resp_{_hex()}",
             int(time.time()),
             output=output,
-            usage=self._usage(counts, result.stats.generated_tokens),
+            usage=self._usage(reply.counts, reply.generated),
             **status,
         )
-        await self._save(req, body, self._reply(result, parser, calls))
-        return {**body, "agentkv": agentkv}
+        await self._save(reply, body)
+        return {**body, "agentkv": reply.agentkv}
 
-    async def stream(
-        self, req: ResponsesRequest, turn, counts: dict, finish, parser
-    ) -> AsyncIterator[str]:
-        events = _Events(self._object(req, f"resp_{_hex()}", int(time.time())))
-        calls: list[ToolCall] = []
+    async def stream(self, reply: Reply) -> AsyncIterator[str]:
+        events = _Events(self._object(reply.req, f"resp_{_hex()}", int(time.time())))
         yield events.emit("response.created", response=events.snapshot())
         yield events.emit("response.in_progress", response=events.snapshot())
-
-        def handle(evs) -> list[str]:
-            out = []
-            for ev in evs:
-                if ev.kind == "call":
-                    if calls and not req.tool_choice.parallel:
-                        continue
-                    calls.append(ev.call)
-                    out += events.call(ev.call)
-                else:
-                    out += events.text(ev.kind, ev.text)
-            return out
-
-        async for piece in turn.pieces():
-            if piece is None:
-                yield HEARTBEAT
-                continue
-            for event in handle(parser.feed(piece)):
-                yield event
-        result, agentkv = await finish()
-        for event in handle(parser.finish()):
-            yield event
-        status = self._status(result, calls)
-        for event in events.close(empty_message=not calls, status=status["status"]):
-            yield event
-        body = events.snapshot(usage=self._usage(counts, result.stats.generated_tokens), **status)
-        await self._save(req, body, self._reply(result, parser, calls))
+        async for line in reply.written(events):
+            yield line
+        status = self._status(reply)
+        for line in events.close(empty_message=not reply.calls, status=status["status"]):
+            yield line
+        body = events.snapshot(usage=self._usage(reply.counts, reply.generated), **status)
+        await self._save(reply, body)
         kind = "response.completed" if status["status"] == "completed" else "response.incomplete"
-        yield events.emit(kind, response={**body, "agentkv": agentkv})
+        yield events.emit(kind, response={**body, "agentkv": reply.agentkv})
 
 
 class _Events:
@@ -579,23 +558,15 @@ class _Events:
         item_id = f"fc_{_hex()}"
         out.append(self._add(_function_call(call, item_id, "")))
         index = len(self.output) - 1
-        args = call.arguments_json
-        for at in range(0, len(args), ARGUMENT_PIECE):
-            out.append(
-                self.emit(
-                    "response.function_call_arguments.delta",
-                    item_id=item_id,
-                    output_index=index,
-                    delta=args[at : at + ARGUMENT_PIECE],
-                )
-            )
+        where = {"item_id": item_id, "output_index": index}
+        for piece in in_pieces(call.arguments_json):
+            out.append(self.emit("response.function_call_arguments.delta", **where, delta=piece))
         out.append(
             self.emit(
                 "response.function_call_arguments.done",
-                item_id=item_id,
-                output_index=index,
+                **where,
                 name=call.name,
-                arguments=args,
+                arguments=call.arguments_json,
             )
         )
         self.output[index] = _function_call(call, item_id)

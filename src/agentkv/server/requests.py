@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from .tooling import ToolChoice
 
+SAMPLING = ("max_tokens", "temperature", "top_p", "stop", "cache_salt")
+
 
 @dataclass
 class TurnRequest:
@@ -24,10 +26,5 @@ class TurnRequest:
 
     @property
     def sampling(self) -> dict:
-        return {
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stop": self.stop,
-            "cache_salt": self.cache_salt,
-        }
+        """The engine's ``submit_chat`` options this request sets (``SAMPLING``)."""
+        return {name: getattr(self, name) for name in SAMPLING}

@@ -133,12 +133,8 @@ class TurnTools:
 
     @property
     def options(self) -> dict:
-        """The engine's ``submit_chat`` options for them."""
-        return {
-            "tools": self.tools,
-            "reply_prefix": self.reply_prefix,
-            "constraint": self.constraint,
-        }
+        """The engine's ``submit_chat`` options for them: tools, reply prefix, constraint."""
+        return {name: getattr(self, name) for name in ("tools", "reply_prefix", "constraint")}
 
 
 def _think(tokenizer) -> tuple[str, str] | None:
