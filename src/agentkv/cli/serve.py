@@ -1,12 +1,21 @@
-"""``agentkv serve``: the HTTP server (uvicorn) over one Engine."""
+"""``agentkv serve``: the HTTP server (uvicorn) over one Engine.
+
+Startup, in this order, each failure one line and a non-zero exit: the port is bound (a
+port in use fails at once), the default model loads, then the server listens and says
+"serving".
+"""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
-import sys
+import socket
 from pathlib import Path
+
+from ..errors import AgentKVError
+from .output import progress
 
 API_KEY_ENV = "AGENTKV_API_KEY"
 
@@ -21,45 +30,32 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
-    from ..engine import Engine
     from ..server import create_app
+    from ..server.models import ModelRouter, describe
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host) and api_key is None:
-        print(
+        progress(
             f"agentkv: warning: serving on {args.host} without an API key: anyone who can "
-            f"reach it can use it (set --api-key or ${API_KEY_ENV})",
-            file=sys.stderr,
+            f"reach it can use it (set --api-key or ${API_KEY_ENV})"
         )
-    level = getattr(logging, args.log_level.upper())
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    ours = logging.getLogger("agentkv")
-    ours.setLevel(min(level, ours.getEffectiveLevel()))
-    from ..server.models import ModelRouter, describe
-
-    served = describe(args.model or [None])
-    ttl = args.model_idle_ttl
-    if ttl is None:
-        ttl = 600.0 if len(served) > 1 else 0.0
-
-    def make_engine(source):
-        return Engine(
-            model=source,
-            cache_dir=args.cache_dir,
-            kv_bits=args.kv_bits,
-            key_bits=args.key_bits,
-            **engine_format(args),
-            pool_bytes=args.pool_memory,
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            schedule=args.schedule,
-        )
-
-    router = ModelRouter(served, make_engine, idle_ttl=ttl or None)
-    names = ", ".join(m.name for m in served)
-    print(f"agentkv: loading {served[0].name}...", file=sys.stderr, flush=True)
+    _configure_logging(args.log_level)
+    try:
+        served = describe(args.model or [None])
+        ttl = args.model_idle_ttl
+        if ttl is None:
+            ttl = 600.0 if len(served) > 1 else 0.0
+        router = ModelRouter(served, _engine_factory(args), idle_ttl=ttl or None)
+        sockets = bind_sockets(args.host, args.port)
+        try:
+            progress(f"agentkv: loading {router.default}...")
+            router.load_default()
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
+    except AgentKVError as exc:  # a model's error can hold a hub's multi-line message
+        raise AgentKVError(" ".join(str(exc).split())) from None
     app = create_app(
         router=router,
         api_key=api_key,
@@ -68,26 +64,97 @@ def run_serve(args) -> int:
         close_engine=True,
         responses_dir=Path(args.cache_dir) / "responses" if args.cache_dir else None,
     )
-    print(
+    names = ", ".join(router.models)
+    serving = (
         f"agentkv: serving {names} on http://{args.host}:{args.port} "
         "(OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages, "
-        "agents /v1/agents)",
-        file=sys.stderr,
-        flush=True,
+        "agents /v1/agents)"
     )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.drain_timeout,
-        )
+        started = _run_uvicorn(app, sockets, args, serving)
     finally:
         engine = router.engine
         if engine is not None:  # the app's shutdown closed it, unless startup failed
             engine.close()
+    if not started:
+        raise AgentKVError("the server did not start (see the log above)")
     return 0
+
+
+def _configure_logging(log_level: str) -> None:
+    level = getattr(logging, log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    ours = logging.getLogger("agentkv")
+    ours.setLevel(min(level, ours.getEffectiveLevel()))
+
+
+def _engine_factory(args):
+    """``source -> Engine`` with the command line's engine options."""
+    from ..engine import Engine
+
+    options = {
+        "cache_dir": args.cache_dir,
+        "kv_bits": args.kv_bits,
+        "key_bits": args.key_bits,
+        "pool_bytes": args.pool_memory,
+        "max_batch": args.max_batch,
+        "max_queue": args.max_queue,
+        "schedule": args.schedule,
+        **engine_format(args),
+    }
+    return lambda source: Engine(model=source, **options)
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to ``port`` on every address ``host`` names (as uvicorn binds them), not
+    yet listening; an ``AgentKVError`` that says why if one cannot be bound."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise AgentKVError(f"cannot serve on {host!r}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: IPv4 gets a socket of its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        why = "in use (another server? --port picks another)"
+        if exc.errno != errno.EADDRINUSE:
+            why = exc.strerror or str(exc)
+        raise AgentKVError(f"cannot serve on {host}:{port}: {why}") from None
+    return sockets
+
+
+def _run_uvicorn(app, sockets: list[socket.socket], args, serving: str) -> bool:
+    """Serve ``app`` on ``sockets`` until a signal ends it; print ``serving`` once it
+    listens. Whether it started."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                progress(serving)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.drain_timeout,
+    )
+    server = Server(config)
+    try:
+        server.run(sockets=sockets)
+    except SystemExit:  # uvicorn's way out of a failed startup (it logged why)
+        return False
+    return server.started
 
 
 def engine_format(args) -> dict:

@@ -115,6 +115,13 @@ class ModelRouter:
 
     # -- loading ----------------------------------------------------------------------------
 
+    def load_default(self) -> None:
+        """Load the default model now, on this thread, before the server runs (so a model
+        that cannot load fails the start, before any request can come)."""
+        model = self.models[self.default]
+        self._slot.engine, self._slot.name = self._make_engine(model.source), model.name
+        self.swaps += 1
+
     async def start(self) -> None:
         """Load the default model (so the server is ready) and start the idle reaper."""
         await self.acquire(self.default)
