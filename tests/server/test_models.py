@@ -6,9 +6,10 @@ import time
 
 import httpx
 import pytest
-from agentkv.benchmarks.server_process import ServerProcess
 from helpers import tiny_llama_dir
 from test_server import _env
+
+from agentkv.benchmarks.server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from agentkv.benchmarks.server_process import ServerProcess
 from pydantic import BaseModel, Field
 
 import agentkv
+from agentkv.benchmarks.server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 ASK = [{"role": "user", "content": "Describe Paris as JSON: its name, country and population."}]

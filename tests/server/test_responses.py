@@ -18,9 +18,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from agentkv.benchmarks.server_process import ServerProcess
 
 import agentkv
+from agentkv.benchmarks.server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 INSTRUCTIONS = "You are the weather desk of a small newspaper. Answer in one sentence. " * 3

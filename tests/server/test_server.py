@@ -19,9 +19,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from agentkv.benchmarks.server_process import ServerProcess
 
 import agentkv
+from agentkv.benchmarks.server_process import ServerProcess
 
 MODEL = "smollm2-135m-instruct"
 # After draining on SIGTERM, uvicorn re-raises the signal: the exit status says how it ended.
@@ -335,6 +335,22 @@ def test_metrics_count_turns_tokens_and_bytes(server):
     resident = [ln for ln in text.splitlines() if ln.startswith("agentkv_kv_resident_bytes ")]
     disk = [ln for ln in text.splitlines() if ln.startswith("agentkv_kv_disk_bytes ")]
     assert float(resident[0].split()[1]) > 0 and float(disk[0].split()[1]) > 0
+
+
+def _requests_answered(http, api: str, status: str) -> float:
+    """``agentkv_requests_total`` of ``api`` and ``status``, as ``/metrics`` reads now."""
+    wanted = f'agentkv_requests_total{{api="{api}",status="{status}"}} '
+    lines = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(wanted)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_health_probes_are_not_counted_as_requests(server):
+    with server.client() as http:
+        before = _requests_answered(http, "direct", "200")
+        for _ in range(3):
+            assert http.get("/health").status_code == 200
+        after = _requests_answered(http, "direct", "200")
+    assert after == before + 1  # the /metrics call that read ``before``, no /health
 
 
 def _user(text="Hi."):
@@ -706,12 +722,14 @@ def test_bad_input_gets_the_apis_error_shape_and_the_server_keeps_serving(server
 def _raw_http(server, head: str, body_parts=()) -> tuple[int, dict, bytes]:
     """Send a request exactly as given, the whole body before reading anything (as urllib
     and many SDKs do); then read the answer until the server closes or it is complete."""
+    deadline = time.monotonic() + 120
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         sock.sendall(head.encode())
         for part in body_parts:
             sock.sendall(part)
         data = b""
         while b"\r\n\r\n" not in data:
+            assert time.monotonic() < deadline, f"no whole answer head in 120 s: {data!r}"
             chunk = sock.recv(65536)
             assert chunk, f"connection closed before an answer: {data!r}"
             data += chunk
@@ -720,6 +738,7 @@ def _raw_http(server, head: str, body_parts=()) -> tuple[int, dict, bytes]:
         headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines)}
         length = int(headers.get("content-length", 0))
         while len(rest) < length:
+            assert time.monotonic() < deadline, f"no whole answer body in 120 s: {rest!r}"
             chunk = sock.recv(65536)
             if not chunk:
                 break
@@ -865,13 +884,11 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path):
             running = pool.submit(
                 httpx.post, f"{proc.url}/v1/agents/q-a/chat", json=body, timeout=120
             )
-            while not httpx.get(f"{proc.url}/health").json()["running"]:
-                time.sleep(0.02)
+            _wait_for(proc, "running")
             waiting = pool.submit(
                 httpx.post, f"{proc.url}/v1/agents/q-b/chat", json=body, timeout=120
             )
-            while not httpx.get(f"{proc.url}/health").json()["waiting"]:
-                time.sleep(0.02)
+            _wait_for(proc, "waiting")
             r = httpx.post(
                 f"{proc.url}/v1/chat/completions", json={"model": MODEL, "messages": _user()}
             )

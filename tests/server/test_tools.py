@@ -13,9 +13,9 @@ from typing import Literal
 import anthropic
 import openai
 import pytest
-from agentkv.benchmarks.server_process import ServerProcess
 
 import agentkv
+from agentkv.benchmarks.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow  # a server of its own and ~40 s of turns (test_server.py has
 # the tool-call round trip and the bad tool requests in the fast tier)
