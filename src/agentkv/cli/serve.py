@@ -56,22 +56,16 @@ def run_serve(args) -> int:
             raise
     except AgentKVError as exc:  # a model's error can hold a hub's multi-line message
         raise AgentKVError(" ".join(str(exc).split())) from None
-    app = create_app(
-        router=router,
-        api_key=api_key,
-        max_body_bytes=args.max_body_mb << 20,
-        default_max_tokens=args.default_max_tokens,
-        close_engine=True,
-        responses_dir=Path(args.cache_dir) / "responses" if args.cache_dir else None,
-    )
-    names = ", ".join(router.models)
-    serving = (
-        f"agentkv: serving {names} on http://{args.host}:{args.port} "
-        "(OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages, "
-        "agents /v1/agents)"
-    )
     try:
-        started = _run_uvicorn(app, sockets, args, serving)
+        app = create_app(
+            router=router,
+            api_key=api_key,
+            max_body_bytes=args.max_body_mb << 20,
+            default_max_tokens=args.default_max_tokens,
+            close_engine=True,
+            responses_dir=Path(args.cache_dir) / "responses" if args.cache_dir else None,
+        )
+        started = _run_uvicorn(app, sockets, args, _serving_line(args.host, sockets, router))
     finally:
         engine = router.engine
         if engine is not None:  # the app's shutdown closed it, unless startup failed
@@ -79,6 +73,15 @@ def run_serve(args) -> int:
     if not started:
         raise AgentKVError("the server did not start (see the log above)")
     return 0
+
+
+def _serving_line(host: str, sockets: list[socket.socket], router) -> str:
+    port = sockets[0].getsockname()[1]  # the one bound (--port 0: a free one)
+    return (
+        f"agentkv: serving {', '.join(router.models)} on http://{host}:{port} "
+        "(OpenAI /v1/chat/completions and /v1/responses, Anthropic /v1/messages, "
+        "agents /v1/agents)"
+    )
 
 
 def _configure_logging(log_level: str) -> None:

@@ -1,16 +1,16 @@
 """The ASGI app (Starlette) behind ``agentkv serve``: the routes of each API, assembled.
 
-Routes (each module's ``routes`` builds its own)::
+Routes, each API's built by the ``routes`` of its module::
 
-    POST /v1/chat/completions        OpenAI chat (stream or not)        openai_chat
-    POST /v1/messages                Anthropic messages (stream or not) anthropic_messages
-    POST /v1/responses               OpenAI Responses (stream or not;   openai_responses
-    GET|DELETE /v1/responses/{id}      previous_response_id), stored
-    POST /v1/agents/{id}/chat        direct: the agent named in the path direct
-    GET  /v1/agents[/{id}]           stored and in-memory agents
-    DELETE /v1/agents/{id}           forget an agent (memory and disk)
-    GET  /v1/models[/{id}]           OpenAI model list                  status
-    GET  /health, GET /metrics
+    openai_chat         POST /v1/chat/completions      stream or not
+    anthropic_messages  POST /v1/messages              stream or not
+    openai_responses    POST /v1/responses             stream or not; previous_response_id
+                        GET|DELETE /v1/responses/{id}  a stored response
+    direct              POST /v1/agents/{id}/chat      the agent named in the path
+                        GET /v1/agents[/{id}]          stored and in-memory agents
+                        DELETE /v1/agents/{id}         forget an agent (memory and disk)
+    status              GET /v1/models[/{id}]          OpenAI's model list
+                        GET /health, GET /metrics      a probe (not counted); Prometheus
 
 How a chat turn becomes an answer (headers, streaming, cancellation) is ``answer.py``;
 what every route shares (the state record, the API key, error shapes, the body limit) is
