@@ -104,7 +104,12 @@ def _serve(serve: argparse.ArgumentParser) -> None:
         "x-api-key); also read from $AGENTKV_API_KEY",
     )
     _add_serve_limits(serve)
-    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="the server's log, uvicorn's request lines included (default info)",
+    )
 
 
 def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
