@@ -5,6 +5,7 @@ tests run the real embedded model from the user's model cache (``AGENTKV_MODELS`
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,6 @@ def pytest_terminal_summary(terminalreporter):
     """Peak resident memory of this run, so CI reports it: the test process, and the largest
     of its finished child processes (a forked child starts with its parent's pages)."""
     import resource
-    import sys
 
     unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
@@ -54,6 +54,54 @@ def pytest_terminal_summary(terminalreporter):
 
 
 import agentkv  # noqa: E402,F401  (BLAS preload before anything imports mlx)
+
+_ACTIVE_BYTES = 0  # MLX memory in use after the last collection
+_COLLECT = False  # the last test left memory behind: collect before the next one
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Free what the tests before this one left behind, once pytest has dropped their
+    fixture values: a closed Engine sits in a reference cycle, which keeps its model and pool
+    alive until the cycle collector runs (seldom), so engine tests piled up gigabytes. The
+    collection (~40 ms) runs only after a test that left MLX memory in use, or at a module's
+    end (its module-scoped fixtures)."""
+    global _ACTIVE_BYTES, _COLLECT
+    if _COLLECT:
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+        _trim_malloc()
+        _ACTIVE_BYTES, _COLLECT = mx.get_active_memory(), False
+
+
+def _trim_malloc() -> None:
+    """Hand glibc's freed heap back to the system: a freed model's weights otherwise stay
+    resident (~500 MiB each) and the next engine's land beside them."""
+    if sys.platform == "linux":
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    global _COLLECT
+    import mlx.core as mx
+
+    try:
+        return (yield)
+    finally:
+        mx.clear_cache()  # MLX's buffer cache back to the system
+        module = getattr(item, "module", None)
+        module_ends = nextitem is None or getattr(nextitem, "module", None) is not module
+        _COLLECT = module_ends or mx.get_active_memory() > _ACTIVE_BYTES + (64 << 20)
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +135,7 @@ def fresh_engine(tmp_path):
     yield make
     for eng in engines:
         eng.close()
+    engines.clear()  # pytest keeps ``make`` until after teardown
 
 
 @pytest.fixture
