@@ -16,7 +16,7 @@ from agentkv.format.geometry import BLOCK_TOKENS
 
 # The embedded model's default KV format: 8-bit keys in the two layers its shipped calibration
 # names (as tests/engine/test_engine_format_v2.py says).
-DEFAULT_FORMAT = "q4.v2+k8@19,20"
+DEFAULT_FORMAT = "q4.v2+k8@18,19"
 
 
 def agentkv(*args, env, stdin=None, timeout=600):

@@ -83,3 +83,15 @@ def test_an_unknown_weights_mode_is_refused():
 
     with pytest.raises(ModelImportError, match="weights must be one of quantized, float32"):
         load_model(weights="int3")
+
+
+def test_the_quantized_model_s_wide_layers_ship_with_the_package(quantized):
+    """No 20 s calibration pass on first use with 4-bit weights either."""
+    from dataclasses import replace
+
+    from agentkv.format.choice import choose_kv_quant
+    from agentkv.model import wide_layers
+
+    spec = quantized.spec
+    base = replace(choose_kv_quant(spec, key_bits=4, value_bits=4, group_size=None), wide_layers=())
+    assert wide_layers._remembered(spec, base) == (19, 20)

@@ -221,7 +221,8 @@ def _models_import_gguf(imp: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "quantized"),
         default="auto",
-        help="float32 (fast on CPU) or quantized as stored (Metal/CUDA); auto picks by device",
+        help="quantized as stored (agentkv's CPU kernel or the GPU runs it) or float32 "
+        "(dequantized); auto: what --weights defaults to on this device",
     )
     add_flag(imp, "--force", "re-import even if already imported")
 

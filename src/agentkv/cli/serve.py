@@ -161,10 +161,10 @@ def _run_uvicorn(app, sockets: list[socket.socket], args, serving: str) -> bool:
 
 
 def engine_format(args) -> dict:
-    """``Engine`` options for ``--kv-format`` and ``--kv-wide-layers`` (unset or ``auto``:
-    the engine's defaults)."""
+    """``Engine`` options for ``--weights``, ``--kv-format`` and ``--kv-wide-layers`` (unset
+    or ``auto``: the engine's defaults)."""
     options = {}
-    for name in ("kv_format", "kv_wide_layers"):
+    for name in ("weights", "kv_format", "kv_wide_layers"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

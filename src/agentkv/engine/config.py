@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
 from ..format.quant import KVQuant
+from ..model.load import WEIGHTS
 from ..text.matcher import DEFAULT_MIN_REUSE
 from .scheduler import POLICIES
 
@@ -20,6 +21,10 @@ class EngineConfig:
     """How an Engine runs: ``Engine(config=EngineConfig(...))`` or ``Engine(**options)``.
 
     ``model``: an mlx-lm model directory or hub id (None: the embedded SmolLM2-135M);
+    ``weights``: ``"quantized"`` runs 4- and 8-bit weights as the model ships them (on CPU
+    through agentkv's quantized matmul: 84 MB for the embedded model), ``"float32"``
+    dequantizes them at load (538 MB); None: quantized on a GPU, float32 on CPU for now
+    (docs/compute.md);
     ``cache_dir``: where agents' KV is stored (None: ``$AGENTKV_HOME/kv``).
     ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
     float16); ``group_size``: values per scale (None: fitted to the model's head dims).
@@ -40,6 +45,7 @@ class EngineConfig:
     """
 
     model: str | os.PathLike | None = None
+    weights: str | None = None
     cache_dir: str | os.PathLike | None = None
     kv_bits: int = 4
     key_bits: int | None = None
@@ -56,6 +62,10 @@ class EngineConfig:
     kv_wide_layers: Sequence[int] | None = None
 
     def __post_init__(self):
+        if self.weights is not None and self.weights not in WEIGHTS:
+            raise InvalidRequestError(
+                f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}"
+            )
         self.requested_quant()  # the bits and the group size
         if self.min_reuse_tokens < 0 or self.prefill_chunk < 64:
             raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")

@@ -115,9 +115,11 @@ class Engine:
         warmup: bool = True,
         kv_format: int = 2,
         kv_wide_layers: Sequence[int] | None = None,
+        weights: str | None = None,
     ):
         options = EngineConfig(
             model=model,
+            weights=weights,
             cache_dir=cache_dir,
             kv_bits=kv_bits,
             key_bits=key_bits,
@@ -139,7 +141,7 @@ class Engine:
         self._tool_format: ToolFormat | None = None
         self._closed = False
         with ProgressBar(2, "starting the engine", unit="step") as bar:
-            self.loaded: LoadedModel = load_model(self.config.model)
+            self.loaded: LoadedModel = load_model(self.config.model, weights=self.config.weights)
             bar.advance()
             self._build_parts()
             if self.config.warmup:

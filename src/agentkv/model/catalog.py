@@ -52,15 +52,14 @@ def cached_models() -> list[CachedModel]:
 
 
 def _default_path() -> Path | None:
-    import mlx.core as mx
+    from .load import embedded_import_dir
 
     cached = embedded.cached_source()
     if cached is None:
         return None
     if cached[0] == "hub":
         return cached[1]
-    suffix = "f32" if mx.default_device() == mx.cpu else "q4"
-    return models_dir() / f"{embedded.NAME}-{suffix}"
+    return embedded_import_dir()
 
 
 def _model_type(path: Path) -> str | None:

@@ -5,10 +5,10 @@ the directory around them: llama tensor names, a ``config.json`` and a Hugging
 Face tokenizer. This module writes all three from the GGUF's own metadata, so
 the import works offline.
 
-Weights are written either dequantized to float32 (MLX's CPU backend runs float
-weights ~25x faster than quantized ones) or kept quantized exactly as the GGUF
-stores them (Metal and CUDA run quantized matmuls fast). GGUF Q/K projections are
-permuted for interleaved rotary embeddings, hence ``rope_traditional: true``.
+Weights are kept quantized exactly as the GGUF stores them (Q4_0, Q4_1 and Q8_0 become
+MLX's affine triplets; agentkv's CPU kernel or ``mx.quantized_matmul`` on a GPU runs them),
+or written dequantized to float32 for comparison. GGUF Q/K projections are permuted for
+interleaved rotary embeddings, hence ``rope_traditional: true``.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class ImportResult:
 
 
 def default_weight_dtype() -> WeightDtype:
-    """float32 on MLX's CPU backend, quantized where a GPU runs quantized matmuls fast."""
+    """What ``load_model`` runs by default on this device (``load.default_weights``)."""
     return "quantized" if mx.default_device() == mx.gpu else "float32"
 
 

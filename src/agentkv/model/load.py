@@ -3,11 +3,12 @@
 ``None`` means the embedded SmolLM2-135M-Instruct, fetched on first use (see
 ``model.embedded``) and kept under ``$AGENTKV_HOME/models``.
 
-Weights (``weights=``): ``"quantized"`` (the default) runs 4- and 8-bit weights as shipped;
-on MLX's CPU backend through agentkv's own quantized matmul (``_ext.quantized_matmul``,
-int16 activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is
-scalar and single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the
-embedded model instead of 84 MB), for comparison. Either way, activations, norms and
+Weights (``weights=``): ``"quantized"`` runs 4- and 8-bit weights as shipped; on MLX's CPU
+backend through agentkv's own quantized matmul (``_ext.quantized_matmul``, int16
+activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is scalar and
+single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the embedded model
+instead of 84 MB). ``None`` is the device's default (``default_weights``): quantized on a
+GPU; float32 on CPU for now (docs/compute.md says why). Either way, activations, norms and
 unquantized layers run in float32 on CPU (MLX's CPU float16 is ~5x slower).
 """
 
@@ -34,7 +35,6 @@ from .gguf import import_gguf, read_import_info
 EMBEDDED_NAME = embedded.NAME
 Weights = Literal["quantized", "float32"]
 WEIGHTS: tuple[Weights, ...] = ("quantized", "float32")
-DEFAULT_WEIGHTS: Weights = "float32"
 # Appended to the weights' identity when agentkv's CPU kernel runs them: its int16
 # activations give other bits than a float matmul, so its caches are kept apart.
 CPU_QMM_ID = ":cpu-qmm"
@@ -98,23 +98,37 @@ def _import_locked(gguf: Path, dest: Path, weights: Weights) -> Path:
     return dest
 
 
-def check_weights(weights: str) -> Weights:
+def default_weights() -> Weights:
+    """Quantized where a GPU runs the model; float32 on CPU until agentkv's kernel also wins
+    prefill and the default format's quality is measured on it (docs/compute.md)."""
+    return "quantized" if mx.default_device() == mx.gpu else "float32"
+
+
+def check_weights(weights: str | None) -> Weights:
+    if weights is None:
+        return default_weights()
     if weights not in WEIGHTS:
         raise ModelImportError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     return weights  # type: ignore[return-value]
 
 
-def ensure_embedded_model(weights: Weights = DEFAULT_WEIGHTS) -> Path:
+def embedded_import_dir(weights: Weights | None = None) -> Path:
+    """Where the embedded model's import with ``weights`` lives."""
+    suffix = "f32" if check_weights(weights) == "float32" else "q4"
+    return models_dir() / f"{EMBEDDED_NAME}-{suffix}"
+
+
+def ensure_embedded_model(weights: Weights | None = None) -> Path:
     """The embedded model's mlx-lm directory: fetched and imported on first use."""
     source, path = embedded.cached_source() or embedded.pull()
     if source == "hub":
         return path
-    suffix = "f32" if check_weights(weights) == "float32" else "q4"
-    return _import_locked(path, models_dir() / f"{EMBEDDED_NAME}-{suffix}", weights)
+    weights = check_weights(weights)
+    return _import_locked(path, embedded_import_dir(weights), weights)
 
 
 def resolve_model(
-    model: str | os.PathLike | None, weights: Weights = DEFAULT_WEIGHTS
+    model: str | os.PathLike | None, weights: Weights | None = None
 ) -> tuple[str, str]:
     """(what to give mlx_lm.load, a display name) for a model argument."""
     if model is None:
@@ -123,7 +137,8 @@ def resolve_model(
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelImportError(f"GGUF file not found: {path}")
-        suffix = "f32" if check_weights(weights) == "float32" else "q"
+        weights = check_weights(weights)
+        suffix = "f32" if weights == "float32" else "q"
         dest = models_dir() / f"{path.stem.lower()}-{suffix}"
         return str(_import_locked(path, dest, weights)), path.stem
     if path.exists():
@@ -183,10 +198,11 @@ def _prepare_for_cpu(model, weights: Weights) -> bool:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, *, weights: Weights = DEFAULT_WEIGHTS
+    model: str | os.PathLike | None = None, *, weights: Weights | None = None
 ) -> LoadedModel:
     """Load a model and tokenizer through mlx-lm and describe its KV cache."""
-    target, name = resolve_model(model, check_weights(weights))
+    weights = check_weights(weights)
+    target, name = resolve_model(model, weights)
     try:
         mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
