@@ -1,4 +1,5 @@
-"""``agentkv bench reload|ttft|save|kernels|batch|pool|serve|constrained|quality|kv-candidates``."""
+"""``agentkv bench reload|ttft|save|compute|kernels|batch|pool|serve|constrained|quality|
+kv-candidates``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ def run_bench(args) -> int:
         from .save import run
 
         run(args.tokens, args.turn, as_json=args.json)
+    elif name == "compute":
+        from .compute import run
+
+        run(args.runs, args.prompt_words, args.max_tokens, as_json=args.json)
     elif name == "kernels":
         from .kernels import run
 

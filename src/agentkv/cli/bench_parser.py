@@ -32,6 +32,16 @@ def _ttft(ttft: argparse.ArgumentParser) -> None:
     )
 
 
+@_bench("compute", "the engine with float32 weights vs 4-bit weights as shipped")
+def _compute(compute: argparse.ArgumentParser) -> None:
+    """The embedded model in the engine, float32 weights against 4-bit weights through
+    agentkv's CPU quantized matmul, alternating: cold prefill and decode tokens/s, a hot
+    turn's time to first token, resident weight bytes (docs/compute.md)."""
+    add_count(compute, "--runs", 2, "runs of each weights, alternating (default 2)")
+    add_count(compute, "--prompt-words", 350, "words of text in the cold prompt (default 350)")
+    add_count(compute, "--max-tokens", 64, "tokens generated per turn (default 64)")
+
+
 @_bench("save", "bytes and time of saving one turn")
 def _save(save: argparse.ArgumentParser) -> None:
     add_count(save, "--tokens", 4096, "context before the turn")
