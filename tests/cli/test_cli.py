@@ -75,6 +75,10 @@ def test_doctor_reports_the_fast_blas_and_the_extension(python_env):
     assert "OpenBLAS" in info["blas"]["in_use"]
     assert isinstance(info["blas"]["matmul_gflops"], float)  # measured; how fast is no test's
     assert info["extension"]["mlx_version"] == info["mlx"]["version"]
+    kernels = info["kernels"]
+    assert kernels["quantized_matmul"]["implementation"] == info["extension"]["qmm"]
+    assert kernels["attention"]["path"] == "fused_cpu"  # this CPU runs the fused kernels
+    assert kernels["quantized_matmul"]["weight_gbps"] > 0 and kernels["attention"]["kv_gbps"] > 0
     assert info["warnings"] == []
 
 

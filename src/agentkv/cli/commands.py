@@ -31,6 +31,11 @@ def run_doctor(args) -> int:
         f"against MLX {ext['mlx_version']}, nanobind {ext['nanobind_version']}; "
         f"CRC-32C: {ext['crc32c']}"
     )
+    qmm, attention = info["kernels"]["quantized_matmul"], info["kernels"]["attention"]
+    print(
+        f"kernels: 4-bit weights on {qmm['implementation']} ({qmm['weight_gbps']} GB/s of "
+        f"weights); decode attention on {attention['path']} ({attention['kv_gbps']} GB/s of KV)"
+    )
     writable = "writable" if info["home"]["writable"] else "NOT writable"
     print(f"home: {info['home']['path']} ({writable})")
     for warning in info["warnings"]:
