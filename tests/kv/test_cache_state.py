@@ -13,6 +13,7 @@ from agentkv.kv.state import CacheState
 
 FORMATS = [
     KVQuant(4, 4, **V1),
+    KVQuant(4, 8, 32, **V1),
     KVQuant(4, 4, **V2),
     KVQuant(8, 4, key_scheme="token", rotate=True),
     KVQuant(8, 8, **V2, channel_tokens=32),
@@ -68,6 +69,16 @@ def test_a_batch_rebuilt_from_its_state_runs_the_next_step_identically(quant):
     v = mx.concatenate([_kv(1, seed=21)[0]] * 2)
     assert _equal(batch.update_and_fetch(k, v), again.update_and_fetch(k, v))
     assert _equal(batch.tails, again.tails)
+
+
+def test_agent_states_of_the_old_layouts_still_load():
+    for quant in (KVQuant(4, 4, 32, **V1), KVQuant(8, 4, **V2)):
+        c = AgentKVCache(quant)
+        c.update_and_fetch(*_kv(40, seed=7))
+        fields = 8 if quant.version == 1 else 12  # what states held before CacheState
+        again = AgentKVCache.from_state(list(c.state)[:fields])
+        assert again.quant == quant
+        assert _equal(again.keys_and_values(), c.keys_and_values())
 
 
 def test_a_batch_state_of_the_old_layout_still_loads():

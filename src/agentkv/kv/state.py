@@ -81,11 +81,14 @@ class CacheState(NamedTuple):
         )  # fmt: skip
 
     def quant(self) -> KVQuant:
+        """The cache's format (per-token keys take their channel tokens from the group size, as
+        ``KVQuant`` does: they never read them)."""
+        channel = str(self.key_scheme) == "channel"
         return KVQuant(
             int(self.key_bits),
             int(self.value_bits),
             int(self.group_size),
             key_scheme=str(self.key_scheme),
             rotate=bool(int(self.rotate)),
-            channel_tokens=int(self.channel_tokens),
+            channel_tokens=int(self.channel_tokens) if channel else None,
         )
