@@ -48,7 +48,7 @@ def _commands(parser, path=()):
 
 def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
     commands = dict(_commands(build_parser()))
-    benches = "reload ttft save kernels batch pool serve constrained kv-candidates quality"
+    benches = "reload ttft save compute kernels batch pool serve constrained kv-candidates quality"
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
     expected |= {("cache", a) for a in ("ls", "show", "rm", "verify")}
     expected |= {(m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import-gguf")}
