@@ -18,6 +18,19 @@ namespace {
 using agentkv::QuantizedWeights;
 using agentkv::ScaleType;
 
+// How every primitive's eval_cpu starts: the output allocated, and every array registered
+// with the stream's encoder, which keeps them alive until the queued task has run.
+mx::cpu::CommandEncoder& start_cpu_eval(mx::Stream stream, const std::vector<mx::array>& inputs,
+                                        mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  return encoder;
+}
+
 class InvariantLinear : public mx::UnaryPrimitive {
  public:
   InvariantLinear(mx::Stream stream, bool has_bias)
@@ -26,12 +39,7 @@ class InvariantLinear : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
     const int64_t K = w.shape(1);
     const int64_t N = w.shape(0);
     const int64_t M = x.size() / K;
@@ -68,12 +76,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
     const int group = group_;
     const int bits = bits_;
     encoder.dispatch([inputs, out, group, bits]() mutable {
@@ -129,12 +132,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), params_(params) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
     // The task may run after this primitive is gone: it captures copies only.
     const Params params = params_;
     encoder.dispatch([inputs, out, params]() mutable { run(params, inputs, out); });

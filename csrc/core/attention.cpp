@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_features.h"
 #include "half.h"
 #include "thread_pool.h"
 
@@ -257,15 +258,6 @@ using Ops = Avx2;
 
 #pragma GCC pop_options
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-#else
-bool have_avx2() {
-  return false;
-}
 #endif
 
 }  // namespace
@@ -280,7 +272,7 @@ void quantized_attention(const AttentionArgs& a) {
     const int i0 = block * kQueryBlock;
     const int i1 = std::min(a.queries, i0 + kQueryBlock);
 #if defined(AGENTKV_ATTENTION_X86)
-    if (have_avx2()) {
+    if (cpu_has_avx2_fma_f16c()) {
       avx2::task(a, b, kvh, i0, i1);
       return;
     }
@@ -291,7 +283,7 @@ void quantized_attention(const AttentionArgs& a) {
 }
 
 const char* attention_implementation() {
-  return have_avx2() ? "avx2-fma-f16c" : "portable";
+  return cpu_has_avx2_fma_f16c() ? "avx2-fma-f16c" : "portable";
 }
 
 }  // namespace agentkv

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 
+#include "cpu_features.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -94,14 +95,6 @@ GEMM_TARGET void tile_avx2(const float* x, int64_t ldx, const float* w, int64_t 
   }
 }
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-#else
-bool have_avx2() {
-  return false;
-}
 #endif
 
 using Tile = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
@@ -110,7 +103,7 @@ using Tile = void (*)(const float*, int64_t, const float*, int64_t, const float*
 template <int MR, int NR>
 Tile pick() {
 #if defined(AGENTKV_GEMM_X86)
-  if (have_avx2()) {
+  if (cpu_has_avx2_fma()) {
     return &tile_avx2<MR, NR>;
   }
 #endif
@@ -159,7 +152,7 @@ void invariant_gemm(const float* x, const float* w, const float* bias, float* y,
 }
 
 const char* gemm_implementation() {
-  return have_avx2() ? "avx2-fma" : "generic";
+  return cpu_has_avx2_fma() ? "avx2-fma" : "generic";
 }
 
 }  // namespace agentkv

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_features.h"
 #include "half.h"
 #include "thread_pool.h"
 
@@ -244,15 +245,6 @@ QMM_TARGET void row_avx2(const QuantizedWeights& w, int64_t n, const Activations
   }
 }
 
-bool have_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
-#else
-bool have_avx2() {
-  return false;
-}
 #endif
 
 bool forced_portable() {
@@ -268,7 +260,7 @@ using RowKernel = void (*)(const QuantizedWeights&, int64_t, const Activations&,
 
 RowKernel kernel_for(int bits) {
 #if defined(AGENTKV_QMM_X86)
-  if (have_avx2() && !forced_portable()) {
+  if (cpu_has_avx2_fma_f16c() && !forced_portable()) {
     return bits == 4 ? &row_avx2<4> : &row_avx2<8>;
   }
 #endif
@@ -312,7 +304,7 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
 }
 
 const char* qmm_implementation() {
-  return have_avx2() && !forced_portable() ? "avx2" : "portable";
+  return cpu_has_avx2_fma_f16c() && !forced_portable() ? "avx2" : "portable";
 }
 
 }  // namespace agentkv
