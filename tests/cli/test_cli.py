@@ -94,7 +94,7 @@ def test_importing_mlx_first_is_reported(python_env):
         "import mlx.core, agentkv, agentkv.doctor, json; print(json.dumps(agentkv.doctor.report()))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env
+        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env, timeout=600
     )
     report = json.loads(out.stdout)
     assert report["blas"]["preloaded_before_mlx"] is False

@@ -82,7 +82,7 @@ def test_in_one_batch_a_free_agent_decodes_as_alone_and_the_constrained_one_vali
         )
 
     free_job, bound_job = engine.scheduler.call(submit_both)
-    batched, bound = free_job.wait(), bound_job.wait()
+    batched, bound = free_job.wait(timeout=600), bound_job.wait(timeout=600)
     assert batched.tokens == alone.tokens and batched.text == alone.text
     jsonschema.validate(json.loads(bound.text), WEATHER)
     # they did decode side by side: each was still generating when the other began
@@ -197,8 +197,8 @@ def test_a_reply_without_a_call_is_untouched_by_the_auto_grammar(engine):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
     auto = Constraint.tool_calls({"get_weather": WEATHER}, required=False)
     hello = [{"role": "user", "content": "Say hello."}]
-    free = engine.submit_chat("c-auto-free", hello, tools=tools, max_tokens=24).wait()
+    free = engine.submit_chat("c-auto-free", hello, tools=tools, max_tokens=24).wait(timeout=600)
     bound = engine.submit_chat(
         "c-auto-bound", hello, tools=tools, max_tokens=24, constraint=auto
-    ).wait()
+    ).wait(timeout=600)
     assert bound.tokens == free.tokens and bound.finish_reason == free.finish_reason

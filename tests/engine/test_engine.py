@@ -228,7 +228,7 @@ def _cancel_after(eng, method: str, messages, agent: str, **options):
             return out
 
         setattr(job, method, then_cancel)
-    return job.wait()
+    return job.wait(timeout=600)
 
 
 def _assert_consistent(state, prompt: bytes):
@@ -281,7 +281,7 @@ def test_a_short_prompt_goes_ahead_of_a_long_prefill(fresh_engine):
                 )
 
         long.chunk_done = record_chunk
-    long.wait()
+    long.wait(timeout=600)
     first_token = events.index("short token")
     # Round robin would run the long turn's second chunk first; it runs right after the first.
     assert events[:first_token] == ["long chunk"]
@@ -303,7 +303,7 @@ def test_the_queue_is_bounded_and_fcfs_runs_one_turn_at_a_time(fresh_engine):
     with pytest.raises(EngineBusyError) as busy:
         eng.submit_chat("q3", convo("Three."), max_tokens=4)
     assert busy.value.retry_after >= 1
-    first.wait(), second.wait()
+    first.wait(timeout=600), second.wait(timeout=600)
     assert order == [("q1", "start"), ("q1", "end"), ("q2", "start"), ("q2", "end")]
 
 
@@ -326,7 +326,7 @@ def test_turns_that_do_not_fit_the_pool_wait(fresh_engine):
                 for name in ("a", "b")
             ]
         for job in jobs:
-            job.wait()
+            job.wait(timeout=600)
         return [event for _, event in order]
 
     # A turn reserves the blocks of its prompt (~40 tokens here) + max_tokens, and one for
@@ -368,7 +368,8 @@ def test_one_agent_serializes_and_agents_run_in_parallel(engine):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=600)
+        assert not t.is_alive(), "a turn did not finish in 600 s"
     first, second = sorted((results["t1"], results["t2"]), key=lambda r: r.stats.stored_tokens)
     # The later turn found the earlier one's whole state (prompt + reply) and kept the
     # prompt part: it ran after the first turn had finished and been recorded.
@@ -618,12 +619,14 @@ def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fres
     under the full block's hash; after a restart the agent resumes warm, same tokens."""
     eng = fresh_engine()
     words = ["Plan", "the", "release."]
-    while True:
+    for _ in range(BLOCK_TOKENS):  # each word adds a token: a block's worth always gets there
         messages = convo(" ".join(words))
         count = len(eng.token_text.encode(eng.render_chat(messages)).ids)
         if count % BLOCK_TOKENS >= BLOCK_TOKENS - 8:  # its last block is 8 tokens short
             break
         words.append("step")
+    else:
+        raise AssertionError("no prompt length 8 tokens short of a block")
     with eng.scheduler._cond:
         job = eng.submit_chat("boundary", messages, max_tokens=24, temperature=0)
         take = job.take
@@ -635,7 +638,7 @@ def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fres
             return done
 
         job.take = cancel_later
-    r = job.wait()
+    r = job.wait(timeout=600)
     assert r.finish_reason == "cancelled"
     eng.flush()
     assert eng.writer.take_failure("boundary") is None

@@ -72,7 +72,7 @@ def family_engine(request, tmp_path_factory):
 def _turn(eng, agent, messages, choice, max_tokens=40):
     plan = anyio.run(prepare, eng, agent, messages, TOOLS, choice)
     job = eng.submit_chat(agent, plan.messages, max_tokens=max_tokens, **plan.options)
-    result = job.wait()
+    result = job.wait(timeout=600)
     plan.parser.feed(result.text)
     plan.parser.finish()
     return result, plan.parser

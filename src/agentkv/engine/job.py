@@ -280,8 +280,11 @@ class Job:
         else:
             self.cancelled = True
 
-    def wait(self) -> ChatResult:
-        self.done.wait()
+    def wait(self, timeout: float | None = None) -> ChatResult:
+        """The turn's result once it has finished (``TimeoutError`` after ``timeout`` seconds,
+        the turn still running)."""
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"the turn did not finish within {timeout} s")
         if self.error is not None:
             raise self.error
         return self.result
