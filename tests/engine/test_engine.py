@@ -647,3 +647,24 @@ def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fres
     again = fresh_engine()
     r = again.chat("boundary", messages, max_tokens=6)
     assert r.stats.cache == "warm" and r.tokens == reference
+
+
+def test_a_closed_engine_frees_its_model_and_pool_with_its_last_reference(tmp_path):
+    """No reference cycle keeps a closed engine's weights and pool alive until the garbage
+    collector happens to run (a server's model swap would hold two models)."""
+    import gc
+    import weakref
+
+    from agentkv import Engine
+
+    eng = Engine(cache_dir=tmp_path / "kv", warmup=False)
+    eng.chat("freed", [{"role": "user", "content": "Hi."}], max_tokens=2)
+    eng.close()
+    gc.collect()
+    model, pool = weakref.ref(eng.loaded.model), weakref.ref(eng.pool)
+    gc.disable()
+    try:
+        del eng
+        assert model() is None and pool() is None
+    finally:
+        gc.enable()

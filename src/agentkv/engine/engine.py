@@ -88,6 +88,18 @@ class ChatStream:
         self._pieces.close()
 
 
+class AgentLocks:
+    """One lock per agent id, made on first use: an agent's turns run one at a time."""
+
+    def __init__(self):
+        self._registry = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def __call__(self, agent_id: str) -> threading.Lock:
+        with self._registry:
+            return self._locks.setdefault(agent_id, threading.Lock())
+
+
 class Engine:
     """Serve chats for many agents, each with its own persistent quantized KV cache.
 
@@ -136,8 +148,10 @@ class Engine:
             kv_wide_layers=kv_wide_layers,
         )
         self.config = _one_config(config, options)
-        self._registry = threading.Lock()
-        self._agent_locks: dict[str, threading.Lock] = {}
+        # Not a bound method: the runner holds it, and a method would tie the runner back to
+        # the engine in a cycle that keeps a closed engine's model and pool alive until the
+        # garbage collector runs.
+        self._agent_lock = AgentLocks()
         self._tool_format: ToolFormat | None = None
         self._closed = False
         with ProgressBar(2, "starting the engine", unit="step") as bar:
@@ -538,6 +552,9 @@ class Engine:
             self._closed = True
             self.scheduler.stop()
             self.writer.close()
+            # The residency saves through the runner, which holds the residency: without this
+            # cycle a closed engine's model and pool go as soon as the last reference does.
+            self.residency.save = None
 
     def __enter__(self) -> Engine:
         return self
@@ -546,10 +563,6 @@ class Engine:
         self.close()
 
     # -- internals --------------------------------------------------------------
-
-    def _agent_lock(self, agent_id: str) -> threading.Lock:
-        with self._registry:
-            return self._agent_locks.setdefault(agent_id, threading.Lock())
 
     def _check_open(self) -> None:
         if self._closed:
