@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from agentkv import _ext
 from agentkv.format.quant import V1, KVQuant
-from agentkv.kernels import attention, reference
+from agentkv.kernels import attention, cpu, reference
 from agentkv.kv.batch import BatchQuantizedKVCache
 from agentkv.kv.cache import AgentKVCache
 
@@ -24,18 +24,10 @@ def stored(x: mx.array, bits: int, group: int) -> tuple:
 
 
 def fused(q, keys, values, quant, *, window=0, left_padding=None, sinks=None):
-    return _ext.quantized_attention(
-        q,
-        list(keys),
-        list(values),
-        q.shape[-1] ** -0.5,
-        quant.key_bits,
-        quant.value_bits,
-        quant.group_size,
-        window,
-        left_padding,
-        sinks,
-    )
+    return cpu.fused_cache_attention(
+        q, keys, values, scale=q.shape[-1] ** -0.5, quant=quant, window=window,
+        left_padding=left_padding, sinks=sinks, tail=None,
+    )  # fmt: skip
 
 
 def explicit_mask(batch, queries, keys, window, left_padding):
