@@ -34,18 +34,43 @@ constexpr int64_t kColumnBlock = 64;  // weight rows per thread job
 struct Activations {
   int64_t blocks = 0;        // per row: K / 32
   int64_t groups = 0;        // per row: K / group
+  int64_t padded = 0;        // per row in `sum`: groups rounded up to 8 (zeros after)
   std::vector<int16_t> q;    // [M, K]
   std::vector<float> scale;  // [M, blocks]: d, with x ~ d * q
-  std::vector<float> sum;    // [M, groups]: sum of d * q over each weight group
+  std::vector<float> sum;    // [M, padded]: sum of d * q over each weight group
 };
+
+bool forced_portable() {
+  static const bool forced = [] {
+    const char* v = std::getenv("AGENTKV_QMM");
+    return v != nullptr && std::string(v) == "portable";
+  }();
+  return forced;
+}
 
 inline int position(int i, bool nibbles) {
   return nibbles ? (i % 2) * 16 + i / 2 : i;
 }
 
-void quantize_row(const float* x, int64_t K, int group, bool nibbles, int16_t* q, float* scale,
-                  float* sum) {
-  const int64_t per_group = group / kBlock;
+// One 32-block's codes (int32, in element order) -> the stored order, the block's scale
+// and its contribution to its group's sum. Shared by both quantizers.
+inline void store_block(const int32_t* codes, float d, bool nibbles, int64_t b, int per_group,
+                        int16_t* q, float* scale, float* sum) {
+  int32_t total = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[b * kBlock + position(i, nibbles)] = static_cast<int16_t>(codes[i]);
+    total += codes[i];
+  }
+  scale[b] = d;
+  // The bias meets the quantized x, as the codes do: w = s q + b is centred by b, so the
+  // two terms' rounding errors cancel (an exact float sum here triples the error).
+  const int64_t g = b / per_group;
+  sum[g] = (b % per_group == 0 ? 0.0f : sum[g]) + d * static_cast<float>(total);
+}
+
+// Codes round half to even (rint in the default rounding mode: what AVX2's round does).
+void quantize_row_portable(const float* x, int64_t K, int group, bool nibbles, int16_t* q,
+                           float* scale, float* sum) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
@@ -56,32 +81,76 @@ void quantize_row(const float* x, int64_t K, int group, bool nibbles, int16_t* q
     }
     const float d = finite ? amax / kLevels : std::numeric_limits<float>::quiet_NaN();
     const float inv = finite && amax > 0.0f ? kLevels / amax : 0.0f;
-    int32_t total = 0;
+    int32_t codes[kBlock];
     for (int i = 0; i < kBlock; ++i) {
-      const float v = std::clamp(std::nearbyint(xb[i] * inv), -kLevels, kLevels);
-      q[b * kBlock + position(i, nibbles)] = static_cast<int16_t>(v);
-      total += static_cast<int32_t>(v);
+      codes[i] = static_cast<int32_t>(std::clamp(std::rint(xb[i] * inv), -kLevels, kLevels));
     }
-    scale[b] = d;
-    // The bias meets the quantized x, as the codes do: w = s q + b is centred by b, so the
-    // two terms' rounding errors cancel (an exact float sum here triples the error).
-    const int64_t g = b / per_group;
-    sum[g] = (b % per_group == 0 ? 0.0f : sum[g]) + d * static_cast<float>(total);
+    store_block(codes, d, nibbles, b, group / kBlock, q, scale, sum);
   }
 }
 
-Activations quantize(const float* x, int64_t M, int64_t K, int group, bool nibbles) {
-  Activations a;
+#if defined(AGENTKV_QMM_X86)
+__attribute__((target("avx2,fma,f16c"))) void quantize_row_avx2(const float* x, int64_t K,
+                                                                 int group, bool nibbles,
+                                                                 int16_t* q, float* scale,
+                                                                 float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 top = _mm256_set1_ps(kLevels);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    __m256 finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      // x - x is 0 for finite x, NaN for infinities and NaN
+      finite = _mm256_and_ps(
+          finite, _mm256_cmp_ps(_mm256_sub_ps(v[i], v[i]), _mm256_setzero_ps(), _CMP_EQ_OQ));
+    }
+    const bool all_finite = _mm256_movemask_ps(finite) == 0xFF;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float m = 0.0f;
+    for (float l : lanes) {
+      m = std::max(m, l);
+    }
+    const float d = all_finite ? m / kLevels : std::numeric_limits<float>::quiet_NaN();
+    const __m256 inv = _mm256_set1_ps(all_finite && m > 0.0f ? kLevels / m : 0.0f);
+    alignas(32) int32_t codes[kBlock];
+    for (int i = 0; i < 4; ++i) {
+      __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_min_ps(_mm256_max_ps(r, _mm256_sub_ps(_mm256_setzero_ps(), top)), top);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8 * i), _mm256_cvtps_epi32(r));
+    }
+    store_block(codes, d, nibbles, b, group / kBlock, q, scale, sum);
+  }
+}
+#endif
+
+void quantize_row(const float* x, int64_t K, int group, bool nibbles, int16_t* q, float* scale,
+                  float* sum) {
+#if defined(AGENTKV_QMM_X86)
+  if (cpu_has_avx2_fma_f16c() && !forced_portable()) {
+    return quantize_row_avx2(x, K, group, nibbles, q, scale, sum);
+  }
+#endif
+  quantize_row_portable(x, K, group, nibbles, q, scale, sum);
+}
+
+// Quantizes into `a`, whose buffers are kept from call to call (no allocation per call).
+void quantize(const float* x, int64_t M, int64_t K, int group, bool nibbles, Activations& a) {
   a.blocks = K / kBlock;
   a.groups = K / group;
+  a.padded = (a.groups + 7) / 8 * 8;
   a.q.resize(static_cast<size_t>(M * K));
   a.scale.resize(static_cast<size_t>(M * a.blocks));
-  a.sum.resize(static_cast<size_t>(M * a.groups));
+  a.sum.assign(static_cast<size_t>(M * a.padded), 0.0f);
   for (int64_t m = 0; m < M; ++m) {
     quantize_row(x + m * K, K, group, nibbles, a.q.data() + m * K, a.scale.data() + m * a.blocks,
-                 a.sum.data() + m * a.groups);
+                 a.sum.data() + m * a.padded);
   }
-  return a;
 }
 
 inline float scale_at(const void* p, ScaleType t, int64_t i) {
@@ -100,53 +169,73 @@ inline float scale_at(const void* p, ScaleType t, int64_t i) {
   return 0.0f;
 }
 
+// Eight of a weight row's biases from group g0 as float, zeros past its last group.
+inline void biases_at(const QuantizedWeights& w, int64_t n, int64_t groups, int64_t g0,
+                      float* out) {
+  for (int l = 0; l < 8; ++l) {
+    out[l] = g0 + l < groups ? scale_at(w.biases, w.scale_type, n * groups + g0 + l) : 0.0f;
+  }
+}
+
 inline float combine_lanes(const float* l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
-// One weight row against up to kRows activation rows: the definition, lane by lane. Lane l
-// of a block's integer dot holds the products AVX2 puts there (positions 2l, 2l+1, 16+2l
-// and 17+2l), so both paths round identically.
-void row_portable(const QuantizedWeights& w, int64_t n, const Activations& a, int64_t m0, int rows,
-                  float* y, int64_t ldy) {
+// One output element, the definition lane by lane. Lane l of a block's integer dot holds
+// the products AVX2 puts there (positions 2l, 2l+1, 16+2l and 17+2l); the bias terms go
+// to lane g % 8 in group order (padded with zeros to whole lanes), so both paths round
+// identically.
+float element_portable(const QuantizedWeights& w, int64_t n, const Activations& a, int64_t m) {
   const int64_t K = w.K;
   const int per_group = w.group / kBlock;
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w.words) + n * K * w.bits / 8;
-  for (int r = 0; r < rows; ++r) {
-    const int64_t m = m0 + r;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    float bias_sum = 0.0f;
-    for (int64_t g = 0; g < a.groups; ++g) {
-      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int c = 0; c < per_group; ++c) {
-        const int64_t b = g * per_group + c;
-        const int16_t* xq = a.q.data() + m * K + b * kBlock;
-        uint8_t wq[kBlock];
-        if (w.bits == 4) {
-          for (int i = 0; i < 16; ++i) {
-            wq[i] = bytes[b * 16 + i] & 0x0F;
-            wq[16 + i] = bytes[b * 16 + i] >> 4;
-          }
-        } else {
-          std::memcpy(wq, bytes + b * kBlock, kBlock);
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int c = 0; c < per_group; ++c) {
+      const int64_t b = g * per_group + c;
+      const int16_t* xq = a.q.data() + m * K + b * kBlock;
+      uint8_t wq[kBlock];
+      if (w.bits == 4) {
+        for (int i = 0; i < 16; ++i) {
+          wq[i] = bytes[b * 16 + i] & 0x0F;
+          wq[16 + i] = bytes[b * 16 + i] >> 4;
         }
-        for (int l = 0; l < 8; ++l) {
-          int32_t dot = 0;
-          for (int t = 0; t < 4; ++t) {
-            const int p = t < 2 ? 2 * l + t : 16 + 2 * l + (t - 2);
-            dot += static_cast<int32_t>(wq[p]) * static_cast<int32_t>(xq[p]);
-          }
-          part[l] = std::fma(static_cast<float>(dot), a.scale[m * a.blocks + b], part[l]);
-        }
+      } else {
+        std::memcpy(wq, bytes + b * kBlock, kBlock);
       }
-      const float s = scale_at(w.scales, w.scale_type, n * a.groups + g);
       for (int l = 0; l < 8; ++l) {
-        acc[l] = std::fma(part[l], s, acc[l]);
+        int32_t dot = 0;
+        for (int t = 0; t < 4; ++t) {
+          const int p = t < 2 ? 2 * l + t : 16 + 2 * l + (t - 2);
+          dot += static_cast<int32_t>(wq[p]) * static_cast<int32_t>(xq[p]);
+        }
+        part[l] = std::fma(static_cast<float>(dot), a.scale[m * a.blocks + b], part[l]);
       }
-      bias_sum = std::fma(scale_at(w.biases, w.scale_type, n * a.groups + g),
-                          a.sum[m * a.groups + g], bias_sum);
     }
-    y[r * ldy] = combine_lanes(acc) + bias_sum;
+    const float s = scale_at(w.scales, w.scale_type, n * a.groups + g);
+    for (int l = 0; l < 8; ++l) {
+      acc[l] = std::fma(part[l], s, acc[l]);
+    }
+  }
+  float bias[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t g0 = 0; g0 < a.padded; g0 += 8) {
+    float b[8];
+    biases_at(w, n, a.groups, g0, b);
+    for (int l = 0; l < 8; ++l) {
+      bias[l] = std::fma(b[l], a.sum[m * a.padded + g0 + l], bias[l]);
+    }
+  }
+  return combine_lanes(acc) + combine_lanes(bias);
+}
+
+// Rows [m0, m0 + rows) of x against weight rows [n0, n0 + cols).
+void tile_portable(const QuantizedWeights& w, int64_t n0, int cols, const Activations& a,
+                   int64_t m0, int rows, float* y, int64_t ldy) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < cols; ++j) {
+      y[r * ldy + j] = element_portable(w, n0 + j, a, m0 + r);
+    }
   }
 }
 
@@ -166,106 +255,156 @@ QMM_TARGET inline float scale_avx2(const void* p, ScaleType t, int64_t i) {
   return scale_at(p, t, i);
 }
 
-// Integer dot of one 32-block against weights widened to int16 (positions 0-15, 16-31),
-// as 8 int32 lanes.
+// Eight biases from group g0 (zeros past the row's last group).
+QMM_TARGET inline __m256 biases_avx2(const QuantizedWeights& w, int64_t n, int64_t groups,
+                                     int64_t g0) {
+  if (w.scale_type == ScaleType::f16 && g0 + 8 <= groups) {
+    const auto* p = static_cast<const uint16_t*>(w.biases) + n * groups + g0;
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  alignas(32) float b[8];
+  biases_at(w, n, groups, g0, b);
+  return _mm256_load_ps(b);
+}
+
+// A 32-block of one weight row widened to int16: positions 0-15 and 16-31.
+template <int BITS>
+QMM_TARGET inline void unpack_block(const uint8_t* row, int64_t b, __m256i& lo, __m256i& hi) {
+  if constexpr (BITS == 4) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+    const __m128i nibbles = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibbles));
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibbles));
+  } else {
+    lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32)));
+    hi = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16)));
+  }
+}
+
+// Integer dot of one 32-block against weights widened to int16, as 8 int32 lanes.
 QMM_TARGET inline __m256i dot16(__m256i w_lo, __m256i w_hi, const int16_t* xq) {
   const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
   const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
   return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
 }
 
-template <int BITS, int ROWS>
-QMM_TARGET void rows_avx2(const QuantizedWeights& w, int64_t n, const Activations& a, int64_t m0,
+// ROWS rows of x against COLS weight rows (ROWS * COLS accumulators in registers): each
+// unpacked weight block serves ROWS rows, each x block COLS weight rows, and the COLS
+// independent chains keep the FMA units busy when there is one row (decode).
+template <int BITS, int ROWS, int COLS>
+QMM_TARGET void tile_avx2(const QuantizedWeights& w, int64_t n0, const Activations& a, int64_t m0,
                           float* y, int64_t ldy) {
   const int64_t K = w.K;
   const int per_group = w.group / kBlock;
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w.words) + n * K * BITS / 8;
+  const uint8_t* rows[COLS];
+#pragma GCC unroll 4
+  for (int j = 0; j < COLS; ++j) {
+    rows[j] = reinterpret_cast<const uint8_t*>(w.words) + (n0 + j) * K * BITS / 8;
+  }
   const int16_t* xq = a.q.data() + m0 * K;
   const float* xd = a.scale.data() + m0 * a.blocks;
-  const float* xs = a.sum.data() + m0 * a.groups;
-  __m256 acc[ROWS];
-  float bias_sum[ROWS];
+  __m256 acc[ROWS][COLS];
 #pragma GCC unroll 4
   for (int r = 0; r < ROWS; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    bias_sum[r] = 0.0f;
+#pragma GCC unroll 4
+    for (int j = 0; j < COLS; ++j) {
+      acc[r][j] = _mm256_setzero_ps();
+    }
   }
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < a.groups; ++g) {
-    __m256 part[ROWS];
+    __m256 part[ROWS][COLS];
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
-      part[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+      for (int j = 0; j < COLS; ++j) {
+        part[r][j] = _mm256_setzero_ps();
+      }
     }
     for (int c = 0; c < per_group; ++c) {
       const int64_t b = g * per_group + c;
-      __m128i lo, hi;
-      if constexpr (BITS == 4) {
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + b * 16));
-        lo = _mm_and_si128(packed, low_nibbles);
-        hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-      } else {
-        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + b * 32));
-        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + b * 32 + 16));
-      }
-      const __m256i w_lo = _mm256_cvtepu8_epi16(lo);
-      const __m256i w_hi = _mm256_cvtepu8_epi16(hi);
 #pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(dot16(w_lo, w_hi, xq + r * K + b * kBlock));
-        part[r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(xd + r * a.blocks + b), part[r]);
+      for (int j = 0; j < COLS; ++j) {
+        __m256i w_lo, w_hi;
+        unpack_block<BITS>(rows[j], b, w_lo, w_hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(dot16(w_lo, w_hi, xq + r * K + b * kBlock));
+          part[r][j] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(xd + r * a.blocks + b), part[r][j]);
+        }
       }
     }
-    const __m256 s = _mm256_set1_ps(scale_avx2(w.scales, w.scale_type, n * a.groups + g));
-    const float bias = scale_avx2(w.biases, w.scale_type, n * a.groups + g);
 #pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r] = _mm256_fmadd_ps(part[r], s, acc[r]);
-      bias_sum[r] = std::fma(bias, xs[r * a.groups + g], bias_sum[r]);
+    for (int j = 0; j < COLS; ++j) {
+      const __m256 s = _mm256_set1_ps(scale_avx2(w.scales, w.scale_type, (n0 + j) * a.groups + g));
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][j] = _mm256_fmadd_ps(part[r][j], s, acc[r][j]);
+      }
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) {
-    y[r * ldy] = hsum_fixed(acc[r]) + bias_sum[r];
+  for (int j = 0; j < COLS; ++j) {
+    __m256 bias[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      bias[r] = _mm256_setzero_ps();
+    }
+    for (int64_t g0 = 0; g0 < a.padded; g0 += 8) {
+      const __m256 b = biases_avx2(w, n0 + j, a.groups, g0);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xs = a.sum.data() + (m0 + r) * a.padded + g0;
+        bias[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs), bias[r]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      y[r * ldy + j] = hsum_fixed(acc[r][j]) + hsum_fixed(bias[r]);
+    }
   }
 }
 
 template <int BITS>
-QMM_TARGET void row_avx2(const QuantizedWeights& w, int64_t n, const Activations& a, int64_t m0,
-                         int rows, float* y, int64_t ldy) {
-  switch (rows) {
-    case 1:
-      return rows_avx2<BITS, 1>(w, n, a, m0, y, ldy);
-    case 2:
-      return rows_avx2<BITS, 2>(w, n, a, m0, y, ldy);
-    case 3:
-      return rows_avx2<BITS, 3>(w, n, a, m0, y, ldy);
-    default:
-      return rows_avx2<BITS, 4>(w, n, a, m0, y, ldy);
+QMM_TARGET void tile_avx2_any(const QuantizedWeights& w, int64_t n0, int cols, const Activations& a,
+                              int64_t m0, int rows, float* y, int64_t ldy) {
+  if (rows == 1 && cols == 4) {
+    return tile_avx2<BITS, 1, 4>(w, n0, a, m0, y, ldy);
+  }
+  if (rows == 2 && cols == 2) {
+    return tile_avx2<BITS, 2, 2>(w, n0, a, m0, y, ldy);
+  }
+  for (int j = 0; j < cols; ++j) {  // one weight row at a time, up to 4 rows of x
+    switch (rows) {
+      case 1:
+        tile_avx2<BITS, 1, 1>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      case 2:
+        tile_avx2<BITS, 2, 1>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      case 3:
+        tile_avx2<BITS, 3, 1>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      default:
+        tile_avx2<BITS, 4, 1>(w, n0 + j, a, m0, y + j, ldy);
+    }
   }
 }
 
 #endif
 
-bool forced_portable() {
-  static const bool forced = [] {
-    const char* v = std::getenv("AGENTKV_QMM");
-    return v != nullptr && std::string(v) == "portable";
-  }();
-  return forced;
-}
 
-using RowKernel = void (*)(const QuantizedWeights&, int64_t, const Activations&, int64_t, int,
-                           float*, int64_t);
+using TileKernel = void (*)(const QuantizedWeights&, int64_t, int, const Activations&, int64_t,
+                            int, float*, int64_t);
 
-RowKernel kernel_for(int bits) {
+TileKernel kernel_for(int bits) {
 #if defined(AGENTKV_QMM_X86)
   if (cpu_has_avx2_fma_f16c() && !forced_portable()) {
-    return bits == 4 ? &row_avx2<4> : &row_avx2<8>;
+    return bits == 4 ? &tile_avx2_any<4> : &tile_avx2_any<8>;
   }
 #endif
   (void)bits;
-  return &row_portable;
+  return &tile_portable;
 }
 
 }  // namespace
@@ -280,21 +419,27 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   if (w.K % w.group != 0) {
     throw std::invalid_argument("the input size must be a multiple of the group size");
   }
-  const Activations a = quantize(x, M, w.K, w.group, w.bits == 4);
-  const RowKernel row = kernel_for(w.bits);
+  thread_local Activations scratch;  // one matmul at a time per calling thread
+  Activations& a = scratch;          // (the workers read the caller's, through this name)
+  quantize(x, M, w.K, w.group, w.bits == 4, a);
+  const TileKernel tile = kernel_for(w.bits);
   const int64_t N = w.N;
+  // Tiles: one row of x (decode) against 4 weight rows, two against two, else up to 4 rows
+  // against one weight row at a time. The tile changes no result (see qmm.h).
+  const int cols = M == 1 ? 4 : M == 2 ? 2 : 1;
   const std::function<void(size_t)> job = [&](size_t block) {
     const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
     const int64_t n1 = std::min(N, n0 + kColumnBlock);
     for (int64_t m = 0; m < M; m += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-      for (int64_t n = n0; n < n1; ++n) {
-        row(w, n, a, m, rows, y + m * N + n, N);
+      for (int64_t n = n0; n < n1; n += cols) {
+        const int c = static_cast<int>(std::min<int64_t>(cols, n1 - n));
+        tile(w, n, c, a, m, rows, y + m * N + n, N);
       }
     }
   };
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  if (static_cast<double>(M) * N * w.K < 2e5) {  // too small to be worth waking the pool
+  if (static_cast<double>(M) * N * w.K < 2e4) {  // too small to be worth sharing
     for (int64_t b = 0; b < blocks; ++b) {
       job(static_cast<size_t>(b));
     }

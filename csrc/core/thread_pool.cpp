@@ -1,8 +1,39 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace agentkv {
+namespace {
+
+constexpr int kSpinMicros = 200;  // how long an idle worker watches for the next job
+
+inline void relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Wait for `done()`: spin, then give the core away now and then (a worker may have been
+// descheduled in the middle of its task).
+template <typename Done>
+void spin_until(Done done) {
+  for (int i = 1; !done(); ++i) {
+    if (i % 1024 == 0) {
+      std::this_thread::yield();
+    } else {
+      relax();
+    }
+  }
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(int workers) {
   for (int i = 0; i < workers; ++i) {
@@ -14,6 +45,7 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
+    ++generation_;
   }
   wake_.notify_all();
   for (auto& t : workers_) {
@@ -21,38 +53,37 @@ ThreadPool::~ThreadPool() {
   }
 }
 
-void ThreadPool::drain() {
-  while (true) {
-    size_t i;
-    const std::function<void(size_t)>* job;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (job_ == nullptr || next_ >= count_) {
-        return;
-      }
-      i = next_++;
-      job = job_;
-    }
-    (*job)(i);
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (++finished_ == count_) {
-      done_.notify_all();
-    }
+void ThreadPool::drain(Job& job) {
+  for (size_t i = job.next++; i < job.count; i = job.next++) {
+    (*job.f)(i);
+    job.finished.fetch_add(1, std::memory_order_release);
   }
 }
 
 void ThreadPool::work() {
-  size_t seen = 0;
+  uint64_t seen = 0;
   while (true) {
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) {
-        return;
+    // Spin a little for the next job, then sleep until one comes.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    for (int i = 0; generation_.load() == seen; ++i) {
+      if (i % 64 == 63 && std::chrono::steady_clock::now() > until) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ++sleepers_;
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        --sleepers_;
+        break;
       }
-      seen = generation_;
+      relax();
     }
-    drain();
+    if (stop_) {
+      return;
+    }
+    seen = generation_.load();
+    ++inside_;
+    if (Job* job = current_.load()) {
+      drain(*job);
+    }
+    --inside_;
   }
 }
 
@@ -64,19 +95,19 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& f) {
     return;
   }
   std::lock_guard<std::mutex> caller(caller_mutex_);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    job_ = &f;
-    next_ = 0;
-    count_ = n;
-    finished_ = 0;
-    ++generation_;
+  Job job;
+  job.f = &f;
+  job.count = n;
+  current_.store(&job);
+  ++generation_;
+  if (sleepers_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mutex_); }  // a worker between its check and its wait
+    wake_.notify_all();
   }
-  wake_.notify_all();
-  drain();
-  std::unique_lock<std::mutex> lock(mutex_);
-  done_.wait(lock, [&] { return finished_ == count_; });
-  job_ = nullptr;
+  drain(job);
+  spin_until([&] { return job.finished.load(std::memory_order_acquire) == n; });
+  current_.store(nullptr);
+  spin_until([&] { return inside_.load() == 0; });  // a late worker may hold the job's address
 }
 
 ThreadPool& ThreadPool::shared() {
