@@ -33,7 +33,17 @@ def run_bench(args) -> int:
     elif name == "compute":
         from .compute import run
 
-        run(args.runs, args.prompt_words, args.max_tokens, as_json=args.json)
+        run(
+            args.rounds,
+            contexts=tuple(_counts(args.contexts, "--contexts")),
+            short=args.short,
+            hot=tuple(_counts(args.hot, "--hot")),
+            decode_tokens=args.decode_tokens,
+            batch_agents=args.batch_agents,
+            batch_context=args.batch_context,
+            peer=args.peer,
+            as_json=args.json,
+        )
     elif name == "kernels":
         from .kernels import run
 

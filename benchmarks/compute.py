@@ -1,66 +1,326 @@
-"""Compute: the engine on the embedded model with float32 weights vs 4-bit weights as shipped.
+"""Compute: agentkv's engine (float32 weights, 4-bit weights as shipped) against llama.cpp on
+the same GGUF file and thread count (issue 20).
 
-The first part of ``agentkv bench compute`` (issue 20): one agent, a cold prompt of
-``prompt_words`` words of the calibration text (plus a request for an essay) with
-``max_tokens`` generated, then a hot turn that adds one short question. Per run and weights:
-cold prefill tokens/s, decode tokens/s (both turns), the hot turn's time to first token, and
-the model's resident weight bytes. The two weights alternate (float32, quantized, float32,
-...), each in a fresh engine and cache directory; both arms prefill the same prompt (checked);
-what each generates is its own (counted). llama.cpp beside them is still to come.
+Arms, run in interleaved rounds (every arm once per round, medians reported):
+
+- ``agentkv-float32``, ``agentkv-quantized``: the engine in this process, a fresh engine and
+  cache directory per round, the default KV format;
+- ``llama.cpp``, ``llama.cpp-q4``: llama-cpp-python in its own venv (``peer_llama.py``, a new
+  process per round), its default f16 KV cache, and a q4_0 K/V cache with flash attention.
+
+One workload for every arm (raw prompts, greedy, texts from the calibration text; every
+prompt of a round is a different slice, so nothing is shared by accident):
+
+- ``short``: a ~128-token prompt, then ``decode_tokens`` tokens: decode tokens/s there;
+- ``cold``: one cold prompt per context size (e.g. 512 and 4096 tokens): prefill tokens/s
+  (prompt tokens / time to first token); the longest then decodes ``decode_tokens`` tokens:
+  decode tokens/s at that context;
+- ``hot``: after the longest prompt, turns that add N new tokens (e.g. 17, then 112) to
+  the history so far (prompt + the arm's own reply, as an agent's next turn does), the
+  history still in the agent's cache (llama.cpp: its context, reused by
+  ``Llama.generate``'s prefix match): time to first token;
+- ``batch``: agentkv decodes ``batch_agents`` agents of ``batch_context`` tokens together
+  (aggregate tokens/s: (tokens - first tokens) / (wall time - wall time of the same turns
+  with one token)); llama.cpp decodes one sequence of that context.
+
+Plus each arm's resident weight bytes, and agentkv's kernels alone (doctor's probes) as a
+fraction of memcpy bandwidth.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
-from .common import emit, progress
+from .common import emit, memcpy_gbps, progress
+
+AGENTKV_ARMS = ("agentkv-float32", "agentkv-quantized")
+PEER_ARMS = {"llama.cpp": "f16", "llama.cpp-q4": "q4_0"}
+PEER_PACKAGE = "llama-cpp-python"
 
 
-def run(runs: int = 2, prompt_words: int = 350, max_tokens: int = 64, as_json: bool = False):
+def peer_dir() -> Path:
+    from agentkv.paths import agentkv_home
+
+    return agentkv_home() / "peers" / "llama-cpp"
+
+
+def peer_python() -> Path | None:
+    python = peer_dir() / "bin" / "python"
+    return python if python.exists() else None
+
+
+def install_peer() -> Path:
+    """Create the peer venv under the agentkv home and build llama-cpp-python into it for
+    this CPU (minutes: it compiles llama.cpp). AMX stays off: a VM may report it and still
+    fault on its first tile instruction (seen on this project's machines)."""
+    import venv
+
+    where = peer_dir()
+    progress(f"compute: installing {PEER_PACKAGE} into {where} (compiles llama.cpp: minutes)")
+    venv.create(where, with_pip=True, clear=True)
+    env = dict(os.environ, CMAKE_ARGS=_cmake_args())
+    subprocess.run(
+        [str(where / "bin" / "python"), "-m", "pip", "install", "-q", PEER_PACKAGE],
+        env=env, check=True,
+    )  # fmt: skip
+    return where / "bin" / "python"
+
+
+def _cmake_args() -> str:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return ""
+    if "avx2" not in flags:
+        return ""  # llama.cpp's own native build
+    wanted = {
+        "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+        "GGML_BMI2": "bmi2", "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f",
+        "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
+        "GGML_AVX512_BF16": "avx512_bf16",
+    }  # fmt: skip
+    args = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"]
+    args += [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in wanted.items()]
+    return " ".join(args)
+
+
+def run(
+    rounds: int = 2,
+    contexts: tuple[int, ...] = (512, 4096),
+    short: int = 128,
+    hot: tuple[int, ...] = (17, 112),
+    decode_tokens: int = 32,
+    batch_agents: int = 4,
+    batch_context: int = 1024,
+    peer: str = "auto",
+    as_json: bool = False,
+):
+    """``peer``: "auto" (run llama.cpp if its venv exists, else say how to install it),
+    "install" (install it first if missing), "none"."""
+    python = _peer(peer)
+    arms = list(AGENTKV_ARMS) + (list(PEER_ARMS) if python else [])
+    work = _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context)
+    threads = os.cpu_count() or 1
     rows = []
-    for i in range(runs):
-        for weights in ("float32", "quantized"):
-            progress(f"compute: run {i + 1}/{runs}, {weights} weights...")
-            rows.append(_run_once(weights, prompt_words, max_tokens))
-    if len({row["prompt_tokens"] for row in rows}) != 1:
-        raise AssertionError("the arms prefilled different prompts")
-    emit("compute", rows, as_json, {"prompt_words": prompt_words, "max_tokens": max_tokens})
+    for r in range(rounds):
+        for arm in arms:
+            progress(f"compute: round {r + 1}/{rounds}, {arm}...")
+            if arm in PEER_ARMS:
+                out = _run_peer(python, PEER_ARMS[arm], work, threads)
+            else:
+                out = _run_agentkv(arm.split("-", 1)[1], work)
+            rows.append(_row(arm, r, out, work))
+    extra = {
+        "threads": threads,
+        "contexts": list(contexts),
+        "hot_tokens": list(hot),
+        "decode_tokens": decode_tokens,
+        "batch_agents": batch_agents,
+        "batch_context": batch_context,
+        "peer": "llama-cpp-python in " + str(peer_dir()) if python else None,
+        "summary": _summary(rows),
+        "kernels": _kernels(),
+    }
+    if not python and peer == "auto":
+        extra["peer_missing"] = (
+            f"llama.cpp not measured: run with --peer install to build {PEER_PACKAGE} into "
+            f"{peer_dir()} (a separate venv, never agentkv's dependency)"
+        )
+        progress("compute: " + extra["peer_missing"])
+    emit("compute", rows, as_json, extra)
     return rows
 
 
-def _run_once(weights: str, prompt_words: int, max_tokens: int) -> dict:
+def _peer(peer: str) -> Path | None:
+    if peer == "none":
+        return None
+    python = peer_python()
+    if python is None and peer == "install":
+        python = install_peer()
+    return python
+
+
+# -- the workload ---------------------------------------------------------------------------
+
+
+def _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context) -> dict:
+    """Prompt texts of the asked token counts (the embedded tokenizer; llama.cpp's tokenizer
+    reads the same GGUF vocabulary), each from its own slice of the calibration text."""
+    from agentkv.model.load import load_model
+    from agentkv.model.wide_layers import calibration_text
+
+    tokenizer = load_model(weights="quantized").tokenizer
+    ids = tokenizer.encode(calibration_text())
+    at = 0
+
+    def take(n: int) -> str:
+        nonlocal at
+        if at + n > len(ids):
+            raise ValueError(f"the calibration text has {len(ids)} tokens; the workload needs more")
+        text = tokenizer.decode(ids[at : at + n])
+        at += n
+        return text
+
+    contexts = sorted(contexts)
+    cold = [take(n) for n in contexts]
+    return {
+        "contexts": contexts,
+        "hot_tokens": list(hot),
+        "short": take(short),
+        "cold": cold,
+        "hot": ["\n\n" + take(n) for n in hot],  # each appended to the history so far
+        "batch": [take(batch_context) for _ in range(batch_agents)],
+        "batch_one": [take(batch_context) for _ in range(batch_agents)],
+        "decode_tokens": decode_tokens,
+    }
+
+
+def _run_agentkv(weights: str, work: dict) -> dict:
     from mlx.utils import tree_flatten
 
     from agentkv import Engine
-    from agentkv.model.wide_layers import calibration_text
 
-    text = " ".join(calibration_text().split()[:prompt_words])
-    first = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": f"{text}\n\nWrite a long, detailed essay about the text."},
-    ]
+    n = work["decode_tokens"]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-compute-") as tmp:
         with Engine(cache_dir=tmp, weights=weights) as eng:
-            reply = eng.chat("bench", first, max_tokens=max_tokens, temperature=0.0)
-            cold = reply.stats
-            follow = first + [
-                {"role": "assistant", "content": reply.text},
-                {"role": "user", "content": "Now summarise that essay in two short sentences."},
-            ]
-            hot = eng.chat("bench", follow, max_tokens=max_tokens, temperature=0.0).stats
-            params = tree_flatten(eng.loaded.model.parameters())
-            weight_bytes = sum(v.nbytes for _, v in params)
+
+            def turn(agent: str, text: str, tokens: int) -> dict:
+                result = eng.generate(agent, text, max_tokens=tokens, temperature=0.0)
+                s = result.stats
+                return {
+                    "text": text + result.text,
+                    "prompt_tokens": s.prompt_tokens,
+                    "reused_tokens": s.prompt_tokens - s.prefill_tokens,
+                    "prefill_tokens": s.prefill_tokens,
+                    "ttft_s": s.ttft_ms / 1000,
+                    "generated": s.generated_tokens,
+                    "decode_tps": s.decode_tps if s.generated_tokens > 1 else None,
+                    "kv_format": s.kv_format,
+                }
+
+            out = {"short": turn("short", work["short"], n), "cold": [], "hot": []}
+            for i, text in enumerate(work["cold"]):
+                longest = i == len(work["cold"]) - 1
+                out["cold"].append(turn(f"cold-{i}", text, n if longest else 1))
+            history = out["cold"][-1]["text"]
+            for suffix in work["hot"]:
+                out["hot"].append(turn(f"cold-{len(work['cold']) - 1}", history + suffix, 1))
+                history = out["hot"][-1]["text"]
+            out["batch"] = _agentkv_batch(eng, work)
+            out["weight_bytes"] = sum(
+                v.nbytes for _, v in tree_flatten(eng.loaded.model.parameters())
+            )
+    return out
+
+
+def _agentkv_batch(eng, work: dict) -> dict:
+    n = work["decode_tokens"]
+    one = [(f"one-{i}", text) for i, text in enumerate(work["batch_one"])]
+    start = time.perf_counter()
+    eng.generate_many(one, max_tokens=1, temperature=0.0)
+    t_one = time.perf_counter() - start
+    turns = [(f"batch-{i}", text) for i, text in enumerate(work["batch"])]
+    start = time.perf_counter()
+    results = eng.generate_many(turns, max_tokens=n, temperature=0.0)
+    t_all = time.perf_counter() - start
+    decoded = sum(r.stats.generated_tokens - 1 for r in results)
     return {
-        "weights": weights,
-        "weight_mb": round(weight_bytes / 1e6, 1),
-        "kv_format": cold.kv_format,
-        "prompt_tokens": cold.prompt_tokens,
-        "cold_prefill_tps": round(cold.prefill_tokens / (cold.prefill_ms / 1000), 1),
-        "cold_generated": cold.generated_tokens,
-        "cold_decode_tps": round(cold.decode_tps, 1),
-        "hot_cache": f"{hot.cache}/{hot.match}",
-        "hot_prefill_tokens": hot.prefill_tokens,
-        "hot_ttft_ms": round(hot.ttft_ms, 1),
-        "hot_generated": hot.generated_tokens,
-        "hot_decode_tps": round(hot.decode_tps, 1),
+        "agents": len(turns),
+        "prompt_tokens": [r.stats.prompt_tokens for r in results],
+        "decoded": decoded,
+        "aggregate_tps": decoded / (t_all - t_one) if t_all > t_one else None,
     }
+
+
+def _run_peer(python: Path, kv: str, work: dict, threads: int) -> dict:
+    from agentkv.model.load import embedded_gguf_path
+
+    job = {
+        "model": str(embedded_gguf_path()),
+        "threads": threads,
+        "kv": kv,
+        "n_ctx": 8192,
+        "work": {**work, "batch": work["batch"][:1], "batch_one": []},
+    }
+    script = Path(__file__).with_name("peer_llama.py")
+    done = subprocess.run(
+        [str(python), str(script)], input=json.dumps(job), capture_output=True, text=True,
+        timeout=1800,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the llama.cpp arm failed ({done.returncode}): {done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    out["batch"] = {"agents": 1, "aggregate_tps": out.pop("batch_context")["decode_tps"]}
+    return out
+
+
+# -- rows and summary -----------------------------------------------------------------------
+
+
+def _row(arm: str, r: int, out: dict, work: dict) -> dict:
+    row = {"arm": arm, "round": r + 1, "weight_mb": round(out["weight_bytes"] / 1e6, 1)}
+    if "kv_format" in out["short"]:
+        row["kv_format"] = out["short"]["kv_format"]
+    else:
+        row["kv_format"] = "f16" if arm == "llama.cpp" else "q4_0+flash-attn"
+    row["decode_tps_short"] = _round(out["short"]["decode_tps"])
+    row["short_context"] = out["short"]["prompt_tokens"]
+    for n, c in zip(work["contexts"], out["cold"]):
+        row[f"prefill_tps_{n}"] = _round(c["prompt_tokens"] / c["ttft_s"])
+    longest = out["cold"][-1]
+    row["decode_tps_long"] = _round(longest["decode_tps"])
+    row["long_context"] = longest["prompt_tokens"]
+    for n, h in zip(work["hot_tokens"], out["hot"]):
+        row[f"hot_ttft_ms_{n}"] = round(h["ttft_s"] * 1000, 1)
+        row[f"hot_prefilled_{n}"] = h["prompt_tokens"] - h["reused_tokens"]
+    batch = out["batch"]
+    row["batch_agents"] = batch["agents"]
+    row["batch_tps"] = _round(batch["aggregate_tps"])
+    return row
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Per arm, the median of every numeric field over rounds (fields an arm lacks: none)."""
+    out = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        fields = {}
+        for key in mine[0]:
+            values = [r.get(key) for r in mine]
+            if key in ("arm", "round") or not all(isinstance(v, int | float) for v in values):
+                continue
+            fields[key] = round(statistics.median(values), 1)
+        out[arm] = fields
+    return out
+
+
+def _kernels() -> dict:
+    """agentkv's kernels alone (doctor's probes) as a fraction of memcpy bandwidth."""
+    from agentkv.doctor import measure_attention, measure_quantized_matmul
+
+    copy = memcpy_gbps()
+    qmm, attention = measure_quantized_matmul(), measure_attention()
+    return {
+        "memcpy_gbps": round(copy, 2),
+        "quantized_matmul": {**qmm, "of_memcpy": round(qmm["weight_gbps"] / copy, 2)},
+        "attention": {**attention, "of_memcpy": round(attention["kv_gbps"] / copy, 2)},
+    }
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: agentkv bench compute")

@@ -1,23 +1,33 @@
-"""``agentkv bench compute --json``: both weights run in the engine on the same prompt."""
+"""``agentkv bench compute --json``: both weights run in the engine on the same workload."""
 
 import json
 import subprocess
 import sys
 
 
-def test_bench_compute_runs_both_weights_on_the_same_prompt(python_env):
+def test_bench_compute_runs_both_weights_on_the_same_workload(python_env):
     run = subprocess.run(
-        [sys.executable, "-m", "agentkv.cli.main", "bench", "compute", "--runs", "1",
-         "--max-tokens", "4", "--prompt-words", "40", "--json"],
+        [sys.executable, "-m", "agentkv.cli.main", "bench", "compute", "--rounds", "1",
+         "--contexts", "48,300", "--short", "24", "--hot", "3,9", "--decode-tokens", "4",
+         "--batch-agents", "2", "--batch-context", "24", "--peer", "none", "--json"],
         env=python_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
-    assert result["bench"] == "compute" and result["max_tokens"] == 4
+    assert result["bench"] == "compute" and result["decode_tokens"] == 4
+    assert result["peer"] is None and "peer_missing" not in result  # --peer none: not asked
     f32, q = result["rows"]
-    assert (f32["weights"], q["weights"]) == ("float32", "quantized")
-    assert f32["prompt_tokens"] == q["prompt_tokens"] > 40
+    assert (f32["arm"], q["arm"]) == ("agentkv-float32", "agentkv-quantized")
     assert q["weight_mb"] < 0.25 * f32["weight_mb"]  # 4-bit codes + scales vs float32
     for row in (f32, q):
-        assert row["hot_cache"].startswith("hot/") and 0 < row["cold_generated"] <= 4
+        # the prompts are the same token counts the workload asked for (the engine's tokenizer)
+        assert abs(row["short_context"] - 24) <= 2 and abs(row["long_context"] - 300) <= 2
+        # the hot turns prefilled only their new text (and the token that joins it): the
+        # history stayed cached (over 256 tokens: a partial match is reused)
+        assert 3 <= row["hot_prefilled_3"] <= 6 and 9 <= row["hot_prefilled_9"] <= 12
+        assert row["prefill_tps_48"] > 0 and row["decode_tps_short"] > 0
+        assert row["batch_agents"] == 2 and row["batch_tps"] > 0
         assert row["kv_format"].startswith("q4.v2+k8@")
+    assert set(result["summary"]) == {"agentkv-float32", "agentkv-quantized"}
+    kernels = result["kernels"]
+    assert kernels["quantized_matmul"]["weight_gbps"] > 0 and kernels["memcpy_gbps"] > 0

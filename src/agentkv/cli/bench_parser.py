@@ -32,14 +32,31 @@ def _ttft(ttft: argparse.ArgumentParser) -> None:
     )
 
 
-@_bench("compute", "the engine with float32 weights vs 4-bit weights as shipped")
+@_bench("compute", "agentkv (float32 and 4-bit weights) vs llama.cpp on the same GGUF")
 def _compute(compute: argparse.ArgumentParser) -> None:
-    """The embedded model in the engine, float32 weights against 4-bit weights through
-    agentkv's CPU quantized matmul, alternating: cold prefill and decode tokens/s, a hot
-    turn's time to first token, resident weight bytes (docs/compute.md)."""
-    add_count(compute, "--runs", 2, "runs of each weights, alternating (default 2)")
-    add_count(compute, "--prompt-words", 350, "words of text in the cold prompt (default 350)")
-    add_count(compute, "--max-tokens", 64, "tokens generated per turn (default 64)")
+    """The embedded model in agentkv's engine with float32 weights and with 4-bit weights as
+    shipped, and llama.cpp (llama-cpp-python, its default f16 KV and q4_0 KV + flash
+    attention) on the same GGUF file and thread count, in interleaved rounds: cold prefill,
+    decode at a short and a long context, hot turns at the long context, a batch of agents,
+    resident weights, the kernels alone (docs/compute.md)."""
+    add_count(compute, "--rounds", 2, "rounds; every arm runs once per round (default 2)")
+    compute.add_argument(
+        "--contexts", default="512,4096", help="cold prompt sizes in tokens (default 512,4096)"
+    )
+    add_count(compute, "--short", 128, "tokens of the short-context prompt (default 128)")
+    compute.add_argument(
+        "--hot", default="17,112", help="new tokens of the hot turns at the longest context"
+    )
+    add_count(compute, "--decode-tokens", 32, "tokens decoded per measured decode (default 32)")
+    add_count(compute, "--batch-agents", 4, "agents decoding together (default 4)")
+    add_count(compute, "--batch-context", 1024, "tokens of each batched agent (default 1024)")
+    compute.add_argument(
+        "--peer",
+        choices=("auto", "install", "none"),
+        default="auto",
+        help="llama.cpp: auto (run it if installed under the agentkv home, else say how), "
+        "install (build llama-cpp-python into its own venv there first: minutes), none",
+    )
 
 
 @_bench("save", "bytes and time of saving one turn")
