@@ -56,16 +56,19 @@ def _mlx_lm_caches(pool, table):
 
 def run(token_counts: list[int], repeats: int = 10, as_json: bool = False) -> list[dict]:
     from agentkv import _ext
+    from agentkv.engine import EngineConfig
+    from agentkv.engine.engine import kv_format_for
     from agentkv.format.quant import V1, V2, KVQuant
     from agentkv.model.load import load_model
 
     progress("reload: loading the embedded model for its cache geometry...")
-    spec = load_model().spec
+    loaded = load_model()
+    spec = loaded.spec
     rows = []
     formats = [
         KVQuant(4, 4, 64, **V1),
         KVQuant(4, 4, 64, **V2),
-        KVQuant(4, 4, 64, **V2, wide_layers=(18, 19)),  # the embedded model's calibration
+        kv_format_for(EngineConfig(), loaded),  # the engine's: format 2 with its wide layers
     ]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-reload-") as tmp:
         for tokens in token_counts:

@@ -16,7 +16,7 @@ from agentkv.format.geometry import BLOCK_TOKENS
 
 # The embedded model's default KV format: 8-bit keys in the two layers its shipped calibration
 # names (as tests/engine/test_engine_format_v2.py says).
-DEFAULT_FORMAT = "q4.v2+k8@18,19"
+DEFAULT_FORMAT = "q4.v2+k8@19,20"  # the default (4-bit) weights
 
 
 def agentkv(*args, env, stdin=None, timeout=600):
@@ -191,7 +191,7 @@ def test_chat_streams_and_resumes(tmp_path, python_env):
         (details,) = json.loads(show.stdout)
         return details["messages"], details["text_tail"]
 
-    first = agentkv(*common, env=python_env, stdin="What is the capital of France?\n")
+    first = agentkv(*common, env=python_env, stdin="Which city is the capital of France?\n")
     assert first.returncode == 0, first.stderr
     # Input piped in: stdout is the answer alone (no prompt, no agent label), as stored.
     answer = first.stdout.removesuffix("\n")

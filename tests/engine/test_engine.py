@@ -34,9 +34,10 @@ def convo(*user_turns, replies=()):
 
 
 def test_embedded_model_answers_paris(engine):
-    r = engine.chat(
-        "paris", [{"role": "user", "content": "What is the capital of France?"}], max_tokens=24
-    )
+    # "What is the capital of France?" is a near tie for this model ("The" 15.2%, "L" 14.0%
+    # in float32): its 4-bit weights answer "L'Etoile, ...", as llama.cpp does on the file
+    ask = "Which city is the capital of France?"
+    r = engine.chat("paris", [{"role": "user", "content": ask}], max_tokens=24)
     assert "Paris" in r.text
     assert r.finish_reason == "stop" and r.stats.cache == "cold"
 
@@ -184,7 +185,7 @@ def test_resume_in_a_fresh_process_equals_continuing(fresh_engine, tmp_path, pyt
 
 
 def test_stream_pieces_join_to_the_text_and_stop_strings_cut(engine):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
     stream = engine.stream_chat("stream", messages, max_tokens=24)
     pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == stream.result.text
@@ -397,7 +398,7 @@ def test_bad_input_is_rejected_clearly(engine):
         "Paris"
         in engine.chat(
             "ok-after",
-            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Which city is the capital of France?"}],
             max_tokens=16,
         ).text
     )
@@ -546,7 +547,7 @@ def test_an_agent_stored_in_another_format_is_converted_once(fresh_engine, tmp_p
     ]
     r2 = eng8.chat("fmt", follow, max_tokens=6)
     assert r2.stats.cache == "warm" and r2.stats.kv_format == "q8.v2"
-    assert "converted from the stored q4.v2+k8@18,19 KV format to q8.v2" in r2.stats.reuse_note
+    assert "converted from the stored q4.v2+k8@19,20 KV format to q8.v2" in r2.stats.reuse_note
     assert r2.stats.reused_tokens == r.stats.prompt_tokens + r.stats.generated_tokens - 1
     eng8.flush()
     manifest, _ = eng8.store.read_manifest("fmt")

@@ -6,7 +6,7 @@ import pytest
 
 # The embedded model's default format: 8-bit keys in its two wide layers (the shipped
 # calibration; test_wide_layers.py measures it again).
-DEFAULT = "q4.v2+k8@18,19"
+DEFAULT = "q4.v2+k8@19,20"  # the default (4-bit) weights; float32 weights: @18,19
 PROMPT = [
     {"role": "system", "content": "You are a terse assistant who answers in one sentence."},
     {"role": "user", "content": "What is the capital of France, and what river runs through it?"},

@@ -21,10 +21,13 @@ def test_embedded_import_writes_an_mlx_lm_llama_directory():
         3,
         64,
     )
-    weights = mx.load(str(path / "model.safetensors"))
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
+    weights = mx.load(str(path / "model.safetensors"))  # the default: 4-bit as shipped
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == mx.uint32
+    assert weights["model.layers.0.self_attn.q_proj.scales"].shape == (576, 576 // 32)
     assert "lm_head.weight" not in weights
     assert ensure_embedded_model() == path  # the second call reuses the import
+    dense = mx.load(str(ensure_embedded_model("float32") / "model.safetensors"))
+    assert dense["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float32
 
 
 def test_rebuilt_tokenizer_matches_llama_cpp():

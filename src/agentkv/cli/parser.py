@@ -222,7 +222,7 @@ def _models_import_gguf(imp: argparse.ArgumentParser) -> None:
         choices=("auto", "float32", "quantized"),
         default="auto",
         help="quantized as stored (agentkv's CPU kernel or the GPU runs it) or float32 "
-        "(dequantized); auto: what --weights defaults to on this device",
+        "(dequantized); auto: what --weights defaults to (quantized)",
     )
     add_flag(imp, "--force", "re-import even if already imported")
 

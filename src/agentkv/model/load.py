@@ -7,8 +7,8 @@ Weights (``weights=``): ``"quantized"`` runs 4- and 8-bit weights as shipped; on
 backend through agentkv's own quantized matmul (``_ext.quantized_matmul``, int16
 activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is scalar and
 single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the embedded model
-instead of 84 MB). ``None`` is the device's default (``default_weights``): quantized on a
-GPU; float32 on CPU for now (docs/compute.md says why). Either way, activations, norms and
+instead of 84 MB). ``None`` is the default (``default_weights``): quantized, on every
+backend (docs/compute.md). Either way, activations, norms and
 unquantized layers run in float32 on CPU (MLX's CPU float16 is ~5x slower).
 """
 
@@ -99,9 +99,9 @@ def _import_locked(gguf: Path, dest: Path, weights: Weights) -> Path:
 
 
 def default_weights() -> Weights:
-    """Quantized where a GPU runs the model; float32 on CPU until agentkv's kernel also wins
-    prefill and the default format's quality is measured on it (docs/compute.md)."""
-    return "quantized" if mx.default_device() == mx.gpu else "float32"
+    """Quantized, as the model ships, on every backend (on CPU agentkv's quantized matmul
+    runs them; ``"float32"`` stays for comparison: docs/compute.md)."""
+    return "quantized"
 
 
 def check_weights(weights: str | None) -> Weights:
