@@ -22,6 +22,12 @@ namespace {
 constexpr int kTile = 64;     // tokens per tile
 constexpr int kMaxDim = 256;  // largest head dimension
 constexpr int kQueryBlock = 32;
+// Keys per chunk: each query's range is cut into chunks of this many keys from its start,
+// each chunk runs its own online softmax and the chunks merge in order (flash-decoding's
+// split, fixed so the result never depends on the batch or the threads). Chunks of one
+// query may run on different threads when there are too few tasks to fill the pool (one
+// agent decoding: one task per KV head).
+constexpr int kChunk = 512;
 
 // exp(x) for x <= 0 (arguments here are score - max): Cephes' polynomial, in one
 // fixed sequence of fused multiply-adds so every implementation rounds alike.
@@ -262,24 +268,79 @@ using Ops = Avx2;
 
 }  // namespace
 
+namespace {
+
+template <typename Task, typename Finish>
+void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
+  int longest = a.keys;
+  if (a.lengths != nullptr) {
+    longest = 0;
+    for (int b = 0; b < a.batch; ++b) {
+      longest = std::max(longest, a.lengths[b]);
+    }
+  }
+  const int chunks = std::max(1, (longest + kChunk - 1) / kChunk);
+  const size_t tasks = static_cast<size_t>(a.batch) * a.kv_heads * blocks;
+  ThreadPool& pool = ThreadPool::shared();
+  // which (b, kvh, query block) a task index names
+  const auto where = [&](size_t t, int& b, int& kvh, int& i0, int& i1) {
+    const int block = static_cast<int>(t % blocks);
+    kvh = static_cast<int>((t / blocks) % a.kv_heads);
+    b = static_cast<int>(t / blocks / a.kv_heads);
+    i0 = block * kQueryBlock;
+    i1 = std::min(a.queries, i0 + kQueryBlock);
+  };
+  if (chunks == 1 || tasks >= 2 * static_cast<size_t>(pool.size())) {
+    const std::function<void(size_t)> run = [&](size_t t) {
+      int b, kvh, i0, i1;
+      where(t, b, kvh, i0, i1);
+      task(b, kvh, i0, i1, 0, chunks, nullptr);
+    };
+    pool.run(tasks, run);
+    return;
+  }
+  const size_t stride = static_cast<size_t>(a.q_heads / a.kv_heads) * kQueryBlock * (a.v.dim + 2);
+  std::vector<float> partials(tasks * chunks * stride);
+  const std::function<void(size_t)> run = [&](size_t t) {
+    int b, kvh, i0, i1;
+    where(t / chunks, b, kvh, i0, i1);
+    const int chunk = static_cast<int>(t % chunks);
+    task(b, kvh, i0, i1, chunk, chunk + 1, partials.data() + t * stride);
+  };
+  pool.run(tasks * chunks, run);
+  const std::function<void(size_t)> merge = [&](size_t t) {
+    int b, kvh, i0, i1;
+    where(t, b, kvh, i0, i1);
+    finish(b, kvh, i0, i1, chunks, partials.data() + t * chunks * stride, stride);
+  };
+  pool.run(tasks, merge);
+}
+
+}  // namespace
+
 void quantized_attention(const AttentionArgs& a) {
   const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
-  const size_t tasks = static_cast<size_t>(a.batch) * a.kv_heads * blocks;
-  const std::function<void(size_t)> run = [&](size_t t) {
-    const int block = static_cast<int>(t % blocks);
-    const int kvh = static_cast<int>((t / blocks) % a.kv_heads);
-    const int b = static_cast<int>(t / blocks / a.kv_heads);
-    const int i0 = block * kQueryBlock;
-    const int i1 = std::min(a.queries, i0 + kQueryBlock);
 #if defined(AGENTKV_ATTENTION_X86)
-    if (cpu_has_avx2_fma_f16c()) {
-      avx2::task(a, b, kvh, i0, i1);
-      return;
-    }
+  if (cpu_has_avx2_fma_f16c()) {
+    run_split(
+        a, blocks,
+        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
+          avx2::task(a, b, kvh, i0, i1, c0, c1, partial);
+        },
+        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
+          avx2::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
+        });
+    return;
+  }
 #endif
-    portable::task(a, b, kvh, i0, i1);
-  };
-  ThreadPool::shared().run(tasks, run);
+  run_split(
+      a, blocks,
+      [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
+        portable::task(a, b, kvh, i0, i1, c0, c1, partial);
+      },
+      [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
+        portable::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
+      });
 }
 
 const char* attention_implementation() {

@@ -9,10 +9,13 @@
 // A query at buffer row p = T - L + i (its row's last L rows are the queries)
 // sees keys j in [lo, p]: lo = the row's left padding, raised to p - window + 1
 // for a sliding window. Every query's result depends only on its own q, its own
-// key range and the cache, computed in one fixed order (tiles of 64 from lo,
-// scores summed over d in order, an online softmax per tile, values accumulated
-// over j in order): the same whether it runs alone, in a prefill chunk or in a
-// left-padded batch row. That is what lets agents batch without changing tokens.
+// key range and the cache, computed in one fixed order (the range cut into chunks
+// of 512 keys from lo, each chunk an online softmax over tiles of 64 from its start,
+// scores summed over d in order, values accumulated over j in order, then the chunks'
+// partial softmaxes merged in order): the same whether it runs alone, in a prefill
+// chunk or in a left-padded batch row, and whichever thread runs which chunk (one
+// decoding agent spreads its chunks over the pool, as flash-decoding does). That is
+// what lets agents batch without changing tokens.
 //
 // The cache is either contiguous ([B, H, T, ...] arrays with strides) or paged: fixed blocks
 // of token rows found through each batch row's block table, rows of unequal lengths (a jagged

@@ -101,7 +101,9 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& f) {
   current_.store(&job);
   ++generation_;
   if (sleepers_.load() > 0) {
-    { std::lock_guard<std::mutex> lock(mutex_); }  // a worker between its check and its wait
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+    }  // a worker between its check and its wait
     wake_.notify_all();
   }
   drain(job);

@@ -122,6 +122,51 @@ def test_a_prefill_chunk_equals_one_query_at_a_time():
         assert mx.array_equal(chunk[:, :, i : i + 1], one)
 
 
+@pytest.mark.parametrize("window", [0, 700])
+def test_long_ranges_merge_their_chunks_like_the_reference(window):
+    """Past 512 keys a query's range is cut into chunks whose softmaxes merge; one agent
+    alone (too few tasks for the threads) runs its chunks in parallel."""
+    rng = np.random.default_rng(11)
+    quant = KVQuant(**V1)
+    length, queries = 1300, 3
+    q = mx.array(rng.standard_normal((1, 4, queries, 64)), mx.float32)
+    k = mx.array(rng.standard_normal((1, 2, length, 64)), mx.float32)
+    v = mx.array(rng.standard_normal((1, 2, length, 64)), mx.float32)
+    keys, values = stored(k, 4, 64), stored(v, 4, 64)
+    sinks = mx.array(rng.standard_normal(4), mx.float32)
+    ours = fused(q, keys, values, quant, window=window, sinks=sinks)
+    mask = explicit_mask(1, queries, length, window, [0])
+    theirs = reference.quantized_attention(
+        q, keys, values, scale=64**-0.5, mask=mask, quant=quant, sinks=sinks
+    )
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=2e-5)
+
+
+def test_a_long_row_gives_the_same_bits_alone_and_in_a_batch():
+    """Alone, a 1,300-key row's chunks run on different threads and merge afterwards; in a
+    batch of three (enough tasks) one thread runs them in turn: the same bits."""
+    rng = np.random.default_rng(5)
+    quant = KVQuant(**V1)
+    lengths = (1300, 600, 90)
+    rows = [
+        tuple(mx.array(rng.standard_normal((1, 2, n, 64)), mx.float32) for _ in range(2))
+        for n in lengths
+    ]
+    longest = max(lengths)
+
+    def padded(x, n):
+        return mx.pad(x, [(0, 0), (0, 0), (longest - n, 0), (0, 0)])
+
+    k = mx.concatenate([padded(k, n) for n, (k, _) in zip(lengths, rows)])
+    v = mx.concatenate([padded(v, n) for n, (_, v) in zip(lengths, rows)])
+    q = mx.array(rng.standard_normal((3, 4, 1, 64)), mx.float32)
+    padding = mx.array([longest - n for n in lengths], mx.int32)
+    together = fused(q, stored(k, 4, 64), stored(v, 4, 64), quant, left_padding=padding)
+    for i, (k1, v1) in enumerate(rows):
+        alone = fused(q[i : i + 1], stored(k1, 4, 64), stored(v1, 4, 64), quant)
+        assert mx.array_equal(together[i : i + 1], alone), f"row {i} changed in the batch"
+
+
 def test_bad_arguments_are_refused():
     quant = KVQuant(**V1)
     q = mx.zeros((1, 2, 1, 64))
