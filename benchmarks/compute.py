@@ -198,8 +198,10 @@ def _run_agentkv(weights: str, work: dict) -> dict:
             def turn(agent: str, text: str, tokens: int) -> dict:
                 result = eng.generate(agent, text, max_tokens=tokens, temperature=0.0)
                 s = result.stats
+                # the reply's exact bytes (the streamed text drops a first token's space)
+                reply = b"".join(eng.token_text.generated_bytes(result.tokens))
                 return {
-                    "text": text + result.text,
+                    "text": text + reply.decode("utf-8", errors="replace"),
                     "prompt_tokens": s.prompt_tokens,
                     "reused_tokens": s.prompt_tokens - s.prefill_tokens,
                     "prefill_tokens": s.prefill_tokens,
