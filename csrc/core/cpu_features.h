@@ -15,6 +15,19 @@ inline bool cpu_has_avx2_fma_f16c() {
 #endif
 }
 
+// AVX-512 with VNNI (and BW, VL): the quantized matmul's wider tiles, vpdpwssd.
+// __builtin_cpu_supports also checks that the OS saves the AVX-512 state.
+inline bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool ok = cpu_has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // AVX2 + FMA: the batch-invariant float32 GEMM.
 inline bool cpu_has_avx2_fma() {
 #if defined(__x86_64__) || defined(_M_X64)

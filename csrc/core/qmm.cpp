@@ -40,12 +40,25 @@ struct Activations {
   std::vector<float> sum;    // [M, padded]: sum of d * q over each weight group
 };
 
+// AGENTKV_QMM=portable or =avx2 caps the implementation (tests compare them).
+const char* forced() {
+  static const char* v = std::getenv("AGENTKV_QMM");
+  return v != nullptr ? v : "";
+}
+
 bool forced_portable() {
-  static const bool forced = [] {
-    const char* v = std::getenv("AGENTKV_QMM");
-    return v != nullptr && std::string(v) == "portable";
-  }();
-  return forced;
+  static const bool portable = std::string(forced()) == "portable";
+  return portable;
+}
+
+bool use_vnni() {
+#if defined(AGENTKV_QMM_X86)
+  static const bool vnni =
+      cpu_has_avx512_vnni() && !forced_portable() && std::string(forced()) != "avx2";
+  return vnni;
+#else
+  return false;
+#endif
 }
 
 inline int position(int i, bool nibbles) {
@@ -239,161 +252,21 @@ void tile_portable(const QuantizedWeights& w, int64_t n0, int cols, const Activa
 }
 
 #if defined(AGENTKV_QMM_X86)
+namespace avx2 {
 #define QMM_TARGET __attribute__((target("avx2,fma,f16c")))
+#define QMM_VNNI 0
+#include "qmm_x86.inc"
+#undef QMM_TARGET
+#undef QMM_VNNI
+}  // namespace avx2
 
-QMM_TARGET inline float hsum_fixed(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-}
-
-QMM_TARGET inline float scale_avx2(const void* p, ScaleType t, int64_t i) {
-  if (t == ScaleType::f16) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  }
-  return scale_at(p, t, i);
-}
-
-// Eight biases from group g0 (zeros past the row's last group).
-QMM_TARGET inline __m256 biases_avx2(const QuantizedWeights& w, int64_t n, int64_t groups,
-                                     int64_t g0) {
-  if (w.scale_type == ScaleType::f16 && g0 + 8 <= groups) {
-    const auto* p = static_cast<const uint16_t*>(w.biases) + n * groups + g0;
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  alignas(32) float b[8];
-  biases_at(w, n, groups, g0, b);
-  return _mm256_load_ps(b);
-}
-
-// A 32-block of one weight row widened to int16: positions 0-15 and 16-31.
-template <int BITS>
-QMM_TARGET inline void unpack_block(const uint8_t* row, int64_t b, __m256i& lo, __m256i& hi) {
-  if constexpr (BITS == 4) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-    const __m128i nibbles = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, nibbles));
-    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), nibbles));
-  } else {
-    lo = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32)));
-    hi = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 32 + 16)));
-  }
-}
-
-// Integer dot of one 32-block against weights widened to int16, as 8 int32 lanes.
-QMM_TARGET inline __m256i dot16(__m256i w_lo, __m256i w_hi, const int16_t* xq) {
-  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-  return _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
-}
-
-// ROWS rows of x against COLS weight rows (ROWS * COLS accumulators in registers): each
-// unpacked weight block serves ROWS rows, each x block COLS weight rows, and the COLS
-// independent chains keep the FMA units busy when there is one row (decode).
-template <int BITS, int ROWS, int COLS>
-QMM_TARGET void tile_avx2(const QuantizedWeights& w, int64_t n0, const Activations& a, int64_t m0,
-                          float* y, int64_t ldy) {
-  const int64_t K = w.K;
-  const int per_group = w.group / kBlock;
-  const uint8_t* rows[COLS];
-#pragma GCC unroll 4
-  for (int j = 0; j < COLS; ++j) {
-    rows[j] = reinterpret_cast<const uint8_t*>(w.words) + (n0 + j) * K * BITS / 8;
-  }
-  const int16_t* xq = a.q.data() + m0 * K;
-  const float* xd = a.scale.data() + m0 * a.blocks;
-  const int64_t ahead = 4 * COLS * K * BITS / 8;  // four tiles on: DRAM latency, not L2
-  __m256 acc[ROWS][COLS];
-#pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 4
-    for (int j = 0; j < COLS; ++j) {
-      acc[r][j] = _mm256_setzero_ps();
-    }
-  }
-  for (int64_t g = 0; g < a.groups; ++g) {
-    __m256 part[ROWS][COLS];
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 4
-      for (int j = 0; j < COLS; ++j) {
-        part[r][j] = _mm256_setzero_ps();
-      }
-    }
-    for (int c = 0; c < per_group; ++c) {
-      const int64_t b = g * per_group + c;
-#pragma GCC unroll 4
-      for (int j = 0; j < COLS; ++j) {
-        // weight rows four tiles on: a decode step streams ~100 MB of weights once, from
-        // memory, in short runs the hardware prefetcher barely ramps up for (measured: a
-        // single-thread call 97 -> 60 us on the embedded model)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[j] + ahead + b * BITS * 4), _MM_HINT_T0);
-        __m256i w_lo, w_hi;
-        unpack_block<BITS>(rows[j], b, w_lo, w_hi);
-#pragma GCC unroll 4
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot16(w_lo, w_hi, xq + r * K + b * kBlock));
-          part[r][j] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(xd + r * a.blocks + b), part[r][j]);
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < COLS; ++j) {
-      const __m256 s = _mm256_set1_ps(scale_avx2(w.scales, w.scale_type, (n0 + j) * a.groups + g));
-#pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        acc[r][j] = _mm256_fmadd_ps(part[r][j], s, acc[r][j]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < COLS; ++j) {
-    __m256 bias[ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      bias[r] = _mm256_setzero_ps();
-    }
-    for (int64_t g0 = 0; g0 < a.padded; g0 += 8) {
-      const __m256 b = biases_avx2(w, n0 + j, a.groups, g0);
-#pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        const float* xs = a.sum.data() + (m0 + r) * a.padded + g0;
-        bias[r] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs), bias[r]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      y[r * ldy + j] = hsum_fixed(acc[r][j]) + hsum_fixed(bias[r]);
-    }
-  }
-}
-
-template <int BITS>
-QMM_TARGET void tile_avx2_any(const QuantizedWeights& w, int64_t n0, int cols, const Activations& a,
-                              int64_t m0, int rows, float* y, int64_t ldy) {
-  if (rows == 1 && cols == 4) {
-    return tile_avx2<BITS, 1, 4>(w, n0, a, m0, y, ldy);
-  }
-  if (rows == 2 && cols == 2) {
-    return tile_avx2<BITS, 2, 2>(w, n0, a, m0, y, ldy);
-  }
-  for (int j = 0; j < cols; ++j) {  // one weight row at a time, up to 4 rows of x
-    switch (rows) {
-      case 1:
-        tile_avx2<BITS, 1, 1>(w, n0 + j, a, m0, y + j, ldy);
-        break;
-      case 2:
-        tile_avx2<BITS, 2, 1>(w, n0 + j, a, m0, y + j, ldy);
-        break;
-      case 3:
-        tile_avx2<BITS, 3, 1>(w, n0 + j, a, m0, y + j, ldy);
-        break;
-      default:
-        tile_avx2<BITS, 4, 1>(w, n0 + j, a, m0, y + j, ldy);
-    }
-  }
-}
-
+namespace vnni {
+#define QMM_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define QMM_VNNI 1
+#include "qmm_x86.inc"
+#undef QMM_TARGET
+#undef QMM_VNNI
+}  // namespace vnni
 #endif
 
 using TileKernel = void (*)(const QuantizedWeights&, int64_t, int, const Activations&, int64_t, int,
@@ -401,8 +274,11 @@ using TileKernel = void (*)(const QuantizedWeights&, int64_t, int, const Activat
 
 TileKernel kernel_for(int bits) {
 #if defined(AGENTKV_QMM_X86)
+  if (use_vnni()) {
+    return bits == 4 ? &vnni::tile_avx2_any<4> : &vnni::tile_avx2_any<8>;
+  }
   if (cpu_has_avx2_fma_f16c() && !forced_portable()) {
-    return bits == 4 ? &tile_avx2_any<4> : &tile_avx2_any<8>;
+    return bits == 4 ? &avx2::tile_avx2_any<4> : &avx2::tile_avx2_any<8>;
   }
 #endif
   (void)bits;
@@ -427,8 +303,9 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   const TileKernel tile = kernel_for(w.bits);
   const int64_t N = w.N;
   // Tiles: one row of x (decode) against 4 weight rows, two against two, else up to 4 rows
-  // against one weight row at a time. The tile changes no result (see qmm.h).
-  const int cols = M == 1 ? 4 : M == 2 ? 2 : 1;
+  // against one weight row at a time (two with VNNI's registers). The tile changes no
+  // result (see qmm.h).
+  const int cols = M == 1 ? 4 : M == 2 ? 2 : use_vnni() ? 2 : 1;
   const std::function<void(size_t)> job = [&](size_t block) {
     const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
     const int64_t n1 = std::min(N, n0 + kColumnBlock);
@@ -451,7 +328,9 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
 }
 
 const char* qmm_implementation() {
-  return cpu_has_avx2_fma_f16c() && !forced_portable() ? "avx2" : "portable";
+  return use_vnni()                                      ? "avx512-vnni"
+         : cpu_has_avx2_fma_f16c() && !forced_portable() ? "avx2"
+                                                         : "portable";
 }
 
 }  // namespace agentkv
