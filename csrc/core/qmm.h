@@ -17,7 +17,7 @@
 // same instruction count (two madds per block instead of maddubs + madd).
 //
 // Batch invariance: every y[m, n] is reduced in one fixed order (8 float lanes over the
-// blocks, the lanes combined as gemm.h does, then the bias terms in group order), whatever
+// blocks, the bias terms in 8 lanes by group, each set combined as gemm.h does), whatever
 // M, the tile or the thread; a row's result never depends on the other rows. The portable
 // path computes the same lanes in the same order, so it gives the same bits as AVX2.
 #pragma once
@@ -41,8 +41,8 @@ struct QuantizedWeights {
 // x: [M, K] float32 row-major; y: [M, N] float32. K must be a multiple of `group`.
 void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64_t M);
 
-// "avx2" or "portable": which implementation this CPU runs (AGENTKV_QMM=portable forces
-// the portable one).
+// "avx512-vnni", "avx2" or "portable": which implementation this CPU runs (AGENTKV_QMM=avx2
+// or =portable caps it).
 const char* qmm_implementation();
 
 }  // namespace agentkv
