@@ -42,6 +42,7 @@ from .common import emit, memcpy_gbps, progress
 
 AGENTKV_ARMS = ("agentkv-float32", "agentkv-quantized")
 PEER_ARMS = {"llama.cpp": "f16", "llama.cpp-q4": "q4_0"}
+PEER_KV_LABELS = {"f16": "f16", "q4_0": "q4_0+flash-attn"}
 PEER_PACKAGE = "llama-cpp-python"
 
 
@@ -208,7 +209,6 @@ def _run_agentkv(weights: str, work: dict) -> dict:
                     "ttft_s": s.ttft_ms / 1000,
                     "generated": s.generated_tokens,
                     "decode_tps": s.decode_tps if s.generated_tokens > 1 else None,
-                    "kv_format": s.kv_format,
                 }
 
             out = {"short": turn("short", work["short"], n), "cold": [], "hot": []}
@@ -220,6 +220,7 @@ def _run_agentkv(weights: str, work: dict) -> dict:
                 out["hot"].append(turn(f"cold-{len(work['cold']) - 1}", history + suffix, 1))
                 history = out["hot"][-1]["text"]
             out["batch"] = _agentkv_batch(eng, work)
+            out["kv_format"] = eng.quant.label
             out["weight_bytes"] = sum(
                 v.nbytes for _, v in tree_flatten(eng.loaded.model.parameters())
             )
@@ -264,6 +265,7 @@ def _run_peer(python: Path, kv: str, work: dict, threads: int) -> dict:
         raise RuntimeError(f"the llama.cpp arm failed ({done.returncode}): {done.stderr[-2000:]}")
     out = json.loads(done.stdout)
     out["batch"] = {"agents": 1, "aggregate_tps": out.pop("batch_context")["decode_tps"]}
+    out["kv_format"] = PEER_KV_LABELS[kv]
     return out
 
 
@@ -272,10 +274,7 @@ def _run_peer(python: Path, kv: str, work: dict, threads: int) -> dict:
 
 def _row(arm: str, r: int, out: dict, work: dict) -> dict:
     row = {"arm": arm, "round": r + 1, "weight_mb": round(out["weight_bytes"] / 1e6, 1)}
-    if "kv_format" in out["short"]:
-        row["kv_format"] = out["short"]["kv_format"]
-    else:
-        row["kv_format"] = "f16" if arm == "llama.cpp" else "q4_0+flash-attn"
+    row["kv_format"] = out["kv_format"]
     row["decode_tps_short"] = _round(out["short"]["decode_tps"])
     row["short_context"] = out["short"]["prompt_tokens"]
     for n, c in zip(work["contexts"], out["cold"]):
