@@ -125,6 +125,17 @@ def use_cpu_quantized_matmul(model: nn.Module) -> int:
             switched += 1
         else:
             left.append(name)
+    experts = [
+        name
+        for name, module in model.named_modules()
+        if type(module).__name__ == "QuantizedSwitchLinear"
+    ]
+    if experts:
+        logging.getLogger("agentkv.model").info(
+            "%d mixture-of-experts expert layers stay on MLX's gather_qmm (agentkv's CPU kernel "
+            "takes one weight matrix per call, not a gather over experts): %s",
+            len(experts), ", ".join(experts[:4]),
+        )  # fmt: skip
     if left:
         logging.getLogger("agentkv.model").info(
             "%d quantized layers stay on mx.quantized_matmul (agentkv's CPU kernel takes "

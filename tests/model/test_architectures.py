@@ -15,17 +15,18 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import table_arrays
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from agentkv import Engine
+from agentkv import Engine, mlx_adapter
 from agentkv.cli.main import main as agentkv_main
 from agentkv.errors import InvalidRequestError, ModelImportError
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.spec import LayerKind
-from agentkv.model.load import ensure_embedded_model
+from agentkv.model.load import CPU_QMM_ID, ensure_embedded_model, load_model
 
 WINDOW = 128
 COMMON = {
@@ -80,7 +81,8 @@ POOL_BYTES = 16 << 20
 
 def build_model_dir(root: Path, config: dict, *, seed: int = 5, gain: float = GAIN) -> Path:
     """An mlx-lm model directory: ``config``'s architecture with random weights (projections
-    scaled by ``gain``; attention sinks random, not zero) and the embedded tokenizer."""
+    scaled by ``gain``; attention sinks random, not zero) and the embedded tokenizer; with
+    ``config["quantization"]`` (``group_size``, ``bits``) its layers quantized by MLX."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -93,6 +95,8 @@ def build_model_dir(root: Path, config: dict, *, seed: int = 5, gain: float = GA
         attn = getattr(layer, "self_attn", None)
         if getattr(attn, "sinks", None) is not None:
             attn.sinks = mx.random.normal(attn.sinks.shape)
+    if "quantization" in config:  # as mlx-lm's convert writes a quantized model
+        nn.quantize(model, **config["quantization"])
     root.mkdir(parents=True)
     mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (root / "config.json").write_text(json.dumps(config))
@@ -245,6 +249,77 @@ def test_saved_kv_reloads_identically(arch, tmp_path):
     assert len(before) == len(after) == arrays
     for i, (want, got) in enumerate(zip(before, after)):
         assert mx.array_equal(mx.array(got), mx.array(want)), f"array {i}"
+
+
+# -- quantized weights ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def quantized_arch(request, tmp_path_factory):
+    """(architecture name, its model directory with 4-bit weights in groups of 32)."""
+    name = request.param
+    config = {
+        "model_type": name,
+        **COMMON,
+        **ARCHITECTURES[name],
+        "quantization": {"group_size": 32, "bits": 4},
+    }
+    return name, build_model_dir(tmp_path_factory.mktemp(f"{name}-q4") / "model", config)
+
+
+def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, caplog):
+    """Every 4-bit linear layer (and embedding) runs on agentkv's kernel; gpt-oss's experts
+    stay on MLX's gather kernel, with the reason logged. The logits match the same weights
+    dequantized to float32 (the kernel quantizes activations to int16 per group)."""
+    name, model = quantized_arch
+    with caplog.at_level("INFO", logger="agentkv.model"):
+        quantized = load_model(model, weights="quantized")
+    kinds = [type(m) for _, m in quantized.model.named_modules()]
+    assert mlx_adapter.CPUQuantizedLinear in kinds and mlx_adapter.CPUQuantizedEmbedding in kinds
+    assert nn.QuantizedLinear not in kinds and nn.QuantizedEmbedding not in kinds
+    assert nn.Linear not in kinds  # nothing was dequantized on the way
+    assert quantized.spec.weights_id.endswith(CPU_QMM_ID)
+    experts = "expert layers stay on MLX's gather_qmm" in caplog.text
+    assert experts is (name == "gpt_oss")
+
+    dequantized = load_model(model, weights="float32")
+    assert not any("Quantized" in type(m).__name__ for _, m in dequantized.model.named_modules())
+    prompt = log_prompt("build", 4)[0]["content"]
+    ids = mx.array([quantized.tokenizer.encode(prompt)])
+    ours, theirs = quantized.model(ids)[0], dequantized.model(ids)[0]
+    scale = float(mx.abs(theirs).max())
+    assert float(mx.abs(ours - theirs).max()) < 5e-3 * scale  # measured <= 5e-4
+    agree = mx.mean(mx.argmax(ours, axis=-1) == mx.argmax(theirs, axis=-1))
+    assert float(agree) >= 0.95
+
+
+@pytest.mark.slow
+def test_each_quantized_architecture_batches_and_resumes_like_alone(quantized_arch, tmp_path):
+    """On agentkv's kernel a batch still equals each agent alone, token for token (a row's
+    result does not depend on the other rows), and a warm turn after a restart equals hot."""
+    _, model = quantized_arch
+    turns = [
+        ("a", log_prompt("build", 36)),
+        ("b", log_prompt("deploy", 9)),
+        ("c", [{"role": "user", "content": "Count the steps."}]),
+    ]
+    with engine_on(model, tmp_path / "kv") as eng:
+        assert eng.loaded.spec.weights_id.endswith(CPU_QMM_ID)
+        batched = eng.chat_many(turns, max_tokens=12)
+        alone = [
+            eng.chat(f"{agent}-alone", messages, max_tokens=12, cache_salt="alone")
+            for agent, messages in turns
+        ]
+        second = follow_up(turns[0][1], alone[0].text, "Which step failed?")
+        hot = eng.chat("a-alone", second, max_tokens=12, cache_salt="alone")
+        assert hot.stats.cache == "hot"
+    assert len({tuple(r.tokens) for r in alone}) == 3  # the contexts matter
+    assert [r.tokens for r in batched] == [r.tokens for r in alone]
+    with engine_on(model, tmp_path / "kv") as eng:
+        warm = eng.chat(
+            "a", follow_up(turns[0][1], batched[0].text, "Which step failed?"), max_tokens=12
+        )
+    assert warm.stats.cache == "warm" and warm.tokens == hot.tokens
 
 
 # -- the KV group size follows the head dim ------------------------------------------------
