@@ -11,6 +11,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
@@ -406,6 +407,12 @@ NB_MODULE(_ext, m) {
         "x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, "
         "integer dot products (AVX2 or portable), every output reduced in one fixed order "
         "whatever the batch.");
+  m.def("rms_norm", &agentkv::ops::rms_norm, "x"_a, "weight"_a, "eps"_a,
+        "mx.fast.rms_norm's result as one CPU operation (float32), each row alone.");
+  m.def("rope", &agentkv::ops::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,
+        "scale"_a, "offset"_a, "freqs"_a = nb::none(),
+        "mx.fast.rope's rotary embedding as one CPU operation (float32); offset an int or an "
+        "array of one start per batch row.");
   m.def("invariant_linear", &agentkv::ops::invariant_linear, "x"_a, "w"_a, "bias"_a = nb::none(),
         "x @ w.T (+ bias), float32 on CPU, with results independent of the batch.");
   m.def(

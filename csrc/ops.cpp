@@ -5,12 +5,14 @@
 #include <mlx/primitives.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 
 #include "core/attention.h"
 #include "core/gemm.h"
 #include "core/qmm.h"
+#include "core/rows.h"
 
 namespace agentkv::ops {
 namespace {
@@ -31,6 +33,45 @@ mx::cpu::CommandEncoder& start_cpu_eval(mx::Stream stream, const std::vector<mx:
   return encoder;
 }
 
+// `a` itself where it is evaluated already and row-contiguous (weights, the pool's
+// arrays): a Contiguous node is one more scheduled graph operation per call (~1-2 us on
+// MLX's CPU stream) even when it copies nothing, and a decode step makes ~900 of them.
+mx::array packed(const mx::array& a, mx::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+}
+
+// A float32 array's elements in row-major order: its own data where it is row-contiguous,
+// else gathered into `scratch` through its strides (a transposed view, a broadcast).
+const float* row_major(const mx::array& a, std::vector<float>& scratch) {
+  if (a.flags().row_contiguous) {
+    return a.data<float>();
+  }
+  scratch.resize(a.size());
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = static_cast<int>(a.ndim());
+  const float* src = a.data<float>();
+  const int64_t last = nd ? shape[nd - 1] : 1;
+  const int64_t last_stride = nd ? strides[nd - 1] : 0;
+  std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
+  for (size_t i = 0; i < a.size(); i += static_cast<size_t>(last)) {
+    int64_t off = 0;
+    for (int d = 0; d + 1 < nd; ++d) {
+      off += idx[d] * strides[d];
+    }
+    for (int64_t j = 0; j < last; ++j) {
+      scratch[i + j] = src[off + j * last_stride];
+    }
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        break;
+      }
+      idx[d] = 0;
+    }
+  }
+  return scratch.data();
+}
+
 class InvariantLinear : public mx::UnaryPrimitive {
  public:
   InvariantLinear(mx::Stream stream, bool has_bias)
@@ -49,7 +90,8 @@ class InvariantLinear : public mx::UnaryPrimitive {
     }
     // The arrays are captured by value so their buffers outlive the queued task.
     encoder.dispatch([x, w, bias, out, M, N, K]() mutable {
-      invariant_gemm(x.data<float>(), w.data<float>(), bias ? bias->data<float>() : nullptr,
+      std::vector<float> gathered;
+      invariant_gemm(row_major(x, gathered), w.data<float>(), bias ? bias->data<float>() : nullptr,
                      out.data<float>(), M, N, K);
     });
   }
@@ -68,6 +110,133 @@ class InvariantLinear : public mx::UnaryPrimitive {
 
  private:
   bool has_bias_;
+};
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
+    const float eps = eps_;
+    encoder.dispatch([inputs, out, eps]() mutable {
+      std::vector<float> xs, ws;
+      const float* x = row_major(inputs[0], xs);
+      const float* w = row_major(inputs[1], ws);
+      const int64_t dim = inputs[0].shape(-1);
+      agentkv::rms_norm_rows(x, w, out.data<float>(), static_cast<int64_t>(inputs[0].size()) / dim,
+                             dim, eps);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's rms_norm runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVRmsNorm";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  // inv_freq: empty when the frequencies come as an input (periods, their inverses taken)
+  Rope(mx::Stream stream, int dims, bool traditional, float scale, int offset, bool offset_input,
+       std::vector<float> inv_freq)
+      : mx::UnaryPrimitive(stream),
+        dims_(dims),
+        traditional_(traditional),
+        scale_(scale),
+        offset_(offset),
+        offset_input_(offset_input),
+        inv_freq_(std::move(inv_freq)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
+    encoder.dispatch([inputs, out, dims = dims_, traditional = traditional_, scale = scale_,
+                      offset = offset_, offset_input = offset_input_,
+                      inv_freq = inv_freq_]() mutable {
+      const mx::array& x = inputs[0];
+      const int nd = static_cast<int>(x.ndim());
+      const auto& shape = x.shape();
+      const auto& strides = x.strides();
+      int64_t heads = 1;
+      for (int d = 0; d < nd - 2; ++d) {
+        heads *= shape[d];
+      }
+      const int64_t per_batch = heads / shape[0];
+      std::vector<int64_t> offsets(heads), positions(heads);
+      const int32_t* starts = offset_input ? inputs[1].data<int32_t>() : nullptr;
+      const bool per_row = starts && inputs[1].size() > 1;
+      std::vector<int64_t> idx(nd - 2, 0);
+      for (int64_t h = 0; h < heads; ++h) {
+        int64_t off = 0;
+        for (int d = 0; d < nd - 2; ++d) {
+          off += idx[d] * strides[d];
+        }
+        offsets[h] = off;
+        positions[h] = starts ? starts[per_row ? h / per_batch : 0] : offset;
+        for (int d = nd - 3; d >= 0; --d) {
+          if (++idx[d] < shape[d]) {
+            break;
+          }
+          idx[d] = 0;
+        }
+      }
+      if (inv_freq.empty()) {
+        std::vector<float> scratch;
+        const mx::array& freqs = inputs.back();
+        const float* f = row_major(freqs, scratch);
+        for (size_t i = 0; i < freqs.size(); ++i) {
+          inv_freq.push_back(1.0f / f[i]);
+        }
+      }
+      agentkv::RopeArgs a;
+      a.x = x.data<float>();
+      a.out = out.data<float>();
+      a.heads = heads;
+      a.length = shape[nd - 2];
+      a.dim = shape[nd - 1];
+      a.dims = dims;
+      a.head_offsets = offsets.data();
+      a.row_stride = strides[nd - 2];
+      a.feature_stride = strides[nd - 1];
+      a.positions = positions.data();
+      a.inv_freq = inv_freq.data();
+      a.scale = scale;
+      a.traditional = traditional;
+      agentkv::rope_rows(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's rope runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVRope";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && scale_ == o.scale_ &&
+           offset_ == o.offset_ && offset_input_ == o.offset_input_ && inv_freq_ == o.inv_freq_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float scale_;
+  int offset_;
+  bool offset_input_;
+  std::vector<float> inv_freq_;
 };
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
@@ -93,7 +262,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                                group,
                                w.shape(0),
                                x.shape(-1)};
-      agentkv::quantized_matmul(x.data<float>(), weights, out.data<float>(),
+      std::vector<float> gathered;
+      agentkv::quantized_matmul(row_major(x, gathered), weights, out.data<float>(),
                                 static_cast<int64_t>(x.size() / x.shape(-1)));
     });
   }
@@ -210,12 +380,16 @@ class QuantizedAttention : public mx::UnaryPrimitive {
                                   inputs.begin() + 1 + p.key_parts + value_parts);
     size_t next = 1 + p.key_parts + value_parts;
     agentkv::AttentionArgs a;
+    std::vector<float> gathered;  // the queries, where a query vector's features are strided
     a.q = q.data<float>();
     for (int i = 0; i < 3; ++i) {
       a.q_strides[i] = q.strides()[i];
     }
     if (q.strides().back() != 1) {
-      throw std::invalid_argument("fused attention needs contiguous query vectors");
+      a.q = row_major(q, gathered);
+      a.q_strides[2] = q.shape(3);
+      a.q_strides[1] = a.q_strides[2] * q.shape(2);
+      a.q_strides[0] = a.q_strides[1] * q.shape(1);
     }
     a.out = out.data<float>();
     a.batch = q.shape(0);
@@ -346,15 +520,14 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
     throw std::invalid_argument("fused attention: the tail is float16 [B, Hkv, channel_tokens, D]");
   }
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream)};
-  auto add = [&](const mx::array& a, mx::Dtype dtype) {
-    inputs.push_back(a.dtype() == dtype ? a : mx::view(a, dtype, stream));
-  };
+  std::vector<mx::array> inputs = {queries};  // any strides: run() reads them
+  // the kernel reads codes as uint32 and scales, biases and float16 rows as 16-bit words
+  // (their element sizes checked above), as they are: no View node per array and step
   for (size_t i = 0; i < keys.size(); ++i) {
-    add(keys[i], key_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+    inputs.push_back(keys[i]);
   }
   for (size_t i = 0; i < values.size(); ++i) {
-    add(values[i], value_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+    inputs.push_back(values[i]);
   }
   if (left_padding) {
     inputs.push_back(mx::astype(*left_padding, mx::int32, stream));
@@ -363,7 +536,7 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
     inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   }
   if (channel_tokens > 0) {
-    inputs.push_back(mx::contiguous(mx::view(*tail, mx::uint16, stream), false, stream));
+    inputs.push_back(packed(*tail, stream));
   }
   mx::Shape shape = queries.shape();
   shape.back() = dim_v;
@@ -450,24 +623,23 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
         "paged attention: tables [B, blocks], lengths [B] and sinks [Hq] must match the queries");
   }
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream)};
-  auto add = [&](const mx::array& a, mx::Dtype dtype) {
-    inputs.push_back(a.dtype() == dtype ? a : mx::view(a, dtype, stream));
-  };
+  std::vector<mx::array> inputs = {queries};  // any strides: run() reads them
+  // the kernel reads codes as uint32 and scales, biases and float16 rows as 16-bit words
+  // (their element sizes checked above), as they are: no View node per array and step
   for (size_t i = 0; i < keys.size(); ++i) {
-    add(keys[i], key_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+    inputs.push_back(keys[i]);
   }
   for (size_t i = 0; i < values.size(); ++i) {
-    add(values[i], value_bits == 16 || i > 0 ? mx::uint16 : mx::uint32);
+    inputs.push_back(values[i]);
   }
   if (sinks) {
     inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   }
-  inputs.push_back(mx::contiguous(mx::astype(tables, mx::int32, stream), false, stream));
-  inputs.push_back(mx::contiguous(mx::astype(lengths, mx::int32, stream), false, stream));
+  inputs.push_back(packed(mx::astype(tables, mx::int32, stream), stream));
+  inputs.push_back(packed(mx::astype(lengths, mx::int32, stream), stream));
   if (channel_tokens > 0) {
-    add(*tail, mx::uint16);
-    inputs.push_back(mx::contiguous(mx::astype(*tail_slots, mx::int32, stream), false, stream));
+    inputs.push_back(*tail);
+    inputs.push_back(packed(mx::astype(*tail_slots, mx::int32, stream), stream));
   }
   mx::Shape shape = queries.shape();
   shape.back() = dim_v;
@@ -494,15 +666,69 @@ mx::array invariant_linear(const mx::array& x, const mx::array& w,
     throw std::invalid_argument("invariant_linear: bias must be [N]");
   }
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream),
-                                   mx::contiguous(w, false, stream)};
+  std::vector<mx::array> inputs = {x, packed(w, stream)};  // x: any strides
   if (bias) {
-    inputs.push_back(mx::contiguous(*bias, false, stream));
+    inputs.push_back(packed(*bias, stream));
   }
   mx::Shape shape = x.shape();
   shape.back() = w.shape(0);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<InvariantLinear>(stream, bias.has_value()), std::move(inputs));
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    throw std::invalid_argument("rms_norm takes float32 arrays");
+  }
+  if (x.ndim() < 1 || w.ndim() != 1 || w.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("rms_norm: x [..., D] and w [D] do not match");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
+                   {x, packed(w, stream)});
+}
+
+mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base,
+               float scale, const std::variant<int, mx::array>& offset,
+               const std::optional<mx::array>& freqs) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument("rope takes float32 arrays");
+  }
+  if (x.ndim() < 3) {
+    throw std::invalid_argument("rope: x must be [..., L, D] with at least 3 axes");
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: dims must be even and at most the feature size");
+  }
+  if (base.has_value() == freqs.has_value()) {
+    throw std::invalid_argument("rope takes a base or frequencies, one of them");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> inputs = {x};
+  const bool offset_input = std::holds_alternative<mx::array>(offset);
+  if (offset_input) {
+    const mx::array& o = std::get<mx::array>(offset);
+    if (o.size() != 1 && (o.ndim() != 1 || o.shape(0) != x.shape(0))) {
+      throw std::invalid_argument("rope: an offset array holds one position or one per batch row");
+    }
+    inputs.push_back(packed(mx::astype(o, mx::int32, stream), stream));
+  }
+  std::vector<float> inv_freq;
+  if (freqs) {
+    if (freqs->ndim() != 1 || freqs->shape(0) != dims / 2) {
+      throw std::invalid_argument("rope: freqs must be [dims / 2]");
+    }
+    inputs.push_back(packed(mx::astype(*freqs, mx::float32, stream), stream));
+  } else {
+    for (int i = 0; i < dims / 2; ++i) {
+      inv_freq.push_back(static_cast<float>(std::pow(static_cast<double>(*base), -2.0 * i / dims)));
+    }
+  }
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Rope>(stream, dims, traditional, scale,
+                                          offset_input ? 0 : std::get<int>(offset), offset_input,
+                                          std::move(inv_freq)),
+                   std::move(inputs));
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -536,9 +762,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
   std::vector<mx::array> inputs = {
-      mx::contiguous(mx::astype(x, mx::float32, stream), false, stream),
-      mx::contiguous(w, false, stream), mx::contiguous(scales, false, stream),
-      mx::contiguous(biases, false, stream)};
+      mx::astype(x, mx::float32, stream),  // any strides: gathered in eval where needed
+      packed(w, stream), packed(scales, stream), packed(biases, stream)};
   mx::Shape shape = x.shape();
   shape.back() = static_cast<int>(N);
   mx::array out(std::move(shape), mx::float32,

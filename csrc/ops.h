@@ -5,6 +5,7 @@
 #include <mlx/utils.h>
 
 #include <optional>
+#include <variant>
 
 namespace agentkv::ops {
 
@@ -48,5 +49,16 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                           const std::optional<mx::array>& sinks, int channel_tokens = 0,
                           const std::optional<mx::array>& tail = std::nullopt,
                           const std::optional<mx::array>& tail_slots = std::nullopt);
+
+// x [..., D] * rsqrt(mean(x^2) + eps) * w, float32, each row alone (csrc/core/rows.h):
+// one graph operation where MLX's CPU fallback for mx.fast.rms_norm makes eight. CPU only.
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);
+
+// mx.fast.rope's rotary embedding of x [..., L, D] float32 (positions offset + l along
+// axis -2; an offset array holds one start or one per batch row), from `base` or from
+// `freqs` (dims / 2 periods), as one graph operation. CPU only.
+mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base,
+               float scale, const std::variant<int, mx::array>& offset,
+               const std::optional<mx::array>& freqs);
 
 }  // namespace agentkv::ops

@@ -97,6 +97,67 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
 
+class CPURMSNorm(nn.RMSNorm):
+    """RMS normalization as one agentkv operation on CPU (MLX's CPU fallback for
+    ``mx.fast.rms_norm`` is eight graph operations)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from . import _ext
+
+        if x.dtype != mx.float32:
+            return super().__call__(x)
+        return _ext.rms_norm(x, self["weight"], self.eps)
+
+
+class CPURoPE(nn.RoPE):
+    """``nn.RoPE`` as one agentkv operation on CPU (MLX's CPU fallback for
+    ``mx.fast.rope`` is ~15 graph operations)."""
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        from . import _ext
+
+        if x.dtype != mx.float32:
+            return super().__call__(x, offset)
+        return _ext.rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+            offset=offset,
+        )  # fmt: skip
+
+
+def _llama3_rope():
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    class CPULlama3RoPE(Llama3RoPE):
+        """mlx-lm's Llama 3 RoPE (frequencies given) as one agentkv operation on CPU."""
+
+        def __call__(self, x: mx.array, offset=0) -> mx.array:
+            from . import _ext
+
+            if x.dtype != mx.float32:
+                return super().__call__(x, offset)
+            return _ext.rope(
+                x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                offset=offset, freqs=self._freqs,
+            )  # fmt: skip
+
+    return Llama3RoPE, CPULlama3RoPE
+
+
+def use_cpu_row_ops(model: nn.Module) -> int:
+    """Route a model's ``nn.RMSNorm`` and RoPE modules (``nn.RoPE``, mlx-lm's Llama 3 RoPE)
+    through agentkv's CPU operations; other norms and RoPE variants stay on ``mx.fast``.
+    Each row is computed alone, as before. Returns how many were switched."""
+    llama3, cpu_llama3 = _llama3_rope()
+    kinds = {nn.RMSNorm: CPURMSNorm, nn.RoPE: CPURoPE, llama3: cpu_llama3}
+    switched = 0
+    for _, module in model.named_modules():
+        ours = kinds.get(type(module))
+        if ours is not None:
+            module.__class__ = ours
+            switched += 1
+    return switched
+
+
 CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 8), (32, 64, 128)
 
 

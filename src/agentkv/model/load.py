@@ -194,6 +194,7 @@ def _prepare_for_cpu(model, weights: Weights) -> bool:
     mlx_adapter.float32_activations(model)
     ours = mlx_adapter.use_cpu_quantized_matmul(model) if quantized else 0
     mlx_adapter.make_batch_invariant(model)
+    mlx_adapter.use_cpu_row_ops(model)
     return ours > 0
 
 

@@ -1,0 +1,72 @@
+#include "rows.h"
+
+#include <cmath>
+#include <vector>
+
+namespace agentkv {
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
+                   float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float* o = out + r * dim;
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t body = dim / 8 * 8;
+    for (int64_t k = 0; k < body; k += 8) {
+      for (int l = 0; l < 8; ++l) {
+        lane[l] += xr[k + l] * xr[k + l];
+      }
+    }
+    float sum =
+        ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+    for (int64_t k = body; k < dim; ++k) {
+      sum += xr[k] * xr[k];
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
+    for (int64_t k = 0; k < dim; ++k) {
+      o[k] = xr[k] * inv * w[k];
+    }
+  }
+}
+
+void rope_rows(const RopeArgs& a) {
+  const int64_t half = a.dims / 2;
+  // cos, sin of every (position, frequency) of a head's rows: shared by the heads that
+  // start at the same position (all heads of one sequence)
+  std::vector<float> cs(static_cast<size_t>(a.length * half * 2));
+  const int64_t fs = a.feature_stride;
+  for (int64_t h = 0; h < a.heads; ++h) {
+    if (h == 0 || a.positions[h] != a.positions[h - 1]) {
+      for (int64_t l = 0; l < a.length; ++l) {
+        const float pos = static_cast<float>(a.positions[h] + l) * a.scale;
+        float* row = cs.data() + l * half * 2;
+        for (int64_t i = 0; i < half; ++i) {
+          const float theta = pos * a.inv_freq[i];
+          row[2 * i] = std::cos(theta);
+          row[2 * i + 1] = std::sin(theta);
+        }
+      }
+    }
+    const float* xh = a.x + a.head_offsets[h];
+    for (int64_t l = 0; l < a.length; ++l) {
+      const float* src = xh + l * a.row_stride;
+      const float* row = cs.data() + l * half * 2;
+      float* dst = a.out + (h * a.length + l) * a.dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t i0 = a.traditional ? 2 * i : i;
+        const int64_t i1 = a.traditional ? 2 * i + 1 : i + half;
+        const float x0 = src[i0 * fs];
+        const float x1 = src[i1 * fs];
+        const float c = row[2 * i];
+        const float s = row[2 * i + 1];
+        dst[i0] = x0 * c - x1 * s;
+        dst[i1] = x0 * s + x1 * c;
+      }
+      for (int64_t k = a.dims; k < a.dim; ++k) {
+        dst[k] = src[k * fs];
+      }
+    }
+  }
+}
+
+}  // namespace agentkv

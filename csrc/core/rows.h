@@ -1,0 +1,40 @@
+// Row-wise layer pieces of a transformer on CPU, each row computed alone (the result of a
+// row never depends on the other rows of the batch): RMS normalization and rotary
+// position embedding. They replace MLX's CPU fallbacks for mx.fast.rms_norm and
+// mx.fast.rope, which MLX composes from 8 and ~15 graph operations (measured on the
+// embedded model: ~40 and ~100 us a call at decode, 60 calls each per token).
+#pragma once
+
+#include <cstdint>
+
+namespace agentkv {
+
+// out[r, :] = x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)) * w. The sum of squares runs
+// over 8 lanes (lane l takes k = l, l + 8, ...) combined in a fixed order, then the tail.
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
+                   float eps);
+
+// Rotary embedding of rows of `dim` features; the first `dims` are rotated by the angle
+// position * scale * inv_freq[i] (inv_freq: dims / 2 values), the rest copied.
+// traditional: pairs (2i, 2i + 1); otherwise halves (i, i + dims / 2).
+// x is read through element strides: x + head_offset(h) + l * row_stride, feature
+// stride 1 or `feature_stride`; out is contiguous [heads, L, dim]. Row l of head h
+// is at position positions[h] + l (each head's sequence may start elsewhere).
+struct RopeArgs {
+  const float* x;
+  float* out;
+  int64_t heads;                // every index before the sequence axis, flattened
+  int64_t length;               // L
+  int64_t dim;                  // features in a row
+  int64_t dims;                 // features rotated (even, <= dim)
+  const int64_t* head_offsets;  // [heads] element offset of each (flattened) head in x
+  int64_t row_stride;           // elements between positions
+  int64_t feature_stride;       // elements between features
+  const int64_t* positions;     // [heads] first position of each head's rows
+  const float* inv_freq;        // [dims / 2]
+  float scale;
+  bool traditional;
+};
+void rope_rows(const RopeArgs& a);
+
+}  // namespace agentkv
