@@ -1,5 +1,5 @@
-"""``agentkv bench reload|ttft|save|compute|kernels|batch|pool|serve|constrained|quality|
-kv-candidates``."""
+"""``agentkv bench reload|ttft|save|compute|peers|kernels|batch|pool|serve|constrained|
+quality|kv-candidates``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,23 @@ def run_bench(args) -> int:
             decode_tokens=args.decode_tokens,
             batch_agents=args.batch_agents,
             batch_context=args.batch_context,
+            peer=args.peer,
+            as_json=args.json,
+        )
+    elif name == "peers":
+        from .peers import SERVERS, run
+
+        servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+        unknown = sorted(set(servers) - set(SERVERS))
+        if unknown or not servers:
+            raise SystemExit(f"agentkv: error: --servers takes {','.join(SERVERS)}")
+        run(
+            quick=args.quick,
+            agents=args.agents,
+            rounds=args.rounds,
+            system_tokens=args.system_tokens,
+            max_tokens=args.max_tokens,
+            servers=servers,
             peer=args.peer,
             as_json=args.json,
         )
@@ -114,6 +131,17 @@ def run_bench(args) -> int:
             )
         except ValueError as exc:
             raise SystemExit(f"agentkv: error: {exc}") from None
+    elif getattr(args, "activations", False):
+        from .quality import activations
+
+        contexts = _counts(args.contexts, "--contexts") if args.contexts else None
+        try:
+            activations(
+                args.tokens or 8192, contexts, as_json=args.json, model=args.model,
+                text_kinds=_text_kinds(args.texts),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise SystemExit(f"agentkv: error: {exc}") from None
     else:
         from .quality import FORMATS, run
 
@@ -128,7 +156,7 @@ def run_bench(args) -> int:
             raise SystemExit("agentkv: error: --contexts must be even numbers of at least 4")
         try:
             run(
-                args.tokens,
+                args.tokens or 20480,
                 contexts,
                 formats,
                 quick=args.quick,

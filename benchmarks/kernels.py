@@ -8,8 +8,10 @@ group 64, random bits. For B agents with lengths spread over 512-4096 tokens:
   caches of the same lengths, the format mlx-lm can batch);
 * extract: every row of that batch back to its agent (vs ``BatchKVCache.extract``);
 
-``bytes`` counts bytes read plus bytes written; ``memcpy_gbps`` is this machine's
-copy bandwidth measured in the same run. Medians of ``repeats``.
+``bytes`` counts bytes read plus bytes written (``mlx_lm_fp16_bytes`` mlx-lm's, 3.6x as
+many: ``vs_mlx_lm_fp16`` compares times, ``vs_mlx_lm_fp16_per_byte`` bytes per second);
+``memcpy_gbps`` is this machine's copy bandwidth measured in the same run. Medians of
+``repeats``.
 
 * attention: one decode step of one layer (9 query heads over 3 KV heads, as the embedded
   model) over the block pool, B agents of ``context`` tokens each, KV format 1 and 2 at 4 bits:
@@ -155,6 +157,7 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
     from agentkv.kernels import ExtractRow, RowSource
 
     per_token = sum(c.heads * c.row_bytes for c in comps) * LAYERS
+    fp16_per_token = LAYERS * HEADS * DIM * 2 * 2  # keys and values, 2 bytes each
     agents = [_agent(comps, n, seed=i) for i, n in enumerate(lengths)]
     fp16 = [_fp16(n, seed=i) for i, n in enumerate(lengths)]
     mx.eval(agents)
@@ -196,6 +199,7 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
             measure(merge_all, "reference"),
             measure(mlx_lm_merge),
             copy_bw,
+            (tokens_total + batch * used) * fp16_per_token,  # mlx-lm pads to the longest
         )
     ]
 
@@ -227,13 +231,17 @@ def _case(comps, batch: int, lengths: list[int], repeats: int, copy_bw: float) -
             measure(extract_all, "reference"),
             measure(mlx_lm_extract),
             copy_bw,
+            2 * tokens_total * fp16_per_token,
         )
     )
 
     return rows
 
 
-def _row(op, batch, tokens_total, nbytes, ours, ref, theirs, copy_bw) -> dict:
+def _row(op, batch, tokens_total, nbytes, ours, ref, theirs, copy_bw, their_bytes=None) -> dict:
+    """``their_bytes``: what mlx-lm's float16 caches move for the same operation (3.6x the
+    bytes of 4-bit): ``vs_mlx_lm_fp16`` compares times, ``vs_mlx_lm_fp16_per_byte`` bytes
+    moved per second."""
     row = {
         "op": op,
         "batch": batch,
@@ -248,6 +256,9 @@ def _row(op, batch, tokens_total, nbytes, ours, ref, theirs, copy_bw) -> dict:
     row["vs_reference"] = round(row["reference_ms"] / row["agentkv_ms"], 2)
     if theirs:
         row["vs_mlx_lm_fp16"] = round(row["mlx_lm_fp16_ms"] / row["agentkv_ms"], 2)
+        row["mlx_lm_fp16_bytes"] = their_bytes
+        row["mlx_lm_fp16_gbps"] = round(their_bytes / row["mlx_lm_fp16_ms"] / 1e6, 2)
+        row["vs_mlx_lm_fp16_per_byte"] = round(row["agentkv_gbps"] / row["mlx_lm_fp16_gbps"], 2)
     row["memcpy_fraction"] = round(row["agentkv_gbps"] / copy_bw, 2)
     progress(
         f"kernels: {op} x{batch}: agentkv {row['agentkv_ms']} ms ({row['agentkv_gbps']} GB/s), "

@@ -262,39 +262,42 @@ def decode(*, context_tokens: int = 1024, steps: int = 24, repeats: int = 3) -> 
 
 def overload(*, agents: int = 32, tokens: int = 1024, fit: int = 8, max_tokens: int = 16) -> dict:
     """Run in a child process, so its peak RSS is its own."""
-    command = [
-        sys.executable,
-        "-m",
-        "agentkv.benchmarks.pool",
-        "overload-child",
-        json.dumps({"agents": agents, "tokens": tokens, "fit": fit, "max_tokens": max_tokens}),
-    ]
+    args = {"agents": agents, "tokens": tokens, "fit": fit, "max_tokens": max_tokens}
+    args["per_token"] = _engine_bytes_per_token()
+    command = [sys.executable, "-m", "agentkv.benchmarks.pool", "overload-child", json.dumps(args)]
     child = subprocess.run(command, capture_output=True, text=True)
     if child.returncode != 0:
         raise RuntimeError(f"the overload run failed: {child.stderr[-2000:]}")
     return json.loads(child.stdout)
 
 
-def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict:
-    # Sized from the model's config and tokenizer alone: no model is loaded before the one
-    # measured, so the peak RSS is the engine's.
+def _engine_bytes_per_token() -> int:
+    """The KV bytes a token takes in the default engine (its format, wide layers included),
+    asked of an engine in another process, so the measured child loads one model only."""
+    code = (
+        "import sys, tempfile; from agentkv import Engine\n"
+        "with Engine(cache_dir=tempfile.mkdtemp(prefix='agentkv-bench-pool-'), "
+        "pool_bytes=64 << 20, warmup=False) as eng:\n"
+        "    print(eng.bytes_per_token)"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise RuntimeError(f"asking the engine its bytes per token failed: {probe.stderr[-2000:]}")
+    return int(probe.stdout.split()[-1])
+
+
+def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int, per_token: int) -> dict:
+    # Sized from the engine's bytes per token (asked in another process) and the model's
+    # tokenizer: no model is loaded before the one measured, so the peak RSS is the engine's.
     from transformers import AutoTokenizer
 
     import agentkv  # noqa: F401  (BLAS first)
     from agentkv import Engine
     from agentkv.format.geometry import BLOCK_TOKENS, blocks_for
-    from agentkv.format.quant import KVQuant
     from agentkv.model.load import ensure_embedded_model
     from agentkv.text.tokens import TokenText
 
     path = ensure_embedded_model()
-    config = json.loads((path / "config.json").read_text())
-    per_token = KVQuant().bytes_per_token(
-        config["num_hidden_layers"],
-        config["num_key_value_heads"],
-        config["head_dim"],
-        config["head_dim"],
-    )
     token_text = TokenText.for_tokenizer(AutoTokenizer.from_pretrained(str(path)))
     probe = type("Probe", (), {"token_text": token_text})()
     texts = [context_text(probe, tokens + 40 * i)[-(tokens * 4) :] for i in range(agents)]
@@ -322,6 +325,11 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
                     errors.append(str(exc))
             elapsed = time.perf_counter() - start
             stats = eng.pool_stats()
+            if eng.bytes_per_token != per_token:
+                raise RuntimeError(
+                    f"the pool was sized at {per_token} bytes a token; the engine stores "
+                    f"{eng.bytes_per_token}"
+                )
     ttfts = sorted(r.stats.ttft_ms for r in results)
     peak = _peak_rss_bytes()
     return {
@@ -329,6 +337,7 @@ def _overload_child(agents: int, tokens: int, fit: int, max_tokens: int) -> dict
         "prompt_tokens": round(median(r.stats.prompt_tokens for r in results)) if results else 0,
         "agents_the_pool_fits": fit,
         "pool_budget_bytes": budget,
+        "kv_bytes_per_token": per_token,
         "completed": len(results),
         "errors": len(errors),
         "error_messages": errors[:3],

@@ -27,6 +27,11 @@ and format 2 (docs/kv-format-v2.md: rotated per-channel keys, rotated values): q
 q4.v2.flat (4-bit keys in every layer), k8v4.v2.
 ``--quick``: the first text, 4,096 tokens, 2,048-token context, no greedy runs (minutes).
 ``--attention-only``: the decode-attention times alone (a minute).
+``--activations``: the model's 4-bit weights through agentkv's kernel (activations quantized
+to int16 per 32) against the same weights dequantized to float32 (float activations), both
+over an fp16 KV cache, scored as above at each context (default 2,048; ``--tokens`` default
+8,192 here): perplexity of each, their change, KL and top-1 agreement of the kernel's
+next-token distributions with the float ones (issue 20's check, minutes).
 """
 
 from __future__ import annotations
@@ -239,6 +244,73 @@ def _agreement(ours: list[int], ref: list[int]) -> tuple[float, float]:
     same = sum(a == b for a, b in zip(ours, ref))
     n = max(len(ref), 1)
     return prefix / n, same / n
+
+
+def activations(
+    tokens: int = 8192,
+    contexts: list[int] | None = None,
+    *,
+    as_json: bool = False,
+    model: str | None = None,
+    text_kinds: list[str] | None = None,
+) -> list[dict]:
+    """The same weights with int16 activations (agentkv's kernel) vs float activations
+    (dequantized to float32), an fp16 KV cache for both (module docstring)."""
+    import mlx.core as mx
+
+    from agentkv.model.load import CPU_QMM_ID, load_model
+
+    contexts = contexts or [2048]
+    if any(c < 4 or c % 2 for c in contexts):
+        raise ValueError("context lengths must be even and at least 4")
+    kernel = load_model(model, weights="quantized")
+    if not kernel.spec.weights_id.endswith(CPU_QMM_ID):
+        raise ValueError("the model has no layer on agentkv's quantized kernel here")
+    floats = load_model(model, weights="float32")
+    quant = quant_of("fp16", kernel)
+    sources = list(texts().items())
+    if text_kinds:
+        sources = [(n, t) for n, t in sources if n.split()[0] in text_kinds]
+    rows = []
+    for text_name, text in sources:
+        ids = kernel.tokenizer.encode(text)[:tokens]
+        for context in contexts:
+            windows = _windows(len(ids), context, context // 2)
+            ours, ref = [], []
+            for w, (start, end, first) in enumerate(windows):
+                progress(
+                    f"quality: activations, {text_name}, context {context}: segment {w + 1} of "
+                    f"{len(windows)}"
+                )
+                window = ids[start:end]
+                skip = first - start
+                targets = mx.array(window[skip:])
+                lp_float = window_logprobs(floats.model, floats.spec, window, quant, skip)
+                lp_kernel = window_logprobs(kernel.model, kernel.spec, window, quant, skip)
+                ref.append((*compare(lp_float, lp_float, targets), len(window) - skip))
+                ours.append((*compare(lp_kernel, lp_float, targets), len(window) - skip))
+            scored = sum(x[3] for x in ours)
+            nll_ours, nll_ref = sum(x[0] for x in ours), sum(x[0] for x in ref)
+            rows.append(
+                {
+                    "text": text_name,
+                    "context": context,
+                    "kv": "fp16",
+                    "perplexity_float_activations": round(math.exp(nll_ref / scored), 4),
+                    "perplexity_int16_activations": round(math.exp(nll_ours / scored), 4),
+                    "ppl_delta_pct": round(100 * (math.exp((nll_ours - nll_ref) / scored) - 1), 3),
+                    "kl_mean": round(sum(x[1] for x in ours) / scored, 6),
+                    "top1_agreement": round(sum(x[2] for x in ours) / scored, 4),
+                    "segments": len(windows),
+                    "scored_tokens": scored,
+                }
+            )
+            progress(
+                f"quality: activations, {text_name} {context}: ppl {rows[-1]['ppl_delta_pct']:+}%,"
+                f" top-1 {rows[-1]['top1_agreement']:.2%}"
+            )
+    emit("quality-activations", rows, as_json, {"weights": kernel.spec.weights_id})
+    return rows
 
 
 def run(

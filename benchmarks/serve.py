@@ -15,9 +15,10 @@ first text received).
   and is started again; every agent's first turn after the restart should
   find its cache on disk (``warm``). Requests/s and tokens/s count the time
   the server was up and serving (not the restart).
-* tools (``--tools``, instead of the two above): per round, decode tokens/s of a hot turn
-  under a ``response_format`` JSON schema vs a free one (client-side, after the first
-  token), and a tool round trip per agent -- a named
+* tools (``--tools``, instead of the two above): per round, decode tokens/s under a
+  ``response_format`` JSON schema vs free (client-side, after the first token): two agents
+  continuing the same history with the same ``max_tokens``, which goes first alternating
+  by round; and a tool round trip per agent -- a named
   ``tool_choice`` call (valid thanks to the tool-call grammar), the tool's result, the
   answer -- and the answer's TTFT (the turn after the tool result, hot: the call and its
   result re-render to the text the cache holds) against the same prompt sent cold (a new
@@ -319,21 +320,21 @@ def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
             for r in (hot, cold):
                 if r["error"]:
                     raise RuntimeError(f"tools: {r['error']}")
-            # Decode under a JSON schema vs free, the same hot agent, the next two turns.
+            # Decode under a JSON schema vs free: two agents continuing the same history (each
+            # reuses its shared blocks alike), the same max_tokens, the order alternating.
             ask = messages + [
                 {"role": "assistant", "content": hot["text"]},
                 {"role": "user", "content": "Describe the weather in Paris for a traveller."},
             ]
-            free = stream_turn(server.url, agent, ask, 64)
             schema = {
                 "type": "json_schema",
                 "json_schema": {"name": "report", "schema": REPORT_SCHEMA, "strict": True},
             }
-            bound_ask = ask + [
-                {"role": "assistant", "content": free["text"]},
-                {"role": "user", "content": "Now as a JSON report."},
-            ]
-            bound = stream_turn(server.url, agent, bound_ask, 48, extra={"response_format": schema})
+            pair = {}
+            for kind in ("free", "bound") if i % 2 == 0 else ("bound", "free"):
+                extra = {"response_format": schema} if kind == "bound" else None
+                pair[kind] = stream_turn(server.url, f"{agent}-{kind}", ask, 48, extra=extra)
+            free, bound = pair["free"], pair["bound"]
             for r in (free, bound):
                 if r["error"]:
                     raise RuntimeError(f"tools: {r['error']}")
@@ -350,6 +351,7 @@ def tools(tmp: Path, rounds: int, paragraphs: int) -> dict:
                     "cold_cache": cold["cache"],
                     "cold_prefill_tokens": cold["agentkv"]["prefill_tokens"],
                     "cold_ttft_ms": round(cold["ttft_s"] * 1000, 1),
+                    "constrained_first": i % 2 == 1,
                     "free_decode_tps": decode_tps(free),
                     "json_schema_decode_tps": decode_tps(bound),
                     "json_schema_valid": _valid_json(bound["text"]),

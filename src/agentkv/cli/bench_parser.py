@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import JSON_OBJECT, Command, add_count, add_flag, command
+from .options import JSON_OBJECT, Command, add_count, add_flag, command, positive_int
 
 TEXTS_HELP = "prose and/or code, comma-separated (default: both)"
 BENCHES: list[Command] = []
@@ -56,6 +56,33 @@ def _compute(compute: argparse.ArgumentParser) -> None:
         default="auto",
         help="llama.cpp: auto (run it if installed under the agentkv home, else say how), "
         "install (build llama-cpp-python into its own venv there first: minutes), none",
+    )
+
+
+@_bench("peers", "one agent workflow through the openai SDK: agentkv vs llama.cpp vs mlx-lm")
+def _peers(peers: argparse.ArgumentParser) -> None:
+    """One scripted multi-agent workflow (agents sharing a system prompt and three tools, each
+    turn carrying the previous agent's reply, a named tool call per agent every two rounds,
+    the server restarted halfway) through the official openai SDK against agentkv serve,
+    llama.cpp's server (llama-cpp-python, same GGUF and threads, prompt cache on) and
+    mlx_lm.server (same 4-bit weights, prompt cache on), one after another: wall time, TTFT
+    by turn kind, decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
+    add_flag(peers, "--quick", "2 agents, 3 rounds (under 10 minutes)")
+    peers.add_argument("--agents", type=int, default=None, help="agents, 1-4 (default 4)")
+    peers.add_argument("--rounds", type=int, default=None, help="rounds, >= 2 (default 6)")
+    add_count(peers, "--system-tokens", 1000, "tokens of the shared system prompt (default 1000)")
+    add_count(peers, "--max-tokens", 64, "max_tokens of every turn (default 64)")
+    peers.add_argument(
+        "--servers",
+        default="agentkv,llama.cpp,mlx-lm",
+        help="which servers, comma-separated (default: agentkv,llama.cpp,mlx-lm)",
+    )
+    peers.add_argument(
+        "--peer",
+        choices=("auto", "install", "none"),
+        default="auto",
+        help="llama.cpp: auto (run it if installed under the agentkv home, adding its server "
+        "extra, else say how), install (build llama-cpp-python there first: minutes)",
     )
 
 
@@ -169,7 +196,12 @@ def _quality(quality: argparse.ArgumentParser) -> None:
     context length; greedy agreement over 200-token continuations of 20 prompts;
     decode-attention time per format. The defaults take hours on 2 CPU cores; --quick (one
     text, 4,096 tokens, 2K context, no greedy runs) takes minutes."""
-    add_count(quality, "--tokens", 20480, "tokens scored per text (default 20480)")
+    quality.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=None,
+        help="tokens scored per text (default 20480; 8192 with --activations)",
+    )
     quality.add_argument(
         "--contexts", default=None, help="comma-separated context lengths (default 2048,8192)"
     )
@@ -187,4 +219,10 @@ def _quality(quality: argparse.ArgumentParser) -> None:
         quality,
         "--attention-only",
         "only the decode-attention times of the formats (and their ratio to format 1's q4)",
+    )
+    add_flag(
+        quality,
+        "--activations",
+        "instead: the 4-bit weights through agentkv's kernel (int16 activations) vs the same "
+        "weights in float32, fp16 KV (--tokens default 8192, --contexts default 2048)",
     )
