@@ -19,9 +19,11 @@ prompt of a round is a different slice, so nothing is shared by accident):
   the history so far (prompt + the arm's own reply, as an agent's next turn does), the
   history still in the agent's cache (llama.cpp: its context, reused by
   ``Llama.generate``'s prefix match): time to first token;
-- ``batch``: agentkv decodes ``batch_agents`` agents of ``batch_context`` tokens together
-  (aggregate tokens/s: (tokens - first tokens) / (wall time - wall time of the same turns
-  with one token)); llama.cpp decodes one sequence of that context.
+- ``batch``: agentkv decodes ``batch_agents`` agents of ``batch_context`` tokens together:
+  after their contexts are prefilled, two hot turns of the batch each add ~18 tokens an
+  agent, the first generating one token, the second ``decode_tokens``; aggregate tokens/s =
+  the second's extra tokens / its extra time (so the big prefill is not in the difference);
+  llama.cpp decodes one sequence of that context.
 
 Plus each arm's resident weight bytes, and agentkv's kernels alone (doctor's probes) as a
 fraction of memcpy bandwidth.
@@ -182,7 +184,9 @@ def _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context) 
         "cold": cold,
         "hot": ["\n\n" + take(n) for n in hot],  # each appended to the history so far
         "batch": [take(batch_context) for _ in range(batch_agents)],
-        "batch_one": [take(batch_context) for _ in range(batch_agents)],
+        # two short next turns per batched agent: the first timed with one token, the second
+        # with decode_tokens (both hot: the difference is the batched decode)
+        "batch_next": [["\n\n" + take(16), "\n\n" + take(16)] for _ in range(batch_agents)],
         "decode_tokens": decode_tokens,
     }
 
@@ -228,19 +232,36 @@ def _run_agentkv(weights: str, work: dict) -> dict:
 
 
 def _agentkv_batch(eng, work: dict) -> dict:
+    """The agents' contexts prefilled (a turn of one token each), then two hot turns of the
+    batch, each adding a short suffix: one token each, then ``decode_tokens`` each. Aggregate
+    decode rate: the second turn's extra tokens over the second turn's extra time (the two
+    prefill alike: ~18 new tokens an agent)."""
     n = work["decode_tokens"]
-    one = [(f"one-{i}", text) for i, text in enumerate(work["batch_one"])]
-    start = time.perf_counter()
-    eng.generate_many(one, max_tokens=1, temperature=0.0)
-    t_one = time.perf_counter() - start
-    turns = [(f"batch-{i}", text) for i, text in enumerate(work["batch"])]
-    start = time.perf_counter()
-    results = eng.generate_many(turns, max_tokens=n, temperature=0.0)
-    t_all = time.perf_counter() - start
+    agents = [f"batch-{i}" for i in range(len(work["batch"]))]
+    history = list(work["batch"])
+
+    def turn(tokens: int) -> tuple[float, list]:
+        start = time.perf_counter()
+        results = eng.generate_many(list(zip(agents, history)), max_tokens=tokens, temperature=0.0)
+        elapsed = time.perf_counter() - start
+        for i, r in enumerate(results):
+            history[i] += b"".join(eng.token_text.generated_bytes(r.tokens)).decode(
+                "utf-8", errors="replace"
+            )
+        return elapsed, results
+
+    turn(1)  # cold prefill of every context
+    for i, suffixes in enumerate(work["batch_next"]):
+        history[i] += suffixes[0]
+    t_one, _ = turn(1)
+    for i, suffixes in enumerate(work["batch_next"]):
+        history[i] += suffixes[1]
+    t_all, results = turn(n)
     decoded = sum(r.stats.generated_tokens - 1 for r in results)
     return {
-        "agents": len(turns),
+        "agents": len(agents),
         "prompt_tokens": [r.stats.prompt_tokens for r in results],
+        "caches": [r.stats.cache for r in results],
         "decoded": decoded,
         "aggregate_tps": decoded / (t_all - t_one) if t_all > t_one else None,
     }
@@ -254,7 +275,7 @@ def _run_peer(python: Path, kv: str, work: dict, threads: int) -> dict:
         "threads": threads,
         "kv": kv,
         "n_ctx": 8192,
-        "work": {**work, "batch": work["batch"][:1], "batch_one": []},
+        "work": {**work, "batch": work["batch"][:1], "batch_next": []},
     }
     script = Path(__file__).with_name("peer_llama.py")
     done = subprocess.run(

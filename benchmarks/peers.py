@@ -25,7 +25,10 @@ streamed pieces). After round ``ceil(rounds / 2)`` the server gets
 SIGTERM and is started again on the same cache directory.
 
 Per server: end-to-end wall time (the workflow, restart included) and its parts, TTFT p50 /
-p95 by turn kind (first turns, later turns, each agent's first turn after the restart),
+p95 of the text turns by turn kind (first turns, later turns, each agent's first turn after
+the restart) and, for the tool-call turns, the time to the whole call (agentkv sends a call
+once it is written; llama-cpp-python streams its arguments: the whole call is what a client
+can act on),
 decode tokens/s of the text turns (tokens after the first over the time after the first;
 a tool call may arrive in one piece), generated tokens,
 tool calls made as asked, and the server process's peak RSS (VmHWM, the larger of its two
@@ -210,7 +213,12 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
     first = last = None
     text, chunks, usage = [], 0, None
     call = {"id": None, "name": "", "arguments": ""}
-    for chunk in client.chat.completions.create(**request):
+    raw = client.chat.completions.with_raw_response.create(**request)
+    cache = {  # agentkv's headers (other servers send none)
+        key: raw.headers.get(f"x-agentkv-{key}")
+        for key in ("cache", "reused-tokens", "prefill-tokens")
+    }
+    for chunk in raw.parse():
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -245,6 +253,7 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
     return {
         "ttft_ms": round(((first or done) - sent) * 1000, 1),
         "seconds": round(done - sent, 3),
+        "ms": round((done - sent) * 1000, 1),
         "completion_tokens": counted,
         "usage_reported": usage is not None,
         # text turns streamed in pieces only: a server may send a whole tool call at once
@@ -253,6 +262,7 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
             if tool_call is None and chunks > 1 and counted > 1 and decode_s > 0
             else None
         ),
+        "cache": cache if any(cache.values()) else None,
         "tool_asked": tool,
         "tool_call": tool_call,
         "tool_call_made": tool is not None and tool_call is not None and call["name"] == tool,
@@ -261,11 +271,15 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
 
 
 def _server_row(server, turns, wall, startup) -> dict:
-    def ttfts(kind):
-        values = sorted(t["ttft_ms"] for t in turns if t["kind"] == kind)
+    def spread(kind, calls, key):
+        values = sorted(
+            t[key] for t in turns if t["kind"] == kind and bool(t["tool_call"]) == calls
+        )
         if not values:
             return None
         return {"p50": _pct(values, 50), "p95": _pct(values, 95), "n": len(values)}
+
+    kinds = ("first", "later", "after_restart")
 
     generated = sum(t["completion_tokens"] or 0 for t in turns)
     decode = [t["decode_tps"] for t in turns if t["decode_tps"]]
@@ -277,7 +291,10 @@ def _server_row(server, turns, wall, startup) -> dict:
         "wall_s": round(wall, 2),
         "startup_s": [round(s, 2) for s in startup],
         "requests_s": round(sum(t["seconds"] for t in turns), 2),
-        "ttft_ms": {kind: ttfts(kind) for kind in ("first", "later", "after_restart")},
+        # text turns: to the first token; tool-call turns: to the whole call (a server may
+        # send a call in one piece once it is written, as agentkv does)
+        "ttft_ms": {kind: spread(kind, False, "ttft_ms") for kind in kinds},
+        "tool_call_ms": {kind: spread(kind, True, "ms") for kind in kinds},
         "decode_tps_p50": round(statistics.median(decode), 2) if decode else None,
         "generated_tokens": generated,
         "usage_reported": all(t["usage_reported"] for t in turns),

@@ -12,11 +12,21 @@ context:
 Both run the identical prefill of the question over the identical cached
 state, so ``warm_ms - hot_ms`` is the price of the reload. Medians of
 ``repeats`` copies; the engine runs on the embedded model.
+
+* after a real restart: a new process opens an engine on the same store (``restart_startup_s``:
+  from spawn to the engine ready) and runs the same turn on two more copies, one after the
+  other: ``restart_first_ms`` is its very first turn (first-call costs and the reload
+  together), ``restart_warm_ms`` the next one, on another agent (the reload alone, in a
+  process that has run a turn): the figure to hold to ``hot_ms`` + 20 ms.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .common import emit, progress
@@ -92,16 +102,64 @@ def run(
                     "warm_load_ms": round(median(s.load_ms for s in warm), 2),
                     "turn_prefill_tokens": warm[0].prefill_tokens,
                 }
+                row.update(_after_restart(eng, base, context + QUESTION, Path(tmp) / "kv", model))
+                row["restart_warm_minus_hot_ms"] = round(row["restart_warm_ms"] - row["hot_ms"], 1)
                 row["warm_minus_hot_ms"] = round(row["warm_ms"] - row["hot_ms"], 1)
                 row["cold_over_warm"] = round(row["cold_ms"] / row["warm_ms"], 1)
                 rows.append(row)
                 progress(
                     f"ttft: {n} tokens: cold {row['cold_ms']} ms, warm {row['warm_ms']} ms, "
-                    f"hot {row['hot_ms']} ms"
+                    f"hot {row['hot_ms']} ms; new process: first {row['restart_first_ms']} ms, "
+                    f"warm {row['restart_warm_ms']} ms"
                 )
-                for agent in [base] + [
+                for agent in [base, f"{base}-restart-a", f"{base}-restart-b"] + [
                     f"{base}-{k}{r}" for k in ("hot", "warm") for r in range(repeats)
                 ]:
                     eng.delete_agent(agent)
     emit("ttft", rows, as_json, {"repeats": repeats})
     return rows
+
+
+def _after_restart(eng, base: str, text: str, cache_dir: Path, model: str | None) -> dict:
+    """Two copies of ``base`` on disk, their turns run by a new process on the same store."""
+    agents = [f"{base}-restart-a", f"{base}-restart-b"]
+    for agent in agents:
+        eng.fork_agent(base, agent)
+    eng.flush()
+    job = {"cache_dir": str(cache_dir), "model": model, "agents": agents, "text": text}
+    started = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-m", "agentkv.benchmarks.ttft", "restart-child", json.dumps(job)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if child.returncode != 0:
+        raise RuntimeError(f"the new process failed: {child.stderr[-2000:]}")
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    if out["caches"] != ["warm", "warm"]:
+        raise RuntimeError(f"the new process did not resume from disk: {out['caches']}")
+    return {
+        "restart_startup_s": out["startup_s"],
+        "restart_process_s": round(time.perf_counter() - started, 2),
+        "restart_first_ms": out["ttft_ms"][0],
+        "restart_warm_ms": out["ttft_ms"][1],
+        "restart_load_ms": out["load_ms"],
+    }
+
+
+def _restart_child(cache_dir: str, model: str | None, agents: list[str], text: str) -> dict:
+    started = time.perf_counter()
+    from agentkv import Engine
+
+    with Engine(model=model, cache_dir=Path(cache_dir)) as eng:
+        ready = time.perf_counter() - started
+        turns = [eng.generate(agent, text, max_tokens=1) for agent in agents]
+    return {
+        "startup_s": round(ready, 2),
+        "ttft_ms": [round(t.stats.ttft_ms, 1) for t in turns],
+        "load_ms": [round(t.stats.load_ms, 2) for t in turns],
+        "caches": [t.stats.cache for t in turns],
+    }
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "restart-child":
+    print(json.dumps(_restart_child(**json.loads(sys.argv[2]))))

@@ -48,7 +48,9 @@ def _commands(parser, path=()):
 
 def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
     commands = dict(_commands(build_parser()))
-    benches = "reload ttft save compute kernels batch pool serve constrained kv-candidates quality"
+    benches = (
+        "reload ttft save compute peers kernels batch pool serve constrained kv-candidates quality"
+    )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
     expected |= {("cache", a) for a in ("ls", "show", "rm", "verify")}
     expected |= {(m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import-gguf")}
@@ -344,7 +346,11 @@ def test_bench_commands_emit_their_json(python_env):
         "page_cache_read_ms",
     }
     ttft = json.loads(agentkv("bench", "ttft", "--tokens", "64", "--json", env=python_env).stdout)
-    assert set(ttft["rows"][0]) >= {"tokens", "cold_ms", "warm_ms", "hot_ms"}
+    row = ttft["rows"][0]
+    assert set(row) >= {"tokens", "cold_ms", "warm_ms", "hot_ms"}
+    # the restart row: a new process resumed both copies from disk (it raises otherwise)
+    assert row["restart_first_ms"] > 0 and row["restart_warm_ms"] > 0
+    assert row["restart_startup_s"] < row["restart_process_s"]
     bad = agentkv("bench", "reload", "--tokens", "abc", env=python_env)
     assert bad.returncode != 0 and "comma-separated" in bad.stderr
 
