@@ -19,6 +19,18 @@ def _bench(name: str, help: str, *, model: bool = False):
     return command(BENCHES, name, help, json=JSON_OBJECT, hidden_model=model)
 
 
+def _add_peer(parser: argparse.ArgumentParser, auto_extra: str = "") -> None:
+    """--peer: how to get llama.cpp (llama-cpp-python in its own venv under the agentkv home)."""
+    parser.add_argument(
+        "--peer",
+        choices=("auto", "install", "none"),
+        default="auto",
+        help=f"llama.cpp: auto (run it if installed under the agentkv home{auto_extra}, else "
+        "say how), install (build llama-cpp-python into its own venv there first: minutes), "
+        "none",
+    )
+
+
 @_bench("reload", "cache load time vs mlx-lm vs the page-cache limit")
 def _reload(reload_: argparse.ArgumentParser) -> None:
     reload_.add_argument("--tokens", default="1024,4096,16384", help="comma-separated token counts")
@@ -50,13 +62,7 @@ def _compute(compute: argparse.ArgumentParser) -> None:
     add_count(compute, "--decode-tokens", 32, "tokens decoded per measured decode (default 32)")
     add_count(compute, "--batch-agents", 4, "agents decoding together (default 4)")
     add_count(compute, "--batch-context", 1024, "tokens of each batched agent (default 1024)")
-    compute.add_argument(
-        "--peer",
-        choices=("auto", "install", "none"),
-        default="auto",
-        help="llama.cpp: auto (run it if installed under the agentkv home, else say how), "
-        "install (build llama-cpp-python into its own venv there first: minutes), none",
-    )
+    _add_peer(compute)
 
 
 @_bench("peers", "one agent workflow through the openai SDK: agentkv vs llama.cpp vs mlx-lm")
@@ -77,13 +83,7 @@ def _peers(peers: argparse.ArgumentParser) -> None:
         default="agentkv,llama.cpp,mlx-lm",
         help="which servers, comma-separated (default: agentkv,llama.cpp,mlx-lm)",
     )
-    peers.add_argument(
-        "--peer",
-        choices=("auto", "install", "none"),
-        default="auto",
-        help="llama.cpp: auto (run it if installed under the agentkv home, adding its server "
-        "extra, else say how), install (build llama-cpp-python there first: minutes)",
-    )
+    _add_peer(peers, " (adding its [server] extra there)")
 
 
 @_bench("save", "bytes and time of saving one turn")
