@@ -32,6 +32,16 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, integer dot products (AVX2 or portable), every output reduced in one fixed order whatever the batch.
     """
 
+def rms_norm(x: mlx.core.array, weight: mlx.core.array, eps: float) -> mlx.core.array:
+    """
+    mx.fast.rms_norm's result as one CPU operation (float32), each row alone.
+    """
+
+def rope(x: mlx.core.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset: int | mlx.core.array, freqs: mlx.core.array | None = None) -> mlx.core.array:
+    """
+    mx.fast.rope's rotary embedding as one CPU operation (float32); offset an int or an array of one start per batch row.
+    """
+
 def invariant_linear(x: mlx.core.array, w: mlx.core.array, bias: mlx.core.array | None = None) -> mlx.core.array:
     """
     x @ w.T (+ bias), float32 on CPU, with results independent of the batch.
