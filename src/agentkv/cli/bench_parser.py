@@ -74,8 +74,8 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     mlx_lm.server (same 4-bit weights, prompt cache on), one after another: wall time, TTFT
     by turn kind, decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
     add_flag(peers, "--quick", "2 agents, 3 rounds (under 10 minutes)")
-    peers.add_argument("--agents", type=int, default=None, help="agents, 1-4 (default 4)")
-    peers.add_argument("--rounds", type=int, default=None, help="rounds, >= 2 (default 6)")
+    peers.add_argument("--agents", type=positive_int, default=None, help="agents, 1-4 (default 4)")
+    peers.add_argument("--rounds", type=positive_int, default=None, help="rounds, >= 2 (default 6)")
     add_count(peers, "--system-tokens", 1000, "tokens of the shared system prompt (default 1000)")
     add_count(peers, "--max-tokens", 64, "max_tokens of every turn (default 64)")
     peers.add_argument(
