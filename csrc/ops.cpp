@@ -40,6 +40,32 @@ mx::array packed(const mx::array& a, mx::Stream stream) {
   return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
 }
 
+// The element offset of every index of `a`'s first `axes` axes, in row-major order.
+std::vector<int64_t> leading_offsets(const mx::array& a, int axes) {
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  int64_t count = 1;
+  for (int d = 0; d < axes; ++d) {
+    count *= shape[d];
+  }
+  std::vector<int64_t> offsets(count);
+  std::vector<int64_t> idx(axes, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < axes; ++d) {
+      off += idx[d] * strides[d];
+    }
+    offsets[i] = off;
+    for (int d = axes - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) {
+        break;
+      }
+      idx[d] = 0;
+    }
+  }
+  return offsets;
+}
+
 // A float32 array's elements in row-major order: its own data where it is row-contiguous,
 // else gathered into `scratch` through its strides (a transposed view, a broadcast).
 const float* row_major(const mx::array& a, std::vector<float>& scratch) {
@@ -47,26 +73,14 @@ const float* row_major(const mx::array& a, std::vector<float>& scratch) {
     return a.data<float>();
   }
   scratch.resize(a.size());
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
   const int nd = static_cast<int>(a.ndim());
   const float* src = a.data<float>();
-  const int64_t last = nd ? shape[nd - 1] : 1;
-  const int64_t last_stride = nd ? strides[nd - 1] : 0;
-  std::vector<int64_t> idx(std::max(nd - 1, 0), 0);
-  for (size_t i = 0; i < a.size(); i += static_cast<size_t>(last)) {
-    int64_t off = 0;
-    for (int d = 0; d + 1 < nd; ++d) {
-      off += idx[d] * strides[d];
-    }
+  const int64_t last = nd ? a.shape(-1) : 1;
+  const int64_t last_stride = nd ? a.strides().back() : 0;
+  const std::vector<int64_t> rows = leading_offsets(a, std::max(nd - 1, 0));
+  for (size_t r = 0; r < rows.size(); ++r) {
     for (int64_t j = 0; j < last; ++j) {
-      scratch[i + j] = src[off + j * last_stride];
-    }
-    for (int d = nd - 2; d >= 0; --d) {
-      if (++idx[d] < shape[d]) {
-        break;
-      }
-      idx[d] = 0;
+      scratch[r * last + j] = src[rows[r] + j * last_stride];
     }
   }
   return scratch.data();
@@ -172,23 +186,12 @@ class Rope : public mx::UnaryPrimitive {
         heads *= shape[d];
       }
       const int64_t per_batch = heads / shape[0];
-      std::vector<int64_t> offsets(heads), positions(heads);
+      const std::vector<int64_t> offsets = leading_offsets(x, nd - 2);
+      std::vector<int64_t> positions(heads);
       const int32_t* starts = offset_input ? inputs[1].data<int32_t>() : nullptr;
       const bool per_row = starts && inputs[1].size() > 1;
-      std::vector<int64_t> idx(nd - 2, 0);
       for (int64_t h = 0; h < heads; ++h) {
-        int64_t off = 0;
-        for (int d = 0; d < nd - 2; ++d) {
-          off += idx[d] * strides[d];
-        }
-        offsets[h] = off;
         positions[h] = starts ? starts[per_row ? h / per_batch : 0] : offset;
-        for (int d = nd - 3; d >= 0; --d) {
-          if (++idx[d] < shape[d]) {
-            break;
-          }
-          idx[d] = 0;
-        }
       }
       if (inv_freq.empty()) {
         std::vector<float> scratch;

@@ -21,6 +21,7 @@ prompt-cache files.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import mlx.core as mx
@@ -124,7 +125,9 @@ class CPURoPE(nn.RoPE):
         )  # fmt: skip
 
 
+@functools.cache
 def _llama3_rope():
+    """(mlx-lm's Llama3RoPE, agentkv's CPU subclass of it), made once."""
     from mlx_lm.models.rope_utils import Llama3RoPE
 
     class CPULlama3RoPE(Llama3RoPE):

@@ -71,8 +71,9 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     turn carrying the previous agent's reply, a named tool call per agent every two rounds,
     the server restarted halfway) through the official openai SDK against agentkv serve,
     llama.cpp's server (llama-cpp-python, same GGUF and threads, prompt cache on) and
-    mlx_lm.server (same 4-bit weights, prompt cache on), one after another: wall time, TTFT
-    by turn kind, decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
+    mlx_lm.server (the same weights dequantized to float32, MLX's fastest CPU path; prompt
+    cache on), one after another: wall time, TTFT by turn kind, time to a whole tool call,
+    decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
     add_flag(peers, "--quick", "2 agents, 3 rounds (under 10 minutes)")
     peers.add_argument("--agents", type=positive_int, default=None, help="agents, 1-4 (default 4)")
     peers.add_argument("--rounds", type=positive_int, default=None, help="rounds, >= 2 (default 6)")
