@@ -89,6 +89,9 @@ struct Portable : ExpConstants {
     }
     return a;
   }
+  static float half(uint16_t h) {
+    return half_to_float(h);
+  }
   static float hsum(V v) {  // the order of agentkv's GEMM lanes
     return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6])) + ((v.x[1] + v.x[5]) + (v.x[3] + v.x[7]));
   }
@@ -122,6 +125,15 @@ struct Portable : ExpConstants {
       v.x[r] = static_cast<float>((packed[r] >> shift) & mask);
     }
     return v;
+  }
+  // Word w of rows idx[0..8) (starting at words + w_off[idx[r]]) -> cols[w * 8 + r].
+  static void columns(const uint32_t* words, const int64_t* w_off, const int* idx, int width,
+                      uint32_t* cols) {
+    for (int w = 0; w < width; ++w) {
+      for (int r = 0; r < 8; ++r) {
+        cols[w * 8 + r] = words[w_off[idx[r]] + w];
+      }
+    }
   }
   static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
     V v;
@@ -212,6 +224,9 @@ struct Avx2 : ExpConstants {
   static V sub(V a, V b) {
     return _mm256_sub_ps(a, b);
   }
+  static float half(uint16_t h) {  // exact, as half_to_float
+    return _cvtsh_ss(h);
+  }
   static float hsum(V v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -243,6 +258,42 @@ struct Avx2 : ExpConstants {
     const __m256i v =
         _mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(static_cast<int>(mask)));
     return _mm256_cvtepi32_ps(v);
+  }
+  // As Portable::columns; 8 rows one after another (a tile inside a block) are loaded whole
+  // and transposed 8 words at a time.
+  static void columns(const uint32_t* words, const int64_t* w_off, const int* idx, int width,
+                      uint32_t* cols) {
+    bool adjacent = width % 8 == 0;
+    for (int r = 1; r < 8 && adjacent; ++r) {
+      adjacent = w_off[idx[r]] == w_off[idx[0]] + r * width;
+    }
+    if (!adjacent) {
+      Portable::columns(words, w_off, idx, width, cols);
+      return;
+    }
+    const uint32_t* base = words + w_off[idx[0]];
+    for (int w0 = 0; w0 < width; w0 += 8) {
+      __m256i x[8];
+      for (int r = 0; r < 8; ++r) {
+        x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * width + w0));
+      }
+      __m256i t[8], u[8];
+      for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_epi32(x[r], x[r + 1]);
+        t[r + 1] = _mm256_unpackhi_epi32(x[r], x[r + 1]);
+      }
+      for (int r = 0; r < 8; r += 4) {
+        u[r] = _mm256_unpacklo_epi64(t[r], t[r + 2]);
+        u[r + 1] = _mm256_unpackhi_epi64(t[r], t[r + 2]);
+        u[r + 2] = _mm256_unpacklo_epi64(t[r + 1], t[r + 3]);
+        u[r + 3] = _mm256_unpackhi_epi64(t[r + 1], t[r + 3]);
+      }
+      for (int c = 0; c < 4; ++c) {
+        auto* out = reinterpret_cast<__m256i*>(cols + (w0 + c) * 8);
+        _mm256_storeu_si256(out, _mm256_permute2x128_si256(u[c], u[c + 4], 0x20));
+        _mm256_storeu_si256(out + 4, _mm256_permute2x128_si256(u[c], u[c + 4], 0x31));
+      }
+    }
   }
   static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
     if (bits == 4) {  // eight nibbles of one word

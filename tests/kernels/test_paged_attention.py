@@ -56,14 +56,15 @@ def close(a, b):
 @given(
     fmt=formats,
     lengths=st.lists(st.integers(1, 700), min_size=1, max_size=4),
-    queries=st.sampled_from([1, 3]),
+    queries=st.sampled_from([1, 3, 17]),
+    rep=st.sampled_from([1, 2, 3]),  # query heads per KV head: the kernel folds 1-4 at once
     window=st.sampled_from([0, 100]),
     sinks=st.booleans(),
 )
-def test_fused_kernel_body_and_reference_agree(fmt, lengths, queries, window, sinks):
+def test_fused_kernel_body_and_reference_agree(fmt, lengths, queries, rep, window, sinks):
     lengths = [max(n, queries) for n in lengths]
-    pool, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), lengths, queries=queries)
-    sink_values = mx.array(np.linspace(-1, 1, 4).astype(np.float32)) if sinks else None
+    pool, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), lengths, queries=queries, q_heads=2 * rep)
+    sink_values = mx.array(np.linspace(-1, 1, 2 * rep).astype(np.float32)) if sinks else None
     paged = paged._replace(window=window, sinks=sink_values)
     ours = fused(q, paged)
     reference = kernels.reference.paged_attention(q, paged, scale=0.125)

@@ -209,8 +209,8 @@ def test_format_2_is_refused_where_it_cannot_run():
     assert KVQuant.from_dict({"key_bits": 4, "value_bits": 4, "group_size": 64}) == KVQuant(**V1)
 
 
-@pytest.mark.parametrize("window", [0, 100])
-def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window):
+@pytest.mark.parametrize("window,q_heads", [(0, 4), (100, 4), (0, 6), (100, 2)])
+def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window, q_heads):
     """kernels/paged_attention.metal (compiled for CPU through the shim: the Metal and CUDA
     body) and the MLX reference, against the fused CPU kernel, on tables with tails."""
     from agentkv import kernels
@@ -224,7 +224,7 @@ def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_doe
         t.grow(3, pool.arena.copy_rows)
     rng = np.random.default_rng(11)
     kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
-    q = mx.array(rng.standard_normal((4, 4, 3, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
     step = PagedStep(pool.arena, spec, tables, 3)
     keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
     pool.arena.settle()
