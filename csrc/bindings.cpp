@@ -409,6 +409,8 @@ NB_MODULE(_ext, m) {
         "whatever the batch.");
   m.def("rms_norm", &agentkv::ops::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm's result as one CPU operation (float32), each row alone.");
+  m.def("silu_mul", &agentkv::ops::silu_mul, "gate"_a, "up"_a,
+        "silu(gate) * up (mlx-lm's swiglu) as one CPU operation (float32).");
   m.def("rope", &agentkv::ops::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,
         "scale"_a, "offset"_a, "freqs"_a = nb::none(),
         "mx.fast.rope's rotary embedding as one CPU operation (float32); offset an int or an "

@@ -159,6 +159,32 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+class SiluMul : public mx::UnaryPrimitive {
+ public:
+  explicit SiluMul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
+    encoder.dispatch([inputs, out]() mutable {
+      std::vector<float> gs, us;
+      agentkv::silu_mul(row_major(inputs[0], gs), row_major(inputs[1], us), out.data<float>(),
+                        static_cast<int64_t>(out.size()));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's silu_mul runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVSiluMul";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 class Rope : public mx::UnaryPrimitive {
  public:
   // inv_freq: empty when the frequencies come as an input (periods, their inverses taken)
@@ -689,6 +715,17 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
                    {x, packed(w, stream)});
+}
+
+mx::array silu_mul(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
+    throw std::invalid_argument("silu_mul takes float32 arrays");
+  }
+  if (gate.shape() != up.shape()) {
+    throw std::invalid_argument("silu_mul: gate and up must have the same shape");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(stream), {gate, up});
 }
 
 mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<float> base,

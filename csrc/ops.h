@@ -52,6 +52,9 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
 
 // x [..., D] * rsqrt(mean(x^2) + eps) * w, float32, each row alone (csrc/core/rows.h):
 // one graph operation where MLX's CPU fallback for mx.fast.rms_norm makes eight. CPU only.
+// silu(gate) * up (mlx-lm's swiglu) as one CPU operation, float32, any strides.
+mx::array silu_mul(const mx::array& gate, const mx::array& up);
+
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);
 
 // mx.fast.rope's rotary embedding of x [..., L, D] float32 (positions offset + l along

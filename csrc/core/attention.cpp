@@ -9,6 +9,7 @@
 
 #include "cpu_features.h"
 #include "half.h"
+#include "lanes.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -29,96 +30,8 @@ constexpr int kQueryBlock = 32;
 // agent decoding: one task per KV head).
 constexpr int kChunk = 512;
 
-// exp(x) for x <= 0 (arguments here are score - max): Cephes' polynomial, in one
-// fixed sequence of fused multiply-adds so every implementation rounds alike.
-struct ExpConstants {
-  static constexpr float kLow = -87.0f;
-  static constexpr float kLog2e = 1.44269504088896341f;
-  static constexpr float kLn2Hi = 0.693359375f;
-  static constexpr float kLn2Lo = -2.12194440e-4f;
-  static constexpr float kP0 = 1.9875691500e-4f;
-  static constexpr float kP1 = 1.3981999507e-3f;
-  static constexpr float kP2 = 8.3334519073e-3f;
-  static constexpr float kP3 = 4.1665795894e-2f;
-  static constexpr float kP4 = 1.6666665459e-1f;
-  static constexpr float kP5 = 5.0000001201e-1f;
-};
-
-// The portable 8-lane operations.
-struct Portable : ExpConstants {
-  struct V {
-    float x[8];
-  };
-  static V load(const float* p) {
-    V v;
-    std::memcpy(v.x, p, sizeof(v.x));
-    return v;
-  }
-  static void store(float* p, V v) {
-    std::memcpy(p, v.x, sizeof(v.x));
-  }
-  static V set1(float f) {
-    V v;
-    std::fill(v.x, v.x + 8, f);
-    return v;
-  }
-  static V zero() {
-    return set1(0.0f);
-  }
-  static V fma(V a, V b, V c) {
-    for (int i = 0; i < 8; ++i) {
-      c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
-    }
-    return c;
-  }
-  static V mul(V a, V b) {
-    for (int i = 0; i < 8; ++i) {
-      a.x[i] *= b.x[i];
-    }
-    return a;
-  }
-  static V add(V a, V b) {
-    for (int i = 0; i < 8; ++i) {
-      a.x[i] += b.x[i];
-    }
-    return a;
-  }
-  static V sub(V a, V b) {
-    for (int i = 0; i < 8; ++i) {
-      a.x[i] -= b.x[i];
-    }
-    return a;
-  }
-  static float half(uint16_t h) {
-    return half_to_float(h);
-  }
-  static float hsum(V v) {  // the order of agentkv's GEMM lanes
-    return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6])) + ((v.x[1] + v.x[5]) + (v.x[3] + v.x[7]));
-  }
-  static float exp1(float x) {
-    x = std::max(x, kLow);
-    const float n = std::nearbyint(x * kLog2e);
-    float r = std::fma(n, -kLn2Hi, x);
-    r = std::fma(n, -kLn2Lo, r);
-    float p = kP0;
-    p = std::fma(p, r, kP1);
-    p = std::fma(p, r, kP2);
-    p = std::fma(p, r, kP3);
-    p = std::fma(p, r, kP4);
-    p = std::fma(p, r, kP5);
-    p = std::fma(p, r * r, r);
-    p = p + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
-  }
-  static V exp(V v) {
-    for (int i = 0; i < 8; ++i) {
-      v.x[i] = exp1(v.x[i]);
-    }
-    return v;
-  }
+// The fused attention's own lane operations on top of lanes.h's: unpacking quantized words.
+struct Portable : lanes::Portable {
   static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
     V v;
     for (int r = 0; r < 8; ++r) {
@@ -198,61 +111,7 @@ using Ops = Portable;
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
-struct Avx2 : ExpConstants {
-  using V = __m256;
-  static V load(const float* p) {
-    return _mm256_loadu_ps(p);
-  }
-  static void store(float* p, V v) {
-    _mm256_storeu_ps(p, v);
-  }
-  static V set1(float f) {
-    return _mm256_set1_ps(f);
-  }
-  static V zero() {
-    return _mm256_setzero_ps();
-  }
-  static V fma(V a, V b, V c) {
-    return _mm256_fmadd_ps(a, b, c);
-  }
-  static V mul(V a, V b) {
-    return _mm256_mul_ps(a, b);
-  }
-  static V add(V a, V b) {
-    return _mm256_add_ps(a, b);
-  }
-  static V sub(V a, V b) {
-    return _mm256_sub_ps(a, b);
-  }
-  static float half(uint16_t h) {  // exact, as half_to_float
-    return _cvtsh_ss(h);
-  }
-  static float hsum(V v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 u = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-  }
-  static V exp(V x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(kLow));
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
-    V p = _mm256_set1_ps(kP0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  }
-  static float exp1(float x) {
-    return _mm256_cvtss_f32(exp(_mm256_set1_ps(x)));
-  }
+struct Avx2 : lanes::Avx2 {
   static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
     const __m256i v =

@@ -1,9 +1,49 @@
 #include "rows.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
+#include "cpu_features.h"
+#include "lanes.h"
+#include "thread_pool.h"
+
 namespace agentkv {
+namespace {
+
+namespace portable {
+using Ops = lanes::Portable;
+#include "rows_lanes.inc"
+}  // namespace portable
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+using Ops = lanes::Avx2;
+#include "rows_lanes.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  constexpr int64_t kPiece = 16384;  // values per thread job
+  const std::function<void(size_t)> piece = [&](size_t p) {
+    const int64_t i = static_cast<int64_t>(p) * kPiece;
+    const int64_t count = std::min(kPiece, n - i);
+#if defined(__x86_64__) || defined(_M_X64)
+    if (cpu_has_avx2_fma_f16c()) {
+      avx2::silu_mul(g + i, u + i, out + i, count);
+      return;
+    }
+#endif
+    portable::silu_mul(g + i, u + i, out + i, count);
+  };
+  ThreadPool::shared().run(static_cast<size_t>((n + kPiece - 1) / kPiece), piece);
+}
 
 void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t dim,
                    float eps) {

@@ -1,8 +1,10 @@
 // Row-wise layer pieces of a transformer on CPU, each row computed alone (the result of a
-// row never depends on the other rows of the batch): RMS normalization and rotary
-// position embedding. They replace MLX's CPU fallbacks for mx.fast.rms_norm and
+// row never depends on the other rows of the batch): RMS normalization, rotary position
+// embedding and the SwiGLU gate. They replace MLX's CPU fallbacks for mx.fast.rms_norm and
 // mx.fast.rope, which MLX composes from 8 and ~15 graph operations (measured on the
-// embedded model: ~40 and ~100 us a call at decode, 60 calls each per token).
+// embedded model: ~40 and ~100 us a call at decode, 60 calls each per token), and mlx-lm's
+// compiled swiglu, whose exp MLX's x86 wheel runs one value at a time through a library fma
+// (~8% of a 512-token prefill).
 #pragma once
 
 #include <cstdint>
@@ -36,5 +38,9 @@ struct RopeArgs {
   bool traditional;
 };
 void rope_rows(const RopeArgs& a);
+
+// out[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i], for i < n (AVX2 or the
+// portable lanes, the same bits; spread over the thread pool).
+void silu_mul(const float* g, const float* u, float* out, int64_t n);
 
 }  // namespace agentkv

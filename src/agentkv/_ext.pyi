@@ -37,6 +37,9 @@ def rms_norm(x: mlx.core.array, weight: mlx.core.array, eps: float) -> mlx.core.
     mx.fast.rms_norm's result as one CPU operation (float32), each row alone.
     """
 
+def silu_mul(gate: mlx.core.array, up: mlx.core.array) -> mlx.core.array:
+    """silu(gate) * up (mlx-lm's swiglu) as one CPU operation (float32)."""
+
 def rope(x: mlx.core.array, dims: int, *, traditional: bool, base: float | None, scale: float, offset: int | mlx.core.array, freqs: mlx.core.array | None = None) -> mlx.core.array:
     """
     mx.fast.rope's rotary embedding as one CPU operation (float32); offset an int or an array of one start per batch row.

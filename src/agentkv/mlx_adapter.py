@@ -161,6 +161,41 @@ def use_cpu_row_ops(model: nn.Module) -> int:
     return switched
 
 
+@functools.cache
+def _cpu_swiglu():
+    """mlx-lm's ``swiglu`` (silu(gate) * up), as one agentkv operation for float32 on CPU."""
+    from mlx_lm.models.activations import swiglu as original
+
+    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        from . import _ext
+
+        if (
+            gate.dtype == x.dtype == mx.float32
+            and gate.shape == x.shape
+            and mx.default_device() == mx.cpu
+        ):
+            return _ext.silu_mul(gate, x)
+        return original(gate, x)
+
+    return original, swiglu
+
+
+def use_cpu_swiglu(model: nn.Module) -> int:
+    """Route mlx-lm's ``swiglu`` through agentkv's CPU operation in the model modules this
+    model's classes come from (mlx-lm imports it by name into each: ``from .activations
+    import swiglu``); MLX's compiled version runs its exp one value at a time on x86.
+    Returns how many modules were switched."""
+
+    original, ours = _cpu_swiglu()
+    switched = 0
+    for name in {type(m).__module__ for _, m in model.named_modules()}:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "swiglu", None) is original:
+            module.swiglu = ours
+            switched += 1
+    return switched
+
+
 CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 8), (32, 64, 128)
 
 

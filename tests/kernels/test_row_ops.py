@@ -1,6 +1,7 @@
-"""agentkv's CPU row operations (csrc/core/rows.h): RMS normalization and rotary embedding
-as one graph operation each, against MLX's own ``mx.fast.rms_norm`` / ``mx.fast.rope``,
-on strided inputs, per-row offsets, and every row alone == in a batch, bit for bit."""
+"""agentkv's CPU row operations (csrc/core/rows.h): RMS normalization, rotary embedding and
+the SwiGLU gate as one graph operation each, against MLX's own ``mx.fast.rms_norm`` /
+``mx.fast.rope`` / mlx-lm's ``swiglu``, on strided inputs, per-row offsets, and every row
+alone == in a batch, bit for bit."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,12 +70,47 @@ def test_rms_norm_matches_mlx_and_rows_are_alone():
     assert mx.array_equal(_ext.rms_norm(strided, w, 1e-5), ours.transpose(1, 0, 2))
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (2, 300, 1536), (3, 7), (5,)])
+def test_silu_mul_matches_mlx_lm_swiglu(shape):
+    from mlx_lm.models.activations import swiglu
+
+    mx.random.seed(5)
+    gate = mx.random.normal(shape) * 8  # far into both tails of the sigmoid
+    up = mx.random.normal(shape)
+    ours = _ext.silu_mul(gate, up)
+    np.testing.assert_allclose(np.array(ours), np.array(swiglu(gate, up)), rtol=2e-6, atol=1e-7)
+    if len(shape) > 1:  # strided views are read in place, and a row alone is the same bits
+        t = _ext.silu_mul(gate.swapaxes(0, -1), up.swapaxes(0, -1))
+        assert mx.array_equal(t, ours.swapaxes(0, -1))
+        assert mx.array_equal(_ext.silu_mul(gate[:1], up[:1]), ours[:1])
+
+
+def test_the_model_s_swiglu_runs_on_agentkv_on_cpu_only_for_float32():
+    import mlx_lm.models.llama as llama
+
+    original, ours = mlx_adapter._cpu_swiglu()
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+        num_attention_heads=2, rms_norm_eps=1e-5, vocab_size=32, num_key_value_heads=1,
+    )  # fmt: skip
+    model = llama.Model(args)
+    mlx_adapter.use_cpu_swiglu(model)
+    assert llama.swiglu is ours
+    g = mx.random.normal((2, 64))
+    assert mx.array_equal(llama.swiglu(g, g), _ext.silu_mul(g, g))
+    half = g.astype(mx.float16)  # not ours: mlx-lm's own
+    assert mx.array_equal(llama.swiglu(half, half), original(half, half))
+    assert mlx_adapter.use_cpu_swiglu(model) == 0  # switched once
+
+
 def test_nan_propagates_like_mlx():
     x = mx.ones((2, 1, 3, 64))
     x[1, 0, 1, 5] = float("nan")
     w = mx.ones((64,))
     norm = np.isnan(np.array(_ext.rms_norm(x, w, 1e-5)))
     assert norm[1, 0, 1].all() and norm.sum() == 64
+    gate = np.isnan(np.array(_ext.silu_mul(x, x)))
+    assert gate[1, 0, 1, 5] and gate.sum() == 1
     rope = np.isnan(np.array(_ext.rope(x, 64, traditional=False, base=1e4, scale=1.0, offset=3)))
     assert np.array_equal(
         rope,
@@ -90,6 +126,8 @@ def test_nan_propagates_like_mlx():
             "float32",
         ),
         (lambda: _ext.rms_norm(mx.ones((2, 8)), mx.ones((7,)), 1e-5), "do not match"),
+        (lambda: _ext.silu_mul(mx.ones((2, 8)), mx.ones((2, 7))), "same shape"),
+        (lambda: _ext.silu_mul(mx.ones((2,), mx.float16), mx.ones((2,), mx.float16)), "float32"),
         (
             lambda: _ext.rope(mx.ones((2, 8)), 8, traditional=False, base=1e4, scale=1.0, offset=0),
             "3 axes",

@@ -195,6 +195,7 @@ def _prepare_for_cpu(model, weights: Weights) -> bool:
     ours = mlx_adapter.use_cpu_quantized_matmul(model) if quantized else 0
     mlx_adapter.make_batch_invariant(model)
     mlx_adapter.use_cpu_row_ops(model)
+    mlx_adapter.use_cpu_swiglu(model)
     return ours > 0
 
 
