@@ -159,10 +159,15 @@ void quantize(const float* x, int64_t M, int64_t K, int group, bool nibbles, Act
   a.q.resize(static_cast<size_t>(M * K));
   a.scale.resize(static_cast<size_t>(M * a.blocks));
   a.sum.assign(static_cast<size_t>(M * a.padded), 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x + m * K, K, group, nibbles, a.q.data() + m * K, a.scale.data() + m * a.blocks,
-                 a.sum.data() + m * a.padded);
-  }
+  constexpr int64_t kRowsPerJob = 16;  // rows are quantized alone: any split, the same codes
+  const std::function<void(size_t)> job = [&](size_t j) {
+    const int64_t m1 = std::min(M, static_cast<int64_t>(j + 1) * kRowsPerJob);
+    for (int64_t m = static_cast<int64_t>(j) * kRowsPerJob; m < m1; ++m) {
+      quantize_row(x + m * K, K, group, nibbles, a.q.data() + m * K, a.scale.data() + m * a.blocks,
+                   a.sum.data() + m * a.padded);
+    }
+  };
+  ThreadPool::shared().run(static_cast<size_t>((M + kRowsPerJob - 1) / kRowsPerJob), job);
 }
 
 inline float scale_at(const void* p, ScaleType t, int64_t i) {
@@ -303,9 +308,9 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   const TileKernel tile = kernel_for(w.bits);
   const int64_t N = w.N;
   // Tiles: one row of x (decode) against 4 weight rows, two against two, else up to 4 rows
-  // against one weight row at a time (two with VNNI's registers). The tile changes no
-  // result (see qmm.h).
-  const int cols = M == 1 ? 4 : M == 2 ? 2 : use_vnni() ? 2 : 1;
+  // against one weight row at a time (four with VNNI's 512-bit registers, two weight rows to
+  // each). The tile changes no result (see qmm.h).
+  const int cols = M == 1 ? 4 : M == 2 ? 2 : use_vnni() ? 4 : 1;
   const std::function<void(size_t)> job = [&](size_t block) {
     const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
     const int64_t n1 = std::min(N, n0 + kColumnBlock);
