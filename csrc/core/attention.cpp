@@ -209,7 +209,8 @@ void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
     pool.run(tasks, run);
     return;
   }
-  const size_t stride = static_cast<size_t>(a.q_heads / a.kv_heads) * kQueryBlock * (a.v.dim + 2);
+  const size_t stride = static_cast<size_t>(a.q_heads / a.kv_heads) *
+                        std::min(a.queries, kQueryBlock) * (a.v.dim + 2);
   std::vector<float> partials(tasks * chunks * stride);
   const std::function<void(size_t)> run = [&](size_t t) {
     int b, kvh, i0, i1;
