@@ -27,6 +27,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import _ext
 from .errors import ModelImportError
 from .format.spec import LayerKind, LayerSpec, ModelCacheSpec
 
@@ -61,8 +62,6 @@ class InvariantLinear(nn.Linear):
     """A float32 linear layer on agentkv's batch-invariant GEMM (same weights, in place)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        from . import _ext
-
         return _ext.invariant_linear(x, self.weight, self.get("bias"))
 
 
@@ -70,8 +69,6 @@ class InvariantTiedEmbedding(nn.Embedding):
     """An embedding whose output projection (tied lm_head) is batch-invariant."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        from . import _ext
-
         return _ext.invariant_linear(x, self.weight)
 
 
@@ -79,8 +76,6 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     """A quantized linear layer on agentkv's CPU quantized matmul (same weights, in place)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        from . import _ext
-
         out = _ext.quantized_matmul(
             x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
         )
@@ -91,8 +86,6 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
     """A quantized embedding whose output projection (tied lm_head) is agentkv's kernel."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        from . import _ext
-
         return _ext.quantized_matmul(
             x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
         )
@@ -103,8 +96,6 @@ class CPURMSNorm(nn.RMSNorm):
     ``mx.fast.rms_norm`` is eight graph operations)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        from . import _ext
-
         if x.dtype != mx.float32:
             return super().__call__(x)
         return _ext.rms_norm(x, self["weight"], self.eps)
@@ -115,8 +106,6 @@ class CPURoPE(nn.RoPE):
     ``mx.fast.rope`` is ~15 graph operations)."""
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        from . import _ext
-
         if x.dtype != mx.float32:
             return super().__call__(x, offset)
         return _ext.rope(
@@ -134,8 +123,6 @@ def _llama3_rope():
         """mlx-lm's Llama 3 RoPE (frequencies given) as one agentkv operation on CPU."""
 
         def __call__(self, x: mx.array, offset=0) -> mx.array:
-            from . import _ext
-
             if x.dtype != mx.float32:
                 return super().__call__(x, offset)
             return _ext.rope(
@@ -167,8 +154,6 @@ def _cpu_swiglu():
     from mlx_lm.models.activations import swiglu as original
 
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        from . import _ext
-
         if (
             gate.dtype == x.dtype == mx.float32
             and gate.shape == x.shape
