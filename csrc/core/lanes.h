@@ -174,7 +174,7 @@ struct Avx2 : ExpConstants {
     return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
   }
   static V exp(V x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(kLow));
+    x = _mm256_max_ps(_mm256_set1_ps(kLow), x);  // NaN stays NaN, as std::max(x, kLow)
     const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);

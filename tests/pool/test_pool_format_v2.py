@@ -151,6 +151,32 @@ def test_a_row_gives_the_same_bits_alone_or_batched():
     np.testing.assert_array_equal(outs[True], outs[False])
 
 
+@pytest.mark.parametrize("channel_tokens", [32, 64])
+def test_a_query_gives_the_same_bits_whatever_chunk_it_arrives_in(channel_tokens):
+    """Position 31 in a 32-token chunk after 16 tokens, or alone after 31: keys 0-31 hold the
+    same bits either way, and so must its attention (whether the kernel folds a tile's key
+    scales into the query depends on the tile's start and the row, never on the chunk)."""
+    spec = synthetic_spec(layers=1, heads=2)
+    quant = KVQuant(**V2, group_size=channel_tokens, channel_tokens=channel_tokens)
+    rng = np.random.default_rng(5)
+    q_star = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    outs = []
+    for before, count, at in ((16, 32, 15), (31, 1, 0)):
+        pool = pool_for(spec, quant)
+        table = fill_table(pool, before, positional=True)
+        table.grow(count, pool.arena.copy_rows)
+        k, v = _kv_for(spec, 0, before, count, rng=rng, positional=True)
+        q = rng.standard_normal((1, 4, count, 64)).astype(np.float32)
+        q[:, :, at] = q_star[:, :, 0]
+        step = PagedStep(pool.arena, spec, [table], count)
+        cache = step.caches[0]
+        keys, values = cache.update_and_fetch(k, v)
+        mask = None if count == 1 else "causal"
+        out = cache.agentkv_attention(mx.array(q), keys, values, scale=0.125, mask=mask)
+        outs.append(np.array(out[:, :, at]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_fork_copies_the_tail_trim_refills_it_and_release_returns_it():
     spec = synthetic_spec(layers=2, heads=2)
     pool = pool_for(spec)
