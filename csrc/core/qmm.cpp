@@ -311,15 +311,24 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   // against one weight row at a time (four with VNNI's 512-bit registers, two weight rows to
   // each). The tile changes no result (see qmm.h).
   const int cols = M == 1 ? 4 : M == 2 ? 2 : use_vnni() ? 4 : 1;
+  const bool wide_rows = use_vnni() && w.group == kBlock;
   const std::function<void(size_t)> job = [&](size_t block) {
     const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
     const int64_t n1 = std::min(N, n0 + kColumnBlock);
-    for (int64_t m = 0; m < M; m += kRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
+    for (int64_t m = 0; m < M;) {
+      // 8 rows at a time where VNNI's 32-token-group tile takes them, else up to 4
+      const int rows =
+          wide_rows && M - m >= 8 ? 8 : static_cast<int>(std::min<int64_t>(kRows, M - m));
       for (int64_t n = n0; n < n1; n += cols) {
         const int c = static_cast<int>(std::min<int64_t>(cols, n1 - n));
-        tile(w, n, c, a, m, rows, y + m * N + n, N);
+        if (rows == 8 && c != 4) {  // the 8-row tile takes 4 weight rows only
+          tile(w, n, c, a, m, 4, y + m * N + n, N);
+          tile(w, n, c, a, m + 4, 4, y + (m + 4) * N + n, N);
+        } else {
+          tile(w, n, c, a, m, rows, y + m * N + n, N);
+        }
       }
+      m += rows;
     }
   };
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
