@@ -308,9 +308,9 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   const TileKernel tile = kernel_for(w.bits);
   const int64_t N = w.N;
   // Tiles: one row of x (decode) against 4 weight rows, two against two, else up to 4 rows
-  // against one weight row at a time (four with VNNI's 512-bit registers, two weight rows to
-  // each). The tile changes no result (see qmm.h).
-  const int cols = M == 1 ? 4 : M == 2 ? 2 : use_vnni() ? 4 : 1;
+  // against one weight row at a time; with VNNI's 512-bit registers (two weight rows to each)
+  // 1-4 or 8 rows against four. The tile changes no result (see qmm.h).
+  const int cols = M == 1 || use_vnni() ? 4 : M == 2 ? 2 : 1;
   const bool wide_rows = use_vnni() && w.group == kBlock;
   const std::function<void(size_t)> job = [&](size_t block) {
     const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
