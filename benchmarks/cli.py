@@ -16,6 +16,14 @@ def _counts(text: str, option: str = "--tokens") -> list[int]:
     return counts
 
 
+def _names(text: str, allowed, option: str) -> list[str]:
+    """A comma-separated choice of ``allowed`` names (in the order given), or a clear exit."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names or set(names) - set(allowed):
+        raise SystemExit(f"agentkv: error: {option} takes {','.join(allowed)}")
+    return names
+
+
 def run_bench(args) -> int:
     name = args.bench_command
     if name == "reload":
@@ -47,10 +55,7 @@ def run_bench(args) -> int:
     elif name == "peers":
         from .peers import SERVERS, run
 
-        servers = tuple(s.strip() for s in args.servers.split(",") if s.strip())
-        unknown = sorted(set(servers) - set(SERVERS))
-        if unknown or not servers:
-            raise SystemExit(f"agentkv: error: --servers takes {','.join(SERVERS)}")
+        servers = tuple(_names(args.servers, SERVERS, "--servers"))
         run(
             quick=args.quick,
             agents=args.agents,
@@ -72,10 +77,7 @@ def run_bench(args) -> int:
     elif name == "pool":
         from .pool import run
 
-        sections = [x.strip() for x in args.sections.split(",") if x.strip()]
-        unknown = sorted(set(sections) - {"shared", "decode", "overload", "ops"})
-        if unknown or not sections:
-            raise SystemExit("agentkv: error: --sections takes shared,decode,overload,ops")
+        sections = _names(args.sections, ("shared", "decode", "overload", "ops"), "--sections")
         run(
             agents=args.agents,
             system_tokens=args.system_tokens,

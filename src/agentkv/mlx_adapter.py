@@ -170,7 +170,6 @@ def use_cpu_swiglu(model: nn.Module) -> int:
     model's classes come from (mlx-lm imports it by name into each: ``from .activations
     import swiglu``); MLX's compiled version runs its exp one value at a time on x86.
     Returns how many modules were switched."""
-
     original, ours = _cpu_swiglu()
     switched = 0
     for name in {type(m).__module__ for _, m in model.named_modules()}:
