@@ -30,6 +30,7 @@
 #include "core/parallel.h"
 #include "core/pool_io.h"
 #include "core/qmm.h"
+#include "core/rows.h"
 #include "core/store_error.h"
 #include "kernels_cpu.h"
 #include "ops.h"
@@ -338,6 +339,51 @@ uint64_t release_slot(std::vector<mx::array> arenas, uint32_t layers, uint32_t b
   return agentkv::release_slot(layout.geometry, ptrs, slot, layer_mask);
 }
 
+// Test hooks for the KV writes of decoder_layer (csrc/core/rows.h), run at once.
+mx::array float32_rows(const mx::array& x, int64_t& dim) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1) {
+    throw std::invalid_argument("expected a float32 array [..., dim]");
+  }
+  mx::array c = mx::contiguous(x);
+  mx::eval(c);
+  dim = x.shape(-1);
+  return c;
+}
+
+mx::array hadamard_rows_op(const mx::array& x, float scale) {
+  int64_t dim = 0;
+  mx::array c = float32_rows(x, dim);
+  if (dim & (dim - 1)) {
+    throw std::invalid_argument("hadamard_rows: the last axis must be a power of two");
+  }
+  std::vector<float> out(c.data<float>(), c.data<float>() + c.size());
+  agentkv::hadamard_rows(out.data(), static_cast<int64_t>(c.size()) / std::max<int64_t>(dim, 1),
+                         dim, scale);
+  return mx::array(out.data(), x.shape(), mx::float32);
+}
+
+std::tuple<mx::array, mx::array, mx::array> quantize_rows_op(const mx::array& x, int bits,
+                                                             int group) {
+  int64_t dim = 0;
+  mx::array c = float32_rows(x, dim);
+  if ((bits != 2 && bits != 4 && bits != 8) || group < 32 || dim % group || group % 32) {
+    throw std::invalid_argument("quantize_rows: bits 2, 4 or 8 and groups dividing the rows");
+  }
+  const int64_t rows = static_cast<int64_t>(c.size()) / dim;
+  std::vector<uint32_t> words(rows * dim * bits / 32);
+  std::vector<uint16_t> scales(rows * dim / group), biases(rows * dim / group);
+  agentkv::quantize_rows(c.data<float>(), rows, dim, bits, group, words.data(), scales.data(),
+                         biases.data());
+  mx::Shape shape = x.shape();
+  shape.back() = static_cast<int>(dim * bits / 32);
+  mx::array w(words.data(), shape, mx::uint32);
+  shape.back() = static_cast<int>(dim / group);
+  auto halves = [&](std::vector<uint16_t>& v) {
+    return mx::view(mx::array(v.data(), shape, mx::uint16), mx::float16);
+  };
+  return {w, halves(scales), halves(biases)};
+}
+
 nb::dict build_info() {
   nb::dict info;
 #if defined(__clang__)
@@ -407,6 +453,20 @@ NB_MODULE(_ext, m) {
         "x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, "
         "integer dot products (AVX2 or portable), every output reduced in one fixed order "
         "whatever the batch.");
+  m.def("decoder_layer", &agentkv::ops::decoder_layer, "x"_a, "norms"_a, "eps"_a, "linears"_a,
+        "bits"_a, "groups"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "attention_scale"_a,
+        "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a, "rope_freqs"_a,
+        "keys"_a, "values"_a, "tail"_a, "tables"_a, "lengths"_a, "tail_slots"_a, "rows"_a,
+        "tail_rows"_a, "key_bits"_a, "value_bits"_a, "group"_a, "channel_tokens"_a,
+        "block_tokens"_a, "window"_a, "rotate"_a,
+        "One Llama-family decoder layer over the block pool as one CPU operation (the same "
+        "bits as its separate operations); writes the step's keys and values in place. See "
+        "csrc/ops.h.");
+  m.def("hadamard_rows", &hadamard_rows_op, "x"_a, "scale"_a,
+        "mx.hadamard_transform's bits from agentkv's CPU code (for tests): x float32 [..., n].");
+  m.def("quantize_rows", &quantize_rows_op, "x"_a, "bits"_a, "group"_a,
+        "mx.quantize's codes with float16 scales and biases from agentkv's CPU code (for "
+        "tests): x float32 [..., dim] -> (words, scales, biases).");
   m.def("rms_norm", &agentkv::ops::rms_norm, "x"_a, "weight"_a, "eps"_a,
         "mx.fast.rms_norm's result as one CPU operation (float32), each row alone.");
   m.def("silu_mul", &agentkv::ops::silu_mul, "gate"_a, "up"_a,

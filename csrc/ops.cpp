@@ -13,6 +13,7 @@
 #include "core/gemm.h"
 #include "core/qmm.h"
 #include "core/rows.h"
+#include "op_support.h"
 
 namespace agentkv::ops {
 namespace {
@@ -31,13 +32,6 @@ mx::cpu::CommandEncoder& start_cpu_eval(mx::Stream stream, const std::vector<mx:
   }
   encoder.set_output_array(out);
   return encoder;
-}
-
-// `a` itself where it is evaluated already and row-contiguous (weights, the pool's
-// arrays): a Contiguous node is one more scheduled graph operation per call (~1-2 us on
-// MLX's CPU stream) even when it copies nothing, and a decode step makes ~900 of them.
-mx::array packed(const mx::array& a, mx::Stream stream) {
-  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
 }
 
 // The element offset of every index of `a`'s first `axes` axes, in row-major order.
@@ -381,26 +375,6 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     v.dim = first.shape(-1) * 32 / bits;
   }
 
-  // Whether every block row b reads lies inside the arena. The pool never builds a table
-  // that fails this; if one did, the batch gets NaN instead of reads out of bounds.
-  static bool table_ok(const agentkv::AttentionArgs& a, int b, int64_t blocks) {
-    const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
-    const int len = a.lengths[b];
-    int first = 0;
-    if (a.window > 0) {
-      first = std::max(0, len - a.queries - a.window + 1);
-    }
-    if (len < a.queries || (len + a.block_tokens - 1) / a.block_tokens > a.table_stride) {
-      return false;
-    }
-    for (int i = first / a.block_tokens; i * a.block_tokens < len; ++i) {
-      if (table[i] < 0 || table[i] >= blocks) {
-        return false;
-      }
-    }
-    return true;
-  }
-
   static void run(const Params& p, const std::vector<mx::array>& inputs, mx::array& out) {
     const mx::array& q = inputs[0];
     const size_t value_parts = p.value_bits == 16 ? 1 : 3;
@@ -460,7 +434,8 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     for (int b = 0; b < a.batch; ++b) {
       const bool tail_ok =
           a.tail_slots == nullptr || (a.tail_slots[b] >= 0 && a.tail_slots[b] < tail_slots);
-      if (!table_ok(a, b, blocks) || !tail_ok) {  // NaN, never a plausible answer from wrong memory
+      if (!paged_table_ok(a, b, blocks) ||
+          !tail_ok) {  // NaN, never a plausible answer from wrong memory
         std::fill_n(a.out, out.size(), std::numeric_limits<float>::quiet_NaN());
         return;
       }
@@ -682,6 +657,14 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }
 
+std::vector<float> rope_inverse_frequencies(float base, int dims) {
+  std::vector<float> inv_freq;
+  for (int i = 0; i < dims / 2; ++i) {
+    inv_freq.push_back(static_cast<float>(std::pow(static_cast<double>(base), -2.0 * i / dims)));
+  }
+  return inv_freq;
+}
+
 mx::array invariant_linear(const mx::array& x, const mx::array& w,
                            const std::optional<mx::array>& bias) {
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32 ||
@@ -760,9 +743,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
     }
     inputs.push_back(packed(mx::astype(*freqs, mx::float32, stream), stream));
   } else {
-    for (int i = 0; i < dims / 2; ++i) {
-      inv_freq.push_back(static_cast<float>(std::pow(static_cast<double>(*base), -2.0 * i / dims)));
-    }
+    inv_freq = rope_inverse_frequencies(*base, dims);
   }
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<Rope>(stream, dims, traditional, scale,

@@ -64,4 +64,27 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
                float scale, const std::variant<int, mx::array>& offset,
                const std::optional<mx::array>& freqs);
 
+// One decoder layer of a Llama-family model (RMSNorm, q/k/v projections, RoPE, attention
+// over the block pool, o projection, RMSNorm, SwiGLU MLP, both residuals) for B rows of L
+// new tokens each, as one CPU operation: the same kernels on the same values as the
+// layer's separate operations, so the same bits. Weights: `linears` holds q, k, v, o,
+// gate, up, down as MLX affine words, scales, biases (no biases of their own). The KV
+// cache is the pool's layer arena in format 2 (per-channel keys of key_bits, values of
+// value_bits, `rotate`: stored times the Hadamard matrix) and no row may complete a channel
+// group in this step: the new values are quantized into `values` at `rows`, the new keys
+// (float16) go to `tail` at `tail_rows` (both [B * kv_heads * L], ordered batch, head,
+// token), written in place, as the pool's scatters do. Rows' positions start at
+// lengths[b] - L. CPU only.
+mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms, float eps,
+                        const std::vector<mx::array>& linears, const std::vector<int>& bits,
+                        const std::vector<int>& groups, int heads, int kv_heads,
+                        float attention_scale, int rope_dims, bool rope_traditional,
+                        std::optional<float> rope_base, float rope_scale,
+                        const std::optional<mx::array>& rope_freqs,
+                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                        const mx::array& tail, const mx::array& tables, const mx::array& lengths,
+                        const mx::array& tail_slots, const mx::array& rows,
+                        const mx::array& tail_rows, int key_bits, int value_bits, int group,
+                        int channel_tokens, int block_tokens, int window, bool rotate);
+
 }  // namespace agentkv::ops

@@ -1,5 +1,6 @@
-// float16 -> float32 on the host, exactly (subnormals, infinities and NaNs included): one
-// definition for the fused attention and the host shim of the kernel bodies.
+// float16 <-> float32 on the host: half_to_float exactly (subnormals, infinities and NaNs
+// included), one definition for the fused attention and the host shim of the kernel bodies;
+// float_to_half rounds to nearest even, as MLX's astype(float16) does.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +32,44 @@ inline float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+inline uint16_t float_to_half(float f) {
+#if defined(__FLT16_MAX__)
+  const _Float16 h = static_cast<_Float16>(f);  // the conversion MLX's float16_t makes
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t magnitude = x & 0x7FFFFFFFu;
+  if (magnitude >= 0x7F800000u) {  // infinity or NaN (quiet, top payload bits kept)
+    const uint16_t nan = magnitude > 0x7F800000u ? 0x200u | ((magnitude >> 13) & 0x3FFu) : 0;
+    return sign | 0x7C00u | nan;
+  }
+  if (magnitude >= 0x477FF000u) {  // rounds past the largest half
+    return sign | 0x7C00u;
+  }
+  if (magnitude < 0x38800000u) {  // a half subnormal (or zero): round the shifted mantissa
+    if (magnitude < 0x33000001u) {
+      return sign;
+    }
+    const uint32_t exponent = magnitude >> 23;
+    const uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126 - exponent;  // 14 .. 24
+    uint32_t half = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1);
+    const uint32_t midpoint = 1u << (shift - 1);
+    half += rest > midpoint || (rest == midpoint && (half & 1u));
+    return sign | static_cast<uint16_t>(half);
+  }
+  uint32_t half = ((magnitude >> 13) - ((127 - 15) << 10));
+  const uint32_t rest = magnitude & 0x1FFFu;
+  half += rest > 0x1000u || (rest == 0x1000u && (half & 1u));
+  return sign | static_cast<uint16_t>(half);
+#endif
 }
 
 }  // namespace agentkv

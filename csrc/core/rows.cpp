@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "cpu_features.h"
+#include "half.h"
 #include "lanes.h"
 #include "thread_pool.h"
 
@@ -106,6 +108,68 @@ void rope_rows(const RopeArgs& a) {
         dst[k] = src[k * fs];
       }
     }
+  }
+}
+
+void hadamard_rows(float* x, int64_t rows, int64_t n, float scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * n;
+    for (int64_t h = 1; h < n; h <<= 1) {
+      const bool last = 2 * h == n;
+      for (int64_t i = 0; i < n; i += 2 * h) {
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = row[j];
+          const float b = row[j + h];
+          float sum = a + b;
+          float difference = a - b;
+          if (last) {
+            sum *= scale;
+            difference *= scale;
+          }
+          row[j] = sum;
+          row[j + h] = difference;
+        }
+      }
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t dim, int bits, int group, uint32_t* words,
+                   uint16_t* scales, uint16_t* biases) {
+  const float n_bins = static_cast<float>((1 << bits) - 1);
+  const float eps = 1e-7f;
+  const int per_word = 32 / bits;
+  const int64_t groups = rows * (dim / group);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* w = x + g * group;
+    float w_min = std::numeric_limits<float>::infinity();
+    float w_max = -w_min;
+    for (int j = 0; j < group; ++j) {
+      w_max = std::max(w_max, w[j]);
+      w_min = std::min(w_min, w[j]);
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const float edge = mask ? w_min : w_max;
+    const float q0 = std::rint(edge / scale);
+    float bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    uint32_t* out = words + g * (group / per_word);
+    for (int j = 0; j < group / per_word; ++j) {
+      uint64_t word = 0;
+      for (int k = 0; k < per_word; ++k) {
+        float code = std::rint((w[j * per_word + k] - bias) / scale);
+        code = std::min(std::max(code, 0.0f), n_bins);
+        word |= static_cast<uint64_t>(code) << (k * bits);
+      }
+      out[j] = static_cast<uint32_t>(word);
+    }
+    scales[g] = float_to_half(scale);
+    biases[g] = float_to_half(bias);
   }
 }
 

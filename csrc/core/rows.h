@@ -43,4 +43,17 @@ void rope_rows(const RopeArgs& a);
 // portable lanes, the same bits; spread over the thread pool).
 void silu_mul(const float* g, const float* u, float* out, int64_t n);
 
+// The KV cache's writes, as MLX computes them (the same operations in the same order, so
+// the same bits; tests/kernels/test_row_ops.py checks both against MLX):
+//
+// mx.hadamard_transform of rows of n floats (n a power of two), in place: butterflies of
+// span 1, 2, .., n / 2, the last stage's sums and differences multiplied by `scale`.
+void hadamard_rows(float* x, int64_t rows, int64_t n, float scale);
+// mx.quantize's affine quantization of rows of `dim` floats per group of `group` (bits 2,
+// 4 or 8: codes packed lowest bits first into uint32 words), its float32 scales and biases
+// stored as float16 (astype's rounding): words [rows, dim * bits / 32], scales and biases
+// [rows, dim / group] (float16 bits).
+void quantize_rows(const float* x, int64_t rows, int64_t dim, int bits, int group, uint32_t* words,
+                   uint16_t* scales, uint16_t* biases);
+
 }  // namespace agentkv

@@ -32,6 +32,21 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, integer dot products (AVX2 or portable), every output reduced in one fixed order whatever the batch.
     """
 
+def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool) -> mlx.core.array:
+    """
+    One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h.
+    """
+
+def hadamard_rows(x: mlx.core.array, scale: float) -> mlx.core.array:
+    """
+    mx.hadamard_transform's bits from agentkv's CPU code (for tests): x float32 [..., n].
+    """
+
+def quantize_rows(x: mlx.core.array, bits: int, group: int) -> tuple[mlx.core.array, mlx.core.array, mlx.core.array]:
+    """
+    mx.quantize's codes with float16 scales and biases from agentkv's CPU code (for tests): x float32 [..., dim] -> (words, scales, biases).
+    """
+
 def rms_norm(x: mlx.core.array, weight: mlx.core.array, eps: float) -> mlx.core.array:
     """
     mx.fast.rms_norm's result as one CPU operation (float32), each row alone.

@@ -21,6 +21,7 @@ prompt-cache files.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -83,7 +84,11 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
 
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A quantized embedding whose output projection (tied lm_head) is agentkv's kernel."""
+    """A quantized embedding whose output projection (tied lm_head) is agentkv's kernel.
+    Its rows come out in float32 (the float16 values exactly), as every activation on CPU."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return super().__call__(x).astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _ext.quantized_matmul(
@@ -177,6 +182,91 @@ def use_cpu_swiglu(model: nn.Module) -> int:
         if module is not None and getattr(module, "swiglu", None) is original:
             module.swiglu = ours
             switched += 1
+    return switched
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayer:
+    """A Llama-family block's weights and shape as ``_ext.decoder_layer`` takes them
+    (``arguments``: every keyword but the input and the KV cache's)."""
+
+    arguments: dict
+
+
+@functools.cache
+def _fused_block():
+    """(mlx-lm's Llama ``TransformerBlock``, agentkv's CPU subclass of it), made once."""
+    from mlx_lm.models.llama import TransformerBlock
+
+    class CPUFusedBlock(TransformerBlock):
+        """A Llama block that runs as one agentkv operation where its cache offers one
+        (``fused_layer``: the block pool's decode steps on CPU), else as mlx-lm's."""
+
+        agentkv_fused: FusedLayer
+
+        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+            run = getattr(cache, "fused_layer", None)
+            if run is not None and x.dtype == mx.float32:
+                out = run(self.agentkv_fused, x)
+                if out is not None:
+                    return out
+            return super().__call__(x, mask, cache)
+
+    return TransformerBlock, CPUFusedBlock
+
+
+def _fused_layer(block) -> FusedLayer | None:
+    """What ``_ext.decoder_layer`` needs of ``block``, or None where it cannot run it (a
+    layer not on agentkv's quantized matmul, biases, another norm or RoPE)."""
+    attn, mlp = block.self_attn, block.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    norms = [block.input_layernorm, block.post_attention_layernorm]
+    _, cpu_llama3 = _llama3_rope()
+    rope = attn.rope
+    if (
+        any(type(m) is not CPUQuantizedLinear or "bias" in m for m in linears)
+        or any(type(n) is not CPURMSNorm for n in norms)
+        or norms[0].eps != norms[1].eps
+        or type(rope) not in (CPURoPE, cpu_llama3)
+        or type(mlp).__name__ != "MLP"
+    ):
+        return None
+    llama3 = type(rope) is cpu_llama3
+    return FusedLayer(
+        {
+            "norms": [n["weight"] for n in norms],
+            "eps": norms[0].eps,
+            "linears": [m[part] for m in linears for part in ("weight", "scales", "biases")],
+            "bits": [m.bits for m in linears],
+            "groups": [m.group_size for m in linears],
+            "heads": attn.n_heads,
+            "kv_heads": attn.n_kv_heads,
+            "attention_scale": attn.scale,
+            "rope_dims": rope.dims,
+            "rope_traditional": rope.traditional,
+            "rope_base": None if llama3 else rope.base,
+            "rope_scale": 1.0 if llama3 else rope.scale,
+            "rope_freqs": rope._freqs if llama3 else None,
+        }
+    )
+
+
+def use_fused_layers(model: nn.Module) -> int:
+    """Let a Llama-family model's blocks run as one agentkv operation each on the block
+    pool's CPU decode steps (``_ext.decoder_layer``: the same kernels and bits as the
+    block's separate operations, without scheduling ~40 graph operations a layer). Call
+    after ``use_cpu_quantized_matmul``, ``use_cpu_row_ops`` and ``use_cpu_swiglu``.
+    Returns how many blocks were switched."""
+    block_class, fused_class = _fused_block()
+    switched = 0
+    for _, module in model.named_modules():
+        if type(module) is block_class:
+            fused = _fused_layer(module)
+            if fused is not None:
+                module.__class__ = fused_class
+                object.__setattr__(module, "agentkv_fused", fused)
+                switched += 1
     return switched
 
 

@@ -72,6 +72,11 @@ def paths_used() -> dict[str, int]:
     return dict(_PATHS)
 
 
+def count_fused_attention() -> None:
+    """One more attention call on the fused CPU kernels, made inside a fused decoder layer."""
+    _PATHS[FUSED] += 1
+
+
 def fused_takes(quant: KVQuant, queries: mx.array) -> bool:
     """Whether the fused CPU kernels take attention of ``queries`` over ``quant``'s KV."""
     return (

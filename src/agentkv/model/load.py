@@ -196,6 +196,8 @@ def _prepare_for_cpu(model, weights: Weights) -> bool:
     mlx_adapter.make_batch_invariant(model)
     mlx_adapter.use_cpu_row_ops(model)
     mlx_adapter.use_cpu_swiglu(model)
+    if ours:
+        mlx_adapter.use_fused_layers(model)
     return ours > 0
 
 

@@ -10,7 +10,9 @@ On CPU each array is allocated once and left untouched, so a block's pages are c
 when it is first written; ``release`` hands a freed block's pages back to the OS. New
 tokens land by MLX scatters, which run in place because the arena owns the only reference
 to each array: **never keep an arena array anywhere else** (``copies`` counts writes whose
-buffer moved; the tests require 0). Between forward passes the arrays are evaluated, and
+buffer moved; the tests require 0). A fused decoder layer (``_ext.decoder_layer``) writes
+its step's rows into the arrays in place instead; ``settle`` evaluates it (``written_by``).
+Between forward passes the arrays are evaluated, and
 the block I/O here (``read_regions``, ``pack``, ``copy_rows``) works on their memory
 directly through the extension.
 
@@ -148,6 +150,7 @@ class KVArena:
         self._sliding = [layer.kind is LayerKind.SLIDING for layer in spec.layers]
         self.copies = 0
         self.released_bytes = 0
+        self._writers: list[mx.array] = []  # fused layers' outputs whose writes are pending
 
     def _allocate(self, width: int, dtype: str, lazy: bool, rows: int | None = None) -> mx.array:
         rows = self.rows if rows is None else rows
@@ -322,9 +325,15 @@ class KVArena:
             out[b] = (blocks[None, :] * self.heads + heads) * BLOCK_TOKENS + pos % BLOCK_TOKENS
         return out.reshape(-1)
 
+    def written_by(self, out: mx.array) -> None:
+        """``out`` comes from an operation that writes into the arrays in place (a fused
+        decoder layer): ``settle`` evaluates it, whether or not its step's logits are used."""
+        self._writers.append(out)
+
     def settle(self) -> None:
         """Evaluate every arena (after a step) and count any write that was not in place."""
-        mx.eval(self._flat(), self.tails, self.prevs)
+        writers, self._writers = self._writers, []
+        mx.eval(writers, self._flat(), self.tails, self.prevs)
         if self._addresses is not None:
             now = self._data_addresses()
             self.copies += sum(a != b for a, b in zip(now, self._addresses))

@@ -12,24 +12,34 @@ and leave a running batch between steps by adding or dropping their table.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from .. import _ext
 from ..format.geometry import BLOCK_TOKENS, blocks_for
 from ..format.quant import KVQuant, hadamard
 from ..format.spec import ModelCacheSpec
 from ..kernels import PagedQuery
-from ..kernels.attention import CacheBase, paged_attention
+from ..kernels.attention import ENV as ATTENTION_ENV
+from ..kernels.attention import CacheBase, count_fused_attention, paged_attention
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
+from ..mlx_adapter import FusedLayer
 from .arena import KVArena, WritePlan
 from .tables import BlockTable
 
 
 class PagedStep:
     def __init__(
-        self, arena: KVArena, spec: ModelCacheSpec, tables: Sequence[BlockTable], count: int
+        self,
+        arena: KVArena,
+        spec: ModelCacheSpec,
+        tables: Sequence[BlockTable],
+        count: int,
+        *,
+        fused: bool = True,
     ):
         if not tables or count < 1:
             raise ValueError("a step needs at least one table and one token")
@@ -50,9 +60,24 @@ class PagedStep:
         self.lengths = mx.array(np.asarray(starts, dtype=np.int32) + count)
         self.plan = WritePlan(arena, list(tables), starts, count)
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
+        self.fused = fused and self._fusable()
         self.caches = [
             PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
         ]
+
+    def _fusable(self) -> bool:
+        """Whether a block can run this step as one operation (``_ext.decoder_layer``): on
+        CPU, format 2 with 2/4/8-bit values, and no row completing a channel group (those
+        steps, one in 64 of a decode, take the layer's separate operations)."""
+        quant = self.quant
+        return (
+            mx.default_device() == mx.cpu
+            and os.environ.get(ATTENTION_ENV) != "reference"
+            and quant.channel_keys
+            and quant.value_bits in (2, 4, 8)
+            and self.plan.group_src is None
+            and self.plan.direct is not None
+        )
 
 
 class PagedLayerCache(CacheBase):
@@ -114,6 +139,37 @@ class PagedLayerCache(CacheBase):
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
         out = paged_attention(q, paged, scale=scale)
         return hadamard(out) if rotate else out  # values are stored as H v
+
+    def fused_layer(self, layer: FusedLayer, x: mx.array) -> mx.array | None:
+        """The whole decoder layer over ``x`` [B, L, D] as one CPU operation (``mlx_adapter``'s
+        fused blocks call this; the same bits as the layer's separate operations), or None
+        where this step needs those (``PagedStep.fused``)."""
+        step = self.step
+        if not step.fused:
+            return None
+        arena, quant, plan = step.arena, self.quant, step.plan
+        out = _ext.decoder_layer(
+            x,
+            **layer.arguments,
+            keys=list(arena.keys(self.layer)),
+            values=list(arena.values(self.layer)),
+            tail=arena.tails[self.layer],
+            tables=step.tables,
+            lengths=step.lengths,
+            tail_slots=plan.tail_slots,
+            rows=plan.rows,
+            tail_rows=plan.direct,
+            key_bits=quant.key_bits,
+            value_bits=quant.value_bits,
+            group=quant.group_size,
+            channel_tokens=quant.channel_tokens,
+            block_tokens=BLOCK_TOKENS,
+            window=self.window or 0,
+            rotate=quant.rotate,
+        )
+        arena.written_by(out)
+        count_fused_attention()
+        return out
 
     def empty(self) -> bool:
         return False

@@ -1,0 +1,431 @@
+// One decoder layer of a Llama-family model over the block pool, as one MLX operation on
+// CPU (see ops.h, decoder_layer). It runs the same kernels, on the same values, as the
+// layer's ~40 separate graph operations do (rms_norm_rows, quantized_matmul, rope_rows,
+// hadamard_rows, quantize_rows, quantized_attention, silu_mul), so each row's result is
+// the same bits either way; what goes is the scheduling of those operations (~2-3 us each
+// on MLX's CPU stream, ~1,300 per decode step of the embedded model).
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/mlx.h>
+#include <mlx/primitives.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "core/attention.h"
+#include "core/half.h"
+#include "core/qmm.h"
+#include "core/rows.h"
+#include "op_support.h"
+#include "ops.h"
+
+namespace agentkv::ops {
+namespace {
+
+constexpr int kLinears = 7;  // q, k, v, o, gate, up, down
+
+// Where each array sits in the operation's inputs.
+enum Input : int {
+  kX = 0,
+  kInputNorm,
+  kPostNorm,
+  kWeights,                         // kLinears x (words, scales, biases)
+  kKeys = kWeights + 3 * kLinears,  // the layer's arena: key words, scales, biases
+  kValues = kKeys + 3,              // value words, scales, biases (written)
+  kTail = kValues + 3,              // float16 keys of the groups still filling (written)
+  kTables = kTail + 1,              // [B, blocks]
+  kLengths,                         // [B] after the step
+  kTailSlots,                       // [B]
+  kRows,                            // [B * Hkv * L] value rows of the new tokens
+  kTailRows,                        // [B * Hkv * L] tail rows of the new keys
+  kFreqs,                           // optional: rope periods
+};
+
+struct LayerParams {
+  int heads = 0, kv_heads = 0, head_dim = 0;
+  float attention_scale = 1.0f, eps = 0.0f;
+  int rope_dims = 0;
+  bool rope_traditional = false;
+  float rope_scale = 1.0f;
+  std::vector<float> inv_freq;  // empty: from the periods input
+  std::array<int, kLinears> bits{}, groups{};
+  int key_bits = 4, value_bits = 4, group = 64, channel_tokens = 64, block_tokens = 256;
+  int window = 0;
+  bool rotate = true;
+  bool operator==(const LayerParams&) const = default;
+};
+
+ScaleType scale_type(const mx::array& a) {
+  return a.dtype() == mx::float32   ? ScaleType::f32
+         : a.dtype() == mx::float16 ? ScaleType::f16
+                                    : ScaleType::bf16;
+}
+
+void matmul(const LayerParams& p, const std::vector<mx::array>& in, int which, const float* x,
+            float* y, int64_t rows) {
+  const mx::array& w = in[kWeights + 3 * which];
+  const int bits = p.bits[which];
+  QuantizedWeights weights{w.data<uint32_t>(),
+                           in[kWeights + 3 * which + 1].data<void>(),
+                           in[kWeights + 3 * which + 2].data<void>(),
+                           scale_type(in[kWeights + 3 * which + 1]),
+                           bits,
+                           p.groups[which],
+                           w.shape(0),
+                           static_cast<int64_t>(w.shape(1)) * 32 / bits};
+  agentkv::quantized_matmul(x, weights, y, rows);
+}
+
+// [B, L, heads, dim] rows of a projection, rotated by position into [B, heads, L, dim].
+void rotary(const LayerParams& p, const float* x, float* out, int batch, int length, int heads,
+            const int32_t* lengths) {
+  const int64_t dim = p.head_dim;
+  std::vector<int64_t> offsets(static_cast<size_t>(batch) * heads);
+  std::vector<int64_t> positions(offsets.size());
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      offsets[b * heads + h] = (static_cast<int64_t>(b) * length * heads + h) * dim;
+      positions[b * heads + h] = lengths[b] - length;
+    }
+  }
+  agentkv::RopeArgs a;
+  a.x = x;
+  a.out = out;
+  a.heads = static_cast<int64_t>(batch) * heads;
+  a.length = length;
+  a.dim = dim;
+  a.dims = p.rope_dims;
+  a.head_offsets = offsets.data();
+  a.row_stride = heads * dim;
+  a.feature_stride = 1;
+  a.positions = positions.data();
+  a.inv_freq = p.inv_freq.data();
+  a.scale = p.rope_scale;
+  a.traditional = p.rope_traditional;
+  agentkv::rope_rows(a);
+}
+
+// [B, A, C, dim] -> [B, C, A, dim]
+void swap_axes(const float* x, float* out, int batch, int a, int c, int64_t dim) {
+  for (int b = 0; b < batch; ++b) {
+    for (int i = 0; i < a; ++i) {
+      for (int j = 0; j < c; ++j) {
+        std::memcpy(out + ((static_cast<int64_t>(b) * c + j) * a + i) * dim,
+                    x + ((static_cast<int64_t>(b) * a + i) * c + j) * dim, dim * sizeof(float));
+      }
+    }
+  }
+}
+
+void add(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = a[i] + b[i];
+  }
+}
+
+void view(agentkv::KVView& v, const std::vector<mx::array>& in, int first, int bits, int group,
+          int dim, int channel_tokens) {
+  v.bits = bits;
+  v.group = group;
+  v.channel_tokens = channel_tokens;
+  v.words = in[first].data<uint32_t>();
+  v.scales = in[first + 1].data<uint16_t>();
+  v.biases = in[first + 2].data<uint16_t>();
+  v.dim = dim;
+}
+
+void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
+  const mx::array& x = in[kX];
+  const int batch = x.shape(0), length = x.shape(1);
+  const int64_t model_dim = x.shape(2), rows = static_cast<int64_t>(batch) * length;
+  const int H = p.heads, Hkv = p.kv_heads;
+  const int64_t hd = p.head_dim;
+  const int64_t hidden = in[kWeights + 3 * 4].shape(0);  // gate's outputs
+  const int32_t* lengths = in[kLengths].data<int32_t>();
+  float* y = out.data<float>();
+
+  agentkv::AttentionArgs a;
+  a.batch = batch;
+  a.q_heads = H;
+  a.kv_heads = Hkv;
+  a.queries = length;
+  a.scale = p.attention_scale;
+  a.window = p.window;
+  a.tables = in[kTables].data<int32_t>();
+  a.table_stride = in[kTables].shape(1);
+  a.lengths = lengths;
+  a.block_tokens = p.block_tokens;
+  a.tail_slots = in[kTailSlots].data<int32_t>();
+  view(a.k, in, kKeys, p.key_bits, p.group, hd, p.channel_tokens);
+  view(a.v, in, kValues, p.value_bits, p.group, hd, 0);
+  a.k.tail = in[kTail].data<uint16_t>();
+
+  // Every row the step reads or writes inside its arrays, or NaN and no write at all.
+  const int64_t arena_rows = in[kKeys].shape(0);
+  const int64_t blocks = arena_rows / (static_cast<int64_t>(Hkv) * p.block_tokens);
+  const int64_t tail_rows = in[kTail].shape(0);
+  const int64_t slots = tail_rows / (static_cast<int64_t>(Hkv) * p.channel_tokens);
+  bool ok = true;
+  for (int b = 0; b < batch && ok; ++b) {
+    ok = paged_table_ok(a, b, blocks) && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
+  }
+  const int32_t* value_rows = in[kRows].data<int32_t>();
+  const int32_t* key_rows = in[kTailRows].data<int32_t>();
+  const int64_t written = rows * Hkv;
+  for (int64_t i = 0; i < written && ok; ++i) {
+    ok = value_rows[i] >= 0 && value_rows[i] < arena_rows && key_rows[i] >= 0 &&
+         key_rows[i] < tail_rows;
+  }
+  if (!ok) {
+    std::fill_n(y, out.size(), std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  if (p.inv_freq.empty()) {
+    const mx::array& freqs = in[kFreqs];
+    for (size_t i = 0; i < freqs.size(); ++i) {
+      p.inv_freq.push_back(1.0f / freqs.data<float>()[i]);
+    }
+  }
+
+  const float* xs = x.data<float>();
+  std::vector<float> normed(rows * model_dim), h(rows * model_dim), r(rows * model_dim);
+  std::vector<float> q(rows * H * hd), qh(rows * H * hd);
+  std::vector<float> k(rows * Hkv * hd), kh(rows * Hkv * hd);
+  std::vector<float> v(rows * Hkv * hd), vh(rows * Hkv * hd);
+  agentkv::rms_norm_rows(xs, in[kInputNorm].data<float>(), normed.data(), rows, model_dim, p.eps);
+  matmul(p, in, 0, normed.data(), q.data(), rows);
+  matmul(p, in, 1, normed.data(), k.data(), rows);
+  matmul(p, in, 2, normed.data(), v.data(), rows);
+  rotary(p, q.data(), qh.data(), batch, length, H, lengths);
+  rotary(p, k.data(), kh.data(), batch, length, Hkv, lengths);
+  swap_axes(v.data(), vh.data(), batch, length, Hkv, hd);
+  const auto rotation = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as Python
+  if (p.rotate) {  // keys and values are stored as H k, H v; q.(H k) == (H q).(H k)
+    agentkv::hadamard_rows(qh.data(), rows * H, hd, rotation);
+    agentkv::hadamard_rows(kh.data(), rows * Hkv, hd, rotation);
+    agentkv::hadamard_rows(vh.data(), rows * Hkv, hd, rotation);
+  }
+
+  // The new keys join their tails (float16); the new values are quantized into the arena.
+  uint16_t* tail = const_cast<uint16_t*>(a.k.tail);
+  for (int64_t i = 0; i < written; ++i) {
+    for (int64_t d = 0; d < hd; ++d) {
+      tail[key_rows[i] * hd + d] = agentkv::float_to_half(kh[i * hd + d]);
+    }
+  }
+  const int64_t word_width = hd * p.value_bits / 32, scale_width = hd / p.group;
+  std::vector<uint32_t> words(written * word_width);
+  std::vector<uint16_t> scales(written * scale_width), biases(written * scale_width);
+  agentkv::quantize_rows(vh.data(), written, hd, p.value_bits, p.group, words.data(), scales.data(),
+                         biases.data());
+  auto* arena_words = const_cast<uint32_t*>(a.v.words);
+  auto* arena_scales = const_cast<uint16_t*>(a.v.scales);
+  auto* arena_biases = const_cast<uint16_t*>(a.v.biases);
+  for (int64_t i = 0; i < written; ++i) {
+    std::memcpy(arena_words + value_rows[i] * word_width, words.data() + i * word_width,
+                word_width * sizeof(uint32_t));
+    std::memcpy(arena_scales + value_rows[i] * scale_width, scales.data() + i * scale_width,
+                scale_width * sizeof(uint16_t));
+    std::memcpy(arena_biases + value_rows[i] * scale_width, biases.data() + i * scale_width,
+                scale_width * sizeof(uint16_t));
+  }
+
+  // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd].
+  a.q = qh.data();
+  a.q_strides[0] = H * length * hd;
+  a.q_strides[1] = length * hd;
+  a.q_strides[2] = hd;
+  a.out = q.data();
+  agentkv::quantized_attention(a);
+  if (p.rotate) {
+    agentkv::hadamard_rows(q.data(), rows * H, hd, rotation);
+  }
+  swap_axes(q.data(), qh.data(), batch, H, length, hd);
+  matmul(p, in, 3, qh.data(), r.data(), rows);
+  add(xs, r.data(), h.data(), rows * model_dim);
+
+  std::vector<float> gate(rows * hidden), up(rows * hidden);
+  agentkv::rms_norm_rows(h.data(), in[kPostNorm].data<float>(), normed.data(), rows, model_dim,
+                         p.eps);
+  matmul(p, in, 4, normed.data(), gate.data(), rows);
+  matmul(p, in, 5, normed.data(), up.data(), rows);
+  agentkv::silu_mul(gate.data(), up.data(), gate.data(), rows * hidden);
+  matmul(p, in, 6, gate.data(), r.data(), rows);
+  add(h.data(), r.data(), y, rows * model_dim);
+}
+
+class DecoderLayer : public mx::UnaryPrimitive {
+ public:
+  DecoderLayer(mx::Stream stream, LayerParams params)
+      : mx::UnaryPrimitive(stream), params_(std::move(params)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([inputs, out, p = params_]() mutable { run(p, inputs, out); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's decoder layer runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVDecoderLayer";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return params_ == static_cast<const DecoderLayer&>(other).params_;
+  }
+
+ private:
+  LayerParams params_;
+};
+
+void require(bool condition, const char* message) {
+  if (!condition) {
+    throw std::invalid_argument(std::string("decoder_layer: ") + message);
+  }
+}
+
+}  // namespace
+
+mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms, float eps,
+                        const std::vector<mx::array>& linears, const std::vector<int>& bits,
+                        const std::vector<int>& groups, int heads, int kv_heads,
+                        float attention_scale, int rope_dims, bool rope_traditional,
+                        std::optional<float> rope_base, float rope_scale,
+                        const std::optional<mx::array>& rope_freqs,
+                        const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                        const mx::array& tail, const mx::array& tables, const mx::array& lengths,
+                        const mx::array& tail_slots, const mx::array& rows,
+                        const mx::array& tail_rows, int key_bits, int value_bits, int group,
+                        int channel_tokens, int block_tokens, int window, bool rotate) {
+  require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
+  const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
+  require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
+              groups.size() == kLinears,
+          "two norms and seven quantized linears (q, k, v, o, gate, up, down) as words, "
+          "scales, biases");
+  for (const auto& n : norms) {
+    require(n.dtype() == mx::float32 && n.ndim() == 1 && n.shape(0) == dim,
+            "norm weights must be float32 [D]");
+  }
+  require(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "bad head counts");
+  for (int i = 0; i < kLinears; ++i) {
+    const mx::array& w = linears[3 * i];
+    require((bits[i] == 4 || bits[i] == 8) &&
+                (groups[i] == 32 || groups[i] == 64 || groups[i] == 128) &&
+                w.dtype() == mx::uint32 && w.ndim() == 2,
+            "linears are 4/8-bit uint32 words in groups of 32/64/128");
+    const mx::Shape scale_shape = {w.shape(0), w.shape(1) * 32 / bits[i] / groups[i]};
+    const mx::Dtype sdt = linears[3 * i + 1].dtype();
+    require(linears[3 * i + 1].shape() == scale_shape &&
+                linears[3 * i + 2].shape() == scale_shape && linears[3 * i + 2].dtype() == sdt &&
+                (sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
+            "scales and biases must be float [N, K / group]");
+  }
+  auto outputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(0)); };
+  auto inputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(1) * 32 / bits[i]); };
+  const int head_dim = outputs(0) / heads;
+  const int hidden = outputs(4);
+  require(outputs(0) == heads * head_dim && outputs(1) == kv_heads * head_dim &&
+              outputs(2) == kv_heads * head_dim && outputs(3) == dim && outputs(5) == hidden &&
+              outputs(6) == dim && inputs(0) == dim && inputs(1) == dim && inputs(2) == dim &&
+              inputs(3) == heads * head_dim && inputs(4) == dim && inputs(5) == dim &&
+              inputs(6) == hidden,
+          "the linears' shapes do not make a Llama block");
+  require(head_dim % 8 == 0 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0,
+          "the head dim must be a power of two, at most 256");
+  require(rope_dims > 0 && rope_dims % 2 == 0 && rope_dims <= head_dim,
+          "rope dims must be even and at most the head dim");
+  require(rope_base.has_value() != rope_freqs.has_value(), "rope takes a base or periods");
+  require(!rope_freqs || (rope_freqs->ndim() == 1 && rope_freqs->shape(0) == rope_dims / 2),
+          "rope periods must be [dims / 2]");
+  require((key_bits == 2 || key_bits == 4 || key_bits == 8) &&
+              (value_bits == 2 || value_bits == 4 || value_bits == 8) &&
+              (group == 32 || group == 64 || group == 128) && head_dim % group == 0 &&
+              (channel_tokens == 32 || channel_tokens == 64) && head_dim % channel_tokens == 0 &&
+              block_tokens > 0 && block_tokens % channel_tokens == 0 && window >= 0,
+          "the KV format must be per-channel keys (2/4/8 bits) and 2/4/8-bit values");
+  require(keys.size() == 3 && values.size() == 3, "keys and values are words, scales, biases");
+  const int64_t arena_rows = keys[0].ndim() == 2 ? keys[0].shape(0) : -1;
+  const std::array<std::pair<const mx::array*, mx::Shape>, 6> parts = {{
+      {&keys[0], {keys[0].shape(0), head_dim * key_bits / 32}},
+      {&keys[1], {keys[0].shape(0), head_dim / channel_tokens}},
+      {&keys[2], {keys[0].shape(0), head_dim / channel_tokens}},
+      {&values[0], {keys[0].shape(0), head_dim * value_bits / 32}},
+      {&values[1], {keys[0].shape(0), head_dim / group}},
+      {&values[2], {keys[0].shape(0), head_dim / group}},
+  }};
+  for (const auto& [part, shape] : parts) {
+    require(part->ndim() == 2 && part->shape() == shape && part->flags().row_contiguous &&
+                (part == &keys[0] || part == &values[0] ? part->dtype() == mx::uint32
+                                                        : part->dtype() == mx::float16),
+            "the arena is row-contiguous uint32 words and float16 scales and biases");
+  }
+  require(arena_rows % (int64_t{kv_heads} * block_tokens) == 0,
+          "the arena is [blocks * kv_heads * block_tokens, width]");
+  require(tail.dtype() == mx::float16 && tail.ndim() == 2 && tail.shape(1) == head_dim &&
+              tail.shape(0) % (int64_t{kv_heads} * channel_tokens) == 0 &&
+              tail.flags().row_contiguous,
+          "the tail is float16 [slots * kv_heads * channel_tokens, head dim]");
+  const int writes = batch * kv_heads * length;
+  auto int32_vector = [](const mx::array& a, int n) {
+    return a.dtype() == mx::int32 && a.ndim() == 1 && a.shape(0) == n;
+  };
+  require(tables.dtype() == mx::int32 && tables.ndim() == 2 && tables.shape(0) == batch &&
+              int32_vector(lengths, batch) && int32_vector(tail_slots, batch) &&
+              int32_vector(rows, writes) && int32_vector(tail_rows, writes),
+          "tables [B, blocks], lengths and tail_slots [B], rows and tail_rows [B * Hkv * L] "
+          "must be int32");
+
+  LayerParams p;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.attention_scale = attention_scale;
+  p.eps = eps;
+  p.rope_dims = rope_dims;
+  p.rope_traditional = rope_traditional;
+  p.rope_scale = rope_scale;
+  if (rope_base) {
+    p.inv_freq = rope_inverse_frequencies(*rope_base, rope_dims);
+  }
+  std::copy(bits.begin(), bits.end(), p.bits.begin());
+  std::copy(groups.begin(), groups.end(), p.groups.begin());
+  p.key_bits = key_bits;
+  p.value_bits = value_bits;
+  p.group = group;
+  p.channel_tokens = channel_tokens;
+  p.block_tokens = block_tokens;
+  p.window = window;
+  p.rotate = rotate;
+
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> in = {packed(x, stream), packed(norms[0], stream),
+                               packed(norms[1], stream)};
+  for (const auto& l : linears) {
+    in.push_back(packed(l, stream));
+  }
+  // The pool's arrays go in as they are: the operation writes the new rows into them in
+  // place, as the pool's scatters and block I/O do (the pool holds their only reference).
+  in.insert(in.end(), keys.begin(), keys.end());
+  in.insert(in.end(), values.begin(), values.end());
+  in.push_back(tail);
+  for (const auto* a : {&tables, &lengths, &tail_slots, &rows, &tail_rows}) {
+    in.push_back(packed(*a, stream));
+  }
+  if (rope_freqs) {
+    in.push_back(packed(mx::astype(*rope_freqs, mx::float32, stream), stream));
+  }
+  return mx::array({batch, length, dim}, mx::float32,
+                   std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));
+}
+
+}  // namespace agentkv::ops

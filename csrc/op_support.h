@@ -1,0 +1,45 @@
+// Helpers shared by the MLX operations (ops.cpp, decoder_layer.cpp).
+#pragma once
+
+#include <mlx/mlx.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/attention.h"
+
+namespace agentkv::ops {
+
+// `a` itself where it is evaluated already and row-contiguous (weights, the pool's
+// arrays): a Contiguous node is one more scheduled graph operation per call (~1-2 us on
+// MLX's CPU stream) even when it copies nothing, and a decode step makes ~900 of them.
+inline mlx::core::array packed(const mlx::core::array& a, mlx::core::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mlx::core::contiguous(a, false, stream);
+}
+
+// Rotary inverse frequencies as agentkv's rope takes them: base^(-2i / dims) in double,
+// rounded to float (or, from given periods, 1 / f in float).
+std::vector<float> rope_inverse_frequencies(float base, int dims);
+
+// Whether every block row b of a paged attention reads lies inside the arena (of `blocks`
+// blocks). The pool never builds a table that fails this; if one did, the batch gets NaN
+// instead of reads out of bounds.
+inline bool paged_table_ok(const agentkv::AttentionArgs& a, int b, int64_t blocks) {
+  const int32_t* table = a.tables + static_cast<int64_t>(b) * a.table_stride;
+  const int len = a.lengths[b];
+  int first = 0;
+  if (a.window > 0) {
+    first = std::max(0, len - a.queries - a.window + 1);
+  }
+  if (len < a.queries || (len + a.block_tokens - 1) / a.block_tokens > a.table_stride) {
+    return false;
+  }
+  for (int i = first / a.block_tokens; i * a.block_tokens < len; ++i) {
+    if (table[i] < 0 || table[i] >= blocks) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace agentkv::ops

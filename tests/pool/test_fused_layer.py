@@ -1,0 +1,191 @@
+"""The fused decoder layer (``_ext.decoder_layer``, csrc/decoder_layer.cpp): a Llama block of
+the embedded model on a CPU decode step as one operation. It must give the same bits as the
+block's separate operations (logits, and every byte it writes into the pool), whether a step
+batches several agents or a row completes a channel group (then the step falls back), and
+its KV writes must match MLX's own (``mx.hadamard_transform``, ``mx.quantize``)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv import _ext
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.kernels.attention import paths_used
+from agentkv.pool.step import PagedStep
+
+
+def _decode(runner, pool, tables, reservations, tokens, *, fused):
+    """One decode step of every table (a token each); (logits [B, vocab], whether it fused)."""
+    for table, reservation in zip(tables, reservations):
+        table.grow(1, pool.arena.copy_rows, reservation)
+    step = PagedStep(pool.arena, runner.loaded.spec, tables, 1, fused=fused)
+    logits = runner.model(mx.array([[t] for t in tokens]), cache=step.caches)[:, -1, :]
+    mx.eval(logits)
+    pool.arena.settle()
+    for table, t in zip(tables, tokens):
+        table.written([t])
+    return np.array(logits), step.fused
+
+
+def _stored(pool, tables) -> list[np.ndarray]:
+    """Every byte a table's tokens hold in the pool (each layer and component), and its tail."""
+    arena = pool.arena
+    out = []
+    for table in tables:
+        complete = table.length // arena.ct * arena.ct  # the keys of complete groups
+        for layer in range(arena.spec.num_layers):
+            for i, a in enumerate(arena.arrays[layer]):
+                n = complete if i < arena.key_parts else table.length
+                out.append(np.array(a[mx.array(arena.write_rows([table.blocks], [0], n))]))
+        out.append(arena.read_tail(table.tail, table.length % arena.ct))
+    return out
+
+
+def _agents(engine, lengths, seed):
+    runner, pool = engine.runner, engine.pool
+    rng = np.random.default_rng(seed)
+    tables, reservations = [], []
+    for i, n in enumerate(lengths):
+        table = pool.new_table(pool.seed(f"fused-{seed}-{i}-{len(tables)}-{id(tables)}"))
+        reservation = pool.reserve(n // BLOCK_TOKENS + 3)
+        ids = rng.integers(100, 30000, n).tolist()
+        runner.forward([table], [ids], reservations=[reservation], logits=False)
+        tables.append(table)
+        reservations.append(reservation)
+    return tables, reservations
+
+
+def _release(tables, reservations):
+    for table, reservation in zip(tables, reservations):
+        table.release()
+        reservation.close()
+
+
+def test_the_fused_layer_gives_the_bits_of_the_separate_operations(engine):
+    """Two copies of three agents (lengths 60, 129 and 250: channel groups complete at step 4
+    of the first and step 6 of the third) decode 8 steps, batched, one copy through the
+    fused layers and one through the separate operations: the same logits and bytes at
+    every step; a step where a group completes runs the separate operations in both."""
+    runner, pool = engine.runner, engine.pool
+    assert all(type(b).__name__ == "CPUFusedBlock" for b in runner.model.model.layers)
+    lengths = [60, 129, 250]
+    fused_tables, fused_res = _agents(engine, lengths, seed=1)
+    plain_tables, plain_res = _agents(engine, lengths, seed=1)
+    tokens = [11, 12, 13]
+    before = paths_used()["fused_cpu"]
+    fused_steps = 0
+    for _ in range(8):
+        a, fused = _decode(runner, pool, fused_tables, fused_res, tokens, fused=True)
+        b, plain = _decode(runner, pool, plain_tables, plain_res, tokens, fused=False)
+        assert not plain
+        fused_steps += fused
+        np.testing.assert_array_equal(a, b)
+        tokens = [int(t) for t in a.argmax(axis=-1)]
+    assert fused_steps == 6
+    assert paths_used()["fused_cpu"] - before >= 6 * runner.loaded.spec.num_layers
+    for x, y in zip(_stored(pool, fused_tables), _stored(pool, plain_tables)):
+        np.testing.assert_array_equal(x, y)
+    assert pool.arena.copies == 0  # the fused writes land in place
+    _release(fused_tables, fused_res)
+    _release(plain_tables, plain_res)
+
+
+def test_a_row_gets_the_same_bits_from_the_fused_layer_alone_or_batched(engine):
+    runner, pool = engine.runner, engine.pool
+    lengths = [70, 300]
+    batched, batched_res = _agents(engine, lengths, seed=2)
+    alone, alone_res = _agents(engine, lengths, seed=2)
+    tokens = [21, 22]
+    for _ in range(3):
+        both, fused = _decode(runner, pool, batched, batched_res, tokens, fused=True)
+        assert fused
+        each = [
+            _decode(runner, pool, [alone[i]], [alone_res[i]], [tokens[i]], fused=True)[0][0]
+            for i in range(2)
+        ]
+        np.testing.assert_array_equal(both, np.stack(each))
+        tokens = [int(t) for t in both.argmax(axis=-1)]
+    _release(batched, batched_res)
+    _release(alone, alone_res)
+
+
+_rows = st.integers(1, 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=_rows, n=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**16), big=st.booleans())
+def test_the_rotation_gives_mlx_hadamard_bits(rows, n, seed, big):
+    x = np.random.default_rng(seed).standard_normal((rows, 2, n)).astype(np.float32)
+    x *= 1e30 if big else 1.0
+    scale = 1 / math.sqrt(n)
+    want = mx.hadamard_transform(mx.array(x), scale=scale)
+    np.testing.assert_array_equal(np.array(_ext.hadamard_rows(mx.array(x), scale)), np.array(want))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=_rows,
+    bits=st.sampled_from([2, 4, 8]),
+    group=st.sampled_from([32, 64, 128]),
+    seed=st.integers(0, 2**16),
+    shape=st.sampled_from(["normal", "constant", "zeros", "one_big", "tiny"]),
+)
+def test_the_value_quantization_gives_mlx_quantize_bits(rows, bits, group, seed, shape):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 128)).astype(np.float32) * rng.uniform(0.01, 30)
+    if shape == "constant":
+        x[:] = x[0, 0]
+    elif shape == "zeros":
+        x[:] = 0
+    elif shape == "one_big":
+        x[:, 5] = 7e4
+    elif shape == "tiny":
+        x *= 1e-9
+    w, s, b = mx.quantize(mx.array(x), group_size=group, bits=bits)
+    got = _ext.quantize_rows(mx.array(x), bits, group)
+    np.testing.assert_array_equal(np.array(got[0]), np.array(w))
+    for have, want in zip(got[1:], (s, b)):
+        np.testing.assert_array_equal(
+            np.array(have).view(np.uint16), np.array(want.astype(mx.float16)).view(np.uint16)
+        )
+
+
+def test_bad_layer_arguments_are_clear_errors(engine):
+    block = engine.runner.model.model.layers[0]
+    args = dict(block.agentkv_fused.arguments)
+    arena = engine.pool.arena
+    x = mx.zeros((1, 1, 576))
+    common = dict(
+        keys=list(arena.keys(0)),
+        values=list(arena.values(0)),
+        tail=arena.tails[0],
+        tables=mx.zeros((1, 1), dtype=mx.int32),
+        lengths=mx.ones((1,), dtype=mx.int32),
+        tail_slots=mx.zeros((1,), dtype=mx.int32),
+        rows=mx.zeros((3,), dtype=mx.int32),
+        tail_rows=mx.zeros((3,), dtype=mx.int32),
+        key_bits=4,
+        value_bits=4,
+        group=64,
+        channel_tokens=64,
+        block_tokens=BLOCK_TOKENS,
+        window=0,
+        rotate=True,
+    )
+    with pytest.raises(ValueError, match="float32"):
+        _ext.decoder_layer(x.astype(mx.float16), **args, **common)
+    with pytest.raises(ValueError, match="int32"):
+        _ext.decoder_layer(x, **args, **{**common, "rows": mx.zeros((2,), dtype=mx.int32)})
+    with pytest.raises(ValueError, match="per-channel keys"):
+        _ext.decoder_layer(x, **args, **{**common, "value_bits": 3})
+    wrong = dict(args, linears=args["linears"][:-3])
+    with pytest.raises(ValueError, match="seven quantized linears"):
+        _ext.decoder_layer(x, **wrong, **common)
+    # A write row past the arena: NaN out, nothing written.
+    bad = {**common, "rows": mx.full((3,), arena.rows, dtype=mx.int32)}
+    out = _ext.decoder_layer(x, **args, **bad)
+    assert np.isnan(np.array(out)).all()
