@@ -87,10 +87,10 @@ from agentkv import _ext
 rng = np.random.default_rng(9)
 out = []
 for bits, group, dt in ((4, 32, mx.float16), (8, 64, mx.bfloat16), (4, 128, mx.float32)):
-    w = mx.array(rng.standard_normal((45, 256)).astype(np.float32))
+    w = mx.array(rng.standard_normal((45, 640)).astype(np.float32))  # 20 groups of 32: 16 + 4
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     for m in (1, 2, 3, 6, 13):  # every tile: 1 x 4 weight rows, 2 x 2, 4 x 1 (VNNI: 2, 3, 4, 8 x 4)
-        x = mx.array(rng.standard_normal((m, 256)).astype(np.float32))
+        x = mx.array(rng.standard_normal((m, 640)).astype(np.float32))
         out.append(np.array(_ext.quantized_matmul(x, q, s.astype(dt), b.astype(dt), group, bits)))
 np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
 print(_ext.build_info()["qmm"])
