@@ -11,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <stdexcept>
 
@@ -63,19 +64,30 @@ ScaleType scale_type(const mx::array& a) {
                                     : ScaleType::bf16;
 }
 
-void matmul(const LayerParams& p, const std::vector<mx::array>& in, int which, const float* x,
-            float* y, int64_t rows) {
+QuantizedWeights weights(const LayerParams& p, const std::vector<mx::array>& in, int which) {
   const mx::array& w = in[kWeights + 3 * which];
   const int bits = p.bits[which];
-  QuantizedWeights weights{w.data<uint32_t>(),
-                           in[kWeights + 3 * which + 1].data<void>(),
-                           in[kWeights + 3 * which + 2].data<void>(),
-                           scale_type(in[kWeights + 3 * which + 1]),
-                           bits,
-                           p.groups[which],
-                           w.shape(0),
-                           static_cast<int64_t>(w.shape(1)) * 32 / bits};
-  agentkv::quantized_matmul(x, weights, y, rows);
+  return {w.data<uint32_t>(),
+          in[kWeights + 3 * which + 1].data<void>(),
+          in[kWeights + 3 * which + 2].data<void>(),
+          scale_type(in[kWeights + 3 * which + 1]),
+          bits,
+          p.groups[which],
+          w.shape(0),
+          static_cast<int64_t>(w.shape(1)) * 32 / bits};
+}
+
+// y_i = x W_i^T for the linears first .. first + ys.size() - 1, which share their input.
+void matmuls(const LayerParams& p, const std::vector<mx::array>& in, int first, const float* x,
+             std::initializer_list<float*> ys, int64_t rows) {
+  std::array<QuantizedWeights, 3> ws;
+  std::array<float*, 3> outs{};
+  int count = 0;
+  for (float* y : ys) {
+    ws[count] = weights(p, in, first + count);
+    outs[count++] = y;
+  }
+  agentkv::quantized_matmuls(x, ws.data(), outs.data(), count, rows);
 }
 
 // [B, L, heads, dim] rows of a projection, rotated by position into [B, heads, L, dim].
@@ -195,9 +207,7 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   std::vector<float> k(rows * Hkv * hd), kh(rows * Hkv * hd);
   std::vector<float> v(rows * Hkv * hd), vh(rows * Hkv * hd);
   agentkv::rms_norm_rows(xs, in[kInputNorm].data<float>(), normed.data(), rows, model_dim, p.eps);
-  matmul(p, in, 0, normed.data(), q.data(), rows);
-  matmul(p, in, 1, normed.data(), k.data(), rows);
-  matmul(p, in, 2, normed.data(), v.data(), rows);
+  matmuls(p, in, 0, normed.data(), {q.data(), k.data(), v.data()}, rows);
   rotary(p, q.data(), qh.data(), batch, length, H, lengths);
   rotary(p, k.data(), kh.data(), batch, length, Hkv, lengths);
   swap_axes(v.data(), vh.data(), batch, length, Hkv, hd);
@@ -243,16 +253,15 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
     agentkv::hadamard_rows(q.data(), rows * H, hd, rotation);
   }
   swap_axes(q.data(), qh.data(), batch, H, length, hd);
-  matmul(p, in, 3, qh.data(), r.data(), rows);
+  matmuls(p, in, 3, qh.data(), {r.data()}, rows);
   add(xs, r.data(), h.data(), rows * model_dim);
 
   std::vector<float> gate(rows * hidden), up(rows * hidden);
   agentkv::rms_norm_rows(h.data(), in[kPostNorm].data<float>(), normed.data(), rows, model_dim,
                          p.eps);
-  matmul(p, in, 4, normed.data(), gate.data(), rows);
-  matmul(p, in, 5, normed.data(), up.data(), rows);
+  matmuls(p, in, 4, normed.data(), {gate.data(), up.data()}, rows);
   agentkv::silu_mul(gate.data(), up.data(), gate.data(), rows * hidden);
-  matmul(p, in, 6, gate.data(), r.data(), rows);
+  matmuls(p, in, 6, gate.data(), {r.data()}, rows);
   add(h.data(), r.data(), y, rows * model_dim);
 }
 

@@ -8,6 +8,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_features.h"
@@ -292,7 +293,9 @@ TileKernel kernel_for(int bits) {
 
 }  // namespace
 
-void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64_t M) {
+namespace {
+
+void check(const QuantizedWeights& w) {
   if (w.bits != 4 && w.bits != 8) {
     throw std::invalid_argument("agentkv's quantized matmul takes 4- or 8-bit weights");
   }
@@ -302,9 +305,11 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   if (w.K % w.group != 0) {
     throw std::invalid_argument("the input size must be a multiple of the group size");
   }
-  thread_local Activations scratch;  // one matmul at a time per calling thread
-  Activations& a = scratch;          // (the workers read the caller's, through this name)
-  quantize(x, M, w.K, w.group, w.bits == 4, a);
+}
+
+// Weight rows [n0, n1) of w against every row of the quantized x, into y [M, w.N].
+void columns(const QuantizedWeights& w, const Activations& a, float* y, int64_t M, int64_t n0,
+             int64_t n1) {
   const TileKernel tile = kernel_for(w.bits);
   const int64_t N = w.N;
   // Tiles: one row of x (decode) against 4 weight rows, two against two, else up to 4 rows
@@ -312,33 +317,65 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
   // 1-4 or 8 rows against four. The tile changes no result (see qmm.h).
   const int cols = M == 1 || use_vnni() ? 4 : M == 2 ? 2 : 1;
   const bool wide_rows = use_vnni() && w.group == kBlock;
-  const std::function<void(size_t)> job = [&](size_t block) {
-    const int64_t n0 = static_cast<int64_t>(block) * kColumnBlock;
-    const int64_t n1 = std::min(N, n0 + kColumnBlock);
-    for (int64_t m = 0; m < M;) {
-      // 8 rows at a time where VNNI's 32-token-group tile takes them, else up to 4
-      const int rows =
-          wide_rows && M - m >= 8 ? 8 : static_cast<int>(std::min<int64_t>(kRows, M - m));
-      for (int64_t n = n0; n < n1; n += cols) {
-        const int c = static_cast<int>(std::min<int64_t>(cols, n1 - n));
-        if (rows == 8 && c != 4) {  // the 8-row tile takes 4 weight rows only
-          tile(w, n, c, a, m, 4, y + m * N + n, N);
-          tile(w, n, c, a, m + 4, 4, y + (m + 4) * N + n, N);
-        } else {
-          tile(w, n, c, a, m, rows, y + m * N + n, N);
-        }
+  for (int64_t m = 0; m < M;) {
+    // 8 rows at a time where VNNI's 32-token-group tile takes them, else up to 4
+    const int rows =
+        wide_rows && M - m >= 8 ? 8 : static_cast<int>(std::min<int64_t>(kRows, M - m));
+    for (int64_t n = n0; n < n1; n += cols) {
+      const int c = static_cast<int>(std::min<int64_t>(cols, n1 - n));
+      if (rows == 8 && c != 4) {  // the 8-row tile takes 4 weight rows only
+        tile(w, n, c, a, m, 4, y + m * N + n, N);
+        tile(w, n, c, a, m + 4, 4, y + (m + 4) * N + n, N);
+      } else {
+        tile(w, n, c, a, m, rows, y + m * N + n, N);
       }
-      m += rows;
     }
+    m += rows;
+  }
+}
+
+}  // namespace
+
+void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64_t M) {
+  float* ys[1] = {y};
+  quantized_matmuls(x, &w, ys, 1, M);
+}
+
+void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const* ys, int count,
+                       int64_t M) {
+  for (int i = 0; i < count; ++i) {
+    check(ws[i]);
+    if (ws[i].K != ws[0].K || ws[i].group != ws[0].group ||
+        (ws[i].bits == 4) != (ws[0].bits == 4)) {
+      for (int j = 0; j < count; ++j) {  // activations quantized differently: one at a time
+        quantized_matmuls(x, ws + j, ys + j, 1, M);
+      }
+      return;
+    }
+  }
+  thread_local Activations scratch;  // one matmul at a time per calling thread
+  Activations& a = scratch;          // (the workers read the caller's, through this name)
+  quantize(x, M, ws[0].K, ws[0].group, ws[0].bits == 4, a);
+  // One job list over every matrix's column blocks, so no core waits at a matrix's end.
+  std::vector<std::pair<int, int64_t>> jobs;
+  double work = 0;
+  for (int i = 0; i < count; ++i) {
+    for (int64_t n0 = 0; n0 < ws[i].N; n0 += kColumnBlock) {
+      jobs.emplace_back(i, n0);
+    }
+    work += static_cast<double>(M) * ws[i].N * ws[i].K;
+  }
+  const std::function<void(size_t)> job = [&](size_t j) {
+    const auto [i, n0] = jobs[j];
+    columns(ws[i], a, ys[i], M, n0, std::min(ws[i].N, n0 + kColumnBlock));
   };
-  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  if (static_cast<double>(M) * N * w.K < 2e4) {  // too small to be worth sharing
-    for (int64_t b = 0; b < blocks; ++b) {
-      job(static_cast<size_t>(b));
+  if (work < 2e4) {  // too small to be worth sharing
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      job(j);
     }
     return;
   }
-  ThreadPool::shared().run(static_cast<size_t>(blocks), job);
+  ThreadPool::shared().run(jobs.size(), job);
 }
 
 const char* qmm_implementation() {

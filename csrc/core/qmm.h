@@ -41,6 +41,11 @@ struct QuantizedWeights {
 // x: [M, K] float32 row-major; y: [M, N] float32. K must be a multiple of `group`.
 void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64_t M);
 
+// y_i = x W_i^T for `count` weight matrices of the same K (q, k and v; gate and up): x is
+// quantized once where their groups and bits allow it, and one thread-pool job list covers
+// every matrix's column blocks. Each y_i has the bits quantized_matmul(x, W_i) gives.
+void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const* ys, int count,
+                       int64_t M);
 // "avx512-vnni", "avx2" or "portable": which implementation this CPU runs (AGENTKV_QMM=avx2
 // or =portable caps it).
 const char* qmm_implementation();
