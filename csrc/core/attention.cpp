@@ -68,13 +68,23 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
     const int64_t w_width = view.bits == 16 ? view.dim : view.dim * view.bits / 32;
     const int ct = view.channel_tokens;
     const int64_t s_width = view.bits == 16 ? 0 : view.dim / (ct > 0 ? ct : view.group);
+    // Divisions once per tile (a division costs as much as the rest of a row's offsets):
+    // the token's block, its place in it and in its channel group, then counted forward.
+    const int bt = a.block_tokens;
+    int block = t0 / bt, at = t0 % bt, in_group = ct > 0 ? t0 % ct : 0;
+    int64_t first = (static_cast<int64_t>(table[block]) * a.kv_heads + h) * bt;
     for (int t = t0; t < t1; ++t) {
-      const int64_t row =
-          (static_cast<int64_t>(table[t / a.block_tokens]) * a.kv_heads + h) * a.block_tokens +
-          t % a.block_tokens;
+      const int64_t row = first + at;
       w[t - t0] = row * w_width;
       // Per-channel: the scales of the token's channel group start at the group's first row.
-      s[t - t0] = (ct > 0 ? row - t % ct : row) * s_width;
+      s[t - t0] = (row - in_group) * s_width;
+      if (ct > 0 && ++in_group == ct) {
+        in_group = 0;
+      }
+      if (++at == bt && t + 1 < t1) {
+        at = 0;
+        first = (static_cast<int64_t>(table[++block]) * a.kv_heads + h) * bt;
+      }
     }
     return;
   }
