@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_features.h"
@@ -190,6 +192,17 @@ using Ops = Avx2;
 
 namespace {
 
+// AGENTKV_ATTENTION_IMPL=portable runs the portable lanes (tests compare them with AVX2).
+std::string forced() {
+  static const char* v = std::getenv("AGENTKV_ATTENTION_IMPL");
+  return v != nullptr ? v : "";
+}
+
+bool use_avx2() {
+  static const bool ok = cpu_has_avx2_fma_f16c() && forced() != "portable";
+  return ok;
+}
+
 template <typename Task, typename Finish>
 void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
   int longest = a.keys;
@@ -242,7 +255,7 @@ void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
 void quantized_attention(const AttentionArgs& a) {
   const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
 #if defined(AGENTKV_ATTENTION_X86)
-  if (cpu_has_avx2_fma_f16c()) {
+  if (use_avx2()) {
     run_split(
         a, blocks,
         [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
@@ -265,7 +278,7 @@ void quantized_attention(const AttentionArgs& a) {
 }
 
 const char* attention_implementation() {
-  return cpu_has_avx2_fma_f16c() ? "avx2-fma-f16c" : "portable";
+  return use_avx2() ? "avx2-fma-f16c" : "portable";
 }
 
 }  // namespace agentkv

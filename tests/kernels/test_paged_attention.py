@@ -3,6 +3,11 @@ kernels/paged_attention.metal compiled for CPU, and the pure-MLX reference — o
 batches of block tables: they agree, the fused kernel gives the same bits as over a
 contiguous cache, and a row gives the same bits alone or batched."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -127,3 +132,64 @@ def test_a_table_naming_a_block_outside_the_arenas_never_reads_it():
     assert bool(mx.all(mx.isnan(out)).item())  # refused, not read out of bounds
     with kernels.use_backend("cpu"), pytest.raises(ValueError, match="outside the arenas"):
         kernels.paged_attention_body(q, paged._replace(tables=bad), scale=0.125)
+
+
+IMPLEMENTATIONS_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import numpy as np, mlx.core as mx
+import agentkv
+from agentkv import _ext
+from agentkv.format.quant import V1, V2, KVQuant
+from agentkv.pool.step import PagedStep
+from helpers import fill_table, pool_for, synthetic_spec
+from test_paged_attention import fused, jagged_batch
+out = []
+# format 1: 1, 3 and 17 queries, 1-3 query heads per KV head, windows and sinks, partial tiles
+for fmt, queries, rep, window in (((4, 4, 64), 1, 3, 0), ((8, 4, 64), 3, 2, 100),
+                                   ((2, 2, 32), 17, 1, 0), ((4, 4, 32), 17, 3, 50)):
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), [700, 17, 130], queries=queries,
+                                  q_heads=2 * rep, seed=queries)
+    sinks = mx.array(np.linspace(-1, 1, 2 * rep).astype(np.float32))
+    out.append(np.array(fused(q, paged._replace(window=window, sinks=sinks))))
+# format 2 through the pool: tails, whole and partial channel groups, 1 and 5 new tokens
+for count in (1, 5):
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec, KVQuant(**V2))
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127])]
+    for t in tables:
+        t.grow(count, pool.arena.copy_rows)
+    rng = np.random.default_rng(count)
+    k, v, q = (mx.array(rng.standard_normal((3, h, count, 64)).astype(np.float32))
+               for h in (2, 2, 6))
+    cache = PagedStep(pool.arena, spec, tables, count).caches[0]
+    keys, values = cache.update_and_fetch(k, v)
+    out.append(np.array(cache.agentkv_attention(q, keys, values, scale=0.125,
+                                                 mask=None if count == 1 else "causal")))
+np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
+print(_ext.build_info()["attention"])
+"""
+
+
+def test_every_attention_implementation_gives_the_same_bits(tmp_path):
+    """AVX2 and the portable lanes: the same bits on formats 1 and 2, 1-17 queries, 1-3 query
+    heads per KV head, windows and sinks."""
+    results = {}
+    envs = {"default": {}, "portable": {"AGENTKV_ATTENTION_IMPL": "portable"}}
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    for name, env in envs.items():
+        path = tmp_path / f"{name}.npy"
+        run = subprocess.run(
+            [sys.executable, "-c", IMPLEMENTATIONS_CHECK, str(path), tests_dir],
+            env={**os.environ, **env},
+            cwd=str(Path(__file__).parent),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        results[name] = (run.stdout.strip(), np.load(path))
+    assert results["portable"][0] == "portable"
+    assert results["default"][0] in ("avx2-fma-f16c", "portable")
+    assert np.isfinite(results["portable"][1]).all()
+    np.testing.assert_array_equal(results["default"][1], results["portable"][1])
