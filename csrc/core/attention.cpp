@@ -188,6 +188,31 @@ using Ops = Avx2;
 
 #endif
 
+#if defined(__aarch64__)
+// NEON: lanes.h's operations, with the unpacking written for two 4-lane registers.
+struct Neon : lanes::Neon {
+  static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
+    const int32x4_t by = vdupq_n_s32(-shift);  // a negative left shift shifts right
+    const uint32x4_t m = vdupq_n_u32(mask);
+    return {vcvtq_f32_u32(vandq_u32(vshlq_u32(vld1q_u32(packed), by), m)),
+            vcvtq_f32_u32(vandq_u32(vshlq_u32(vld1q_u32(packed + 4), by), m))};
+  }
+  static void columns(const uint32_t* words, const int64_t* w_off, const int* idx, int width,
+                      uint32_t* cols) {
+    Portable::columns(words, w_off, idx, width, cols);
+  }
+  static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
+    const Portable::V v = Portable::unpack_row(words, d, per_word, bits);
+    return load(v.x);
+  }
+};
+
+namespace neon {
+using Ops = Neon;
+#include "attention_impl.inc"
+}  // namespace neon
+#endif
+
 }  // namespace
 
 namespace {
@@ -198,8 +223,13 @@ std::string forced() {
   return v != nullptr ? v : "";
 }
 
+bool portable_only() {
+  static const bool portable = forced() == "portable" || cpu_forced_portable();
+  return portable;
+}
+
 bool use_avx2() {
-  static const bool ok = cpu_has_avx2_fma_f16c() && forced() != "portable";
+  static const bool ok = cpu_has_avx2_fma_f16c() && !portable_only();
   return ok;
 }
 
@@ -267,6 +297,19 @@ void quantized_attention(const AttentionArgs& a) {
     return;
   }
 #endif
+#if defined(__aarch64__)
+  if (!portable_only()) {
+    run_split(
+        a, blocks,
+        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
+          neon::task(a, b, kvh, i0, i1, c0, c1, partial);
+        },
+        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
+          neon::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
+        });
+    return;
+  }
+#endif
   run_split(
       a, blocks,
       [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
@@ -278,6 +321,9 @@ void quantized_attention(const AttentionArgs& a) {
 }
 
 const char* attention_implementation() {
+#if defined(__aarch64__)
+  return portable_only() ? "portable" : "neon";
+#endif
   return use_avx2() ? "avx2-fma-f16c" : "portable";
 }
 

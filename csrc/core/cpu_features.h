@@ -2,7 +2,20 @@
 // paths with target attributes and pick them at run time, so one binary runs everywhere).
 #pragma once
 
+#include <cstdlib>
+#include <cstring>
+
 namespace agentkv {
+
+// AGENTKV_CPU=portable: every host kernel on its portable C++ path (tests compare the paths;
+// AGENTKV_QMM and AGENTKV_ATTENTION_IMPL choose per kernel).
+inline bool cpu_forced_portable() {
+  static const bool portable = [] {
+    const char* v = std::getenv("AGENTKV_CPU");
+    return v != nullptr && std::strcmp(v, "portable") == 0;
+  }();
+  return portable;
+}
 
 // AVX2 + FMA + F16C: the fused attention and the quantized matmul.
 inline bool cpu_has_avx2_fma_f16c() {

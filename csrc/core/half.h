@@ -35,7 +35,12 @@ inline float half_to_float(uint16_t h) {
 }
 
 inline uint16_t float_to_half(float f) {
-#if defined(__FLT16_MAX__)
+#if defined(__aarch64__)
+  const __fp16 h = static_cast<__fp16>(f);  // the hardware conversion (IEEE, nearest even)
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+#elif defined(__FLT16_MAX__)
   const _Float16 h = static_cast<_Float16>(f);  // the conversion MLX's float16_t makes
   uint16_t bits;
   std::memcpy(&bits, &h, 2);

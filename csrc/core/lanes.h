@@ -1,6 +1,7 @@
-// Eight float lanes for the host kernels, twice: portable C++ and (x86) AVX2 + FMA + F16C.
-// Both do the same operations per lane in the same order (fused multiply-adds where the
-// vector code has them), so a kernel written once over `Ops` gives the same bits on either.
+// Eight float lanes for the host kernels: portable C++, (x86) AVX2 + FMA + F16C and
+// (aarch64) NEON, two 4-lane registers. All do the same operations per lane in the same
+// order (fused multiply-adds where the vector code has them), so a kernel written once over
+// `Ops` gives the same bits on each.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,9 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 namespace agentkv::lanes {
@@ -197,6 +201,80 @@ struct Avx2 : ExpConstants {
 };
 
 #pragma GCC pop_options
+#endif
+
+#if defined(__aarch64__)
+// NEON (every aarch64 CPU has it): lanes 0-3 in `lo`, 4-7 in `hi`.
+struct Neon : ExpConstants {
+  struct V {
+    float32x4_t lo, hi;
+  };
+  static V load(const float* p) {
+    return {vld1q_f32(p), vld1q_f32(p + 4)};
+  }
+  static void store(float* p, V v) {
+    vst1q_f32(p, v.lo);
+    vst1q_f32(p + 4, v.hi);
+  }
+  static V set1(float f) {
+    return {vdupq_n_f32(f), vdupq_n_f32(f)};
+  }
+  static V zero() {
+    return set1(0.0f);
+  }
+  static V fma(V a, V b, V c) {  // a * b + c, fused
+    return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)};
+  }
+  static V mul(V a, V b) {
+    return {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)};
+  }
+  static V add(V a, V b) {
+    return {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)};
+  }
+  static V sub(V a, V b) {
+    return {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)};
+  }
+  static V div(V a, V b) {
+    return {vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)};
+  }
+  static V neg_abs(V a) {
+    return {vnegq_f32(vabsq_f32(a.lo)), vnegq_f32(vabsq_f32(a.hi))};
+  }
+  static V select_nonneg(V x, V a, V b) {
+    const float32x4_t z = vdupq_n_f32(0.0f);
+    return {vbslq_f32(vcgeq_f32(x.lo, z), a.lo, b.lo), vbslq_f32(vcgeq_f32(x.hi, z), a.hi, b.hi)};
+  }
+  static float half(uint16_t h) {
+    return half_to_float(h);
+  }
+  static float hsum(V v) {  // ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7))
+    const float32x4_t s = vaddq_f32(v.lo, v.hi);
+    const float32x2_t u = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+    return vget_lane_f32(u, 0) + vget_lane_f32(u, 1);
+  }
+  static float32x4_t exp4(float32x4_t x) {
+    x = vmaxq_f32(x, vdupq_n_f32(kLow));  // NaN stays NaN
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(kLog2e)));
+    float32x4_t r = vfmaq_f32(x, n, vdupq_n_f32(-kLn2Hi));
+    r = vfmaq_f32(r, n, vdupq_n_f32(-kLn2Lo));
+    float32x4_t p = vdupq_n_f32(kP0);
+    p = vfmaq_f32(vdupq_n_f32(kP1), p, r);
+    p = vfmaq_f32(vdupq_n_f32(kP2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(kP3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(kP4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(kP5), p, r);
+    p = vfmaq_f32(r, p, vmulq_f32(r, r));
+    p = vaddq_f32(p, vdupq_n_f32(1.0f));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+  }
+  static V exp(V v) {
+    return {exp4(v.lo), exp4(v.hi)};
+  }
+  static float exp1(float x) {
+    return vgetq_lane_f32(exp4(vdupq_n_f32(x)), 0);
+  }
+};
 #endif
 
 }  // namespace agentkv::lanes

@@ -19,6 +19,10 @@
 #include <immintrin.h>
 #define AGENTKV_QMM_X86 1
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define AGENTKV_QMM_NEON 1
+#endif
 
 namespace agentkv {
 namespace {
@@ -48,7 +52,7 @@ const char* forced() {
 }
 
 bool forced_portable() {
-  static const bool portable = std::string(forced()) == "portable";
+  static const bool portable = std::string(forced()) == "portable" || cpu_forced_portable();
   return portable;
 }
 
@@ -275,6 +279,113 @@ namespace vnni {
 }  // namespace vnni
 #endif
 
+#if defined(AGENTKV_QMM_NEON)
+// NEON: element_portable's lanes in two 4-lane registers (lanes 0-3, 4-7), up to 4 rows of x
+// against one weight row (each weight block widened once). The integer dots are exact and
+// every float step is the portable one per lane, so the bits are the portable path's.
+namespace neon {
+
+// A 32-block of a weight row widened to int16 in the activations' stored order: positions
+// 0-7, 8-15, 16-23, 24-31 (4 bits: the low nibbles, then the high ones).
+template <int BITS>
+inline void unpack(const uint8_t* row, int64_t b, int16x8_t w[4]) {
+  uint8x16_t first, second;
+  if constexpr (BITS == 4) {
+    const uint8x16_t bytes = vld1q_u8(row + b * 16);
+    first = vandq_u8(bytes, vdupq_n_u8(0x0F));
+    second = vshrq_n_u8(bytes, 4);
+  } else {
+    first = vld1q_u8(row + b * 32);
+    second = vld1q_u8(row + b * 32 + 16);
+  }
+  w[0] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(first)));
+  w[1] = vreinterpretq_s16_u16(vmovl_high_u8(first));
+  w[2] = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(second)));
+  w[3] = vreinterpretq_s16_u16(vmovl_high_u8(second));
+}
+
+// (p0 + p1, p2 + p3, p4 + p5, p6 + p7) of the products of eight positions
+inline int32x4_t pairs(int16x8_t w, int16x8_t x) {
+  return vpaddq_s32(vmull_s16(vget_low_s16(w), vget_low_s16(x)), vmull_high_s16(w, x));
+}
+
+template <int BITS, int ROWS>
+void column(const QuantizedWeights& w, int64_t n, const Activations& a, int64_t m0, float* y,
+            int64_t ldy) {
+  const int64_t K = w.K;
+  const int per_group = w.group / kBlock;
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.words) + n * K * BITS / 8;
+  float32x4_t acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r][0] = acc[r][1] = vdupq_n_f32(0.0f);
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    float32x4_t part[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) {
+      part[r][0] = part[r][1] = vdupq_n_f32(0.0f);
+    }
+    for (int c = 0; c < per_group; ++c) {
+      const int64_t b = g * per_group + c;
+      int16x8_t wq[4];
+      unpack<BITS>(row, b, wq);
+      for (int r = 0; r < ROWS; ++r) {
+        const int16_t* xq = a.q.data() + (m0 + r) * K + b * kBlock;
+        const int32x4_t lo =
+            vaddq_s32(pairs(wq[0], vld1q_s16(xq)), pairs(wq[2], vld1q_s16(xq + 16)));
+        const int32x4_t hi =
+            vaddq_s32(pairs(wq[1], vld1q_s16(xq + 8)), pairs(wq[3], vld1q_s16(xq + 24)));
+        const float32x4_t d = vdupq_n_f32(a.scale[(m0 + r) * a.blocks + b]);
+        part[r][0] = vfmaq_f32(part[r][0], vcvtq_f32_s32(lo), d);
+        part[r][1] = vfmaq_f32(part[r][1], vcvtq_f32_s32(hi), d);
+      }
+    }
+    const float32x4_t s = vdupq_n_f32(scale_at(w.scales, w.scale_type, n * a.groups + g));
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][0] = vfmaq_f32(acc[r][0], part[r][0], s);
+      acc[r][1] = vfmaq_f32(acc[r][1], part[r][1], s);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float32x4_t bias[2] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+    const float* sums = a.sum.data() + (m0 + r) * a.padded;
+    for (int64_t g0 = 0; g0 < a.padded; g0 += 8) {
+      float b[8];
+      biases_at(w, n, a.groups, g0, b);
+      bias[0] = vfmaq_f32(bias[0], vld1q_f32(b), vld1q_f32(sums + g0));
+      bias[1] = vfmaq_f32(bias[1], vld1q_f32(b + 4), vld1q_f32(sums + g0 + 4));
+    }
+    float lanes[8], bias_lanes[8];
+    vst1q_f32(lanes, acc[r][0]);
+    vst1q_f32(lanes + 4, acc[r][1]);
+    vst1q_f32(bias_lanes, bias[0]);
+    vst1q_f32(bias_lanes + 4, bias[1]);
+    y[r * ldy] = combine_lanes(lanes) + combine_lanes(bias_lanes);
+  }
+}
+
+template <int BITS>
+void tile(const QuantizedWeights& w, int64_t n0, int cols, const Activations& a, int64_t m0,
+          int rows, float* y, int64_t ldy) {
+  for (int j = 0; j < cols; ++j) {
+    switch (rows) {
+      case 1:
+        column<BITS, 1>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      case 2:
+        column<BITS, 2>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      case 3:
+        column<BITS, 3>(w, n0 + j, a, m0, y + j, ldy);
+        break;
+      default:
+        column<BITS, 4>(w, n0 + j, a, m0, y + j, ldy);
+    }
+  }
+}
+
+}  // namespace neon
+#endif
+
 using TileKernel = void (*)(const QuantizedWeights&, int64_t, int, const Activations&, int64_t, int,
                             float*, int64_t);
 
@@ -285,6 +396,11 @@ TileKernel kernel_for(int bits) {
   }
   if (cpu_has_avx2_fma_f16c() && !forced_portable()) {
     return bits == 4 ? &avx2::tile_avx2_any<4> : &avx2::tile_avx2_any<8>;
+  }
+#endif
+#if defined(AGENTKV_QMM_NEON)
+  if (!forced_portable()) {
+    return bits == 4 ? &neon::tile<4> : &neon::tile<8>;
   }
 #endif
   (void)bits;
@@ -379,6 +495,9 @@ void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const*
 }
 
 const char* qmm_implementation() {
+#if defined(AGENTKV_QMM_NEON)
+  return forced_portable() ? "portable" : "neon";
+#endif
   return use_vnni()                                      ? "avx512-vnni"
          : cpu_has_avx2_fma_f16c() && !forced_portable() ? "avx2"
                                                          : "portable";

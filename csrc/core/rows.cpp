@@ -29,6 +29,13 @@ using Ops = lanes::Avx2;
 #pragma GCC pop_options
 #endif
 
+#if defined(__aarch64__)
+namespace neon {
+using Ops = lanes::Neon;
+#include "rows_lanes.inc"
+}  // namespace neon
+#endif
+
 }  // namespace
 
 void silu_mul(const float* g, const float* u, float* out, int64_t n) {
@@ -37,8 +44,14 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     const int64_t i = static_cast<int64_t>(p) * kPiece;
     const int64_t count = std::min(kPiece, n - i);
 #if defined(__x86_64__) || defined(_M_X64)
-    if (cpu_has_avx2_fma_f16c()) {
+    if (cpu_has_avx2_fma_f16c() && !cpu_forced_portable()) {
       avx2::silu_mul(g + i, u + i, out + i, count);
+      return;
+    }
+#endif
+#if defined(__aarch64__)
+    if (!cpu_forced_portable()) {
+      neon::silu_mul(g + i, u + i, out + i, count);
       return;
     }
 #endif
