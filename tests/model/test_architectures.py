@@ -293,6 +293,21 @@ def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, ca
     assert float(agree) >= 0.95
 
 
+def test_the_last_position_alone_gives_the_logits_of_the_whole_call(quantized_arch):
+    """Llama, Qwen2 and Qwen3 (tied and untied heads) project only the last position onto the
+    vocabulary when the engine asks for logits; the other architectures make their own call.
+    Either way the logits are the bits of the full call's last row."""
+    name, model = quantized_arch
+    loaded = load_model(model, weights="quantized")
+    ids = mx.array([loaded.tokenizer.encode(log_prompt("lint", 3)[0]["content"])] * 2)
+    whole = loaded.model(ids)[:, -1, :]
+    last = mlx_adapter.last_logits(loaded.model, ids, None)
+    assert last.shape == whole.shape
+    assert mx.array_equal(last, whole)
+    fast = type(loaded.model).__module__ in mlx_adapter._HEAD_AFTER_INNER
+    assert fast is (name in ("llama", "qwen2", "qwen3"))
+
+
 @pytest.mark.slow
 def test_each_quantized_architecture_batches_and_resumes_like_alone(quantized_arch, tmp_path):
     """On agentkv's kernel a batch still equals each agent alone, token for token (a row's

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv import _ext
+from agentkv import _ext, mlx_adapter
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.kernels.attention import paths_used
 from agentkv.pool.step import PagedStep
@@ -189,3 +189,12 @@ def test_bad_layer_arguments_are_clear_errors(engine):
     bad = {**common, "rows": mx.full((3,), arena.rows, dtype=mx.int32)}
     out = _ext.decoder_layer(x, **args, **bad)
     assert np.isnan(np.array(out)).all()
+
+
+def test_the_tied_head_on_the_last_position_alone_gives_the_whole_call_s_bits(engine):
+    """The embedded model's tied 8-bit head on the last position only (what the engine asks
+    for): the bits of the whole call's last row."""
+    model = engine.runner.model
+    ids = mx.array([list(range(300, 340)), list(range(500, 540))])
+    assert model.args.tie_word_embeddings
+    assert mx.array_equal(mlx_adapter.last_logits(model, ids, None), model(ids)[:, -1, :])

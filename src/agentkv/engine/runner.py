@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from .. import mlx_adapter
 from ..errors import InvalidRequestError
 from ..format.geometry import BLOCK_TOKENS
 from ..kv.cache import window_start
@@ -110,10 +111,12 @@ class TurnRunner:
         for table, reservation in zip(tables, reservations or [None] * len(tables)):
             table.grow(count, arena.copy_rows, reservation)
         step = PagedStep(arena, self.loaded.spec, tables, count)
-        out = self.model(mx.array(ids), cache=step.caches)
-        last = out[:, -1, :] if logits else None
-        if last is not None:
+        last = None
+        if logits:
+            last = mlx_adapter.last_logits(self.model, mx.array(ids), step.caches)
             mx.eval(last)
+        else:  # the graph's KV writes run at settle; its logits are never computed
+            self.model(mx.array(ids), cache=step.caches)
         arena.settle()
         for table, row in zip(tables, ids):
             table.written(row)
