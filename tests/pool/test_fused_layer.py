@@ -198,3 +198,19 @@ def test_the_tied_head_on_the_last_position_alone_gives_the_whole_call_s_bits(en
     ids = mx.array([list(range(300, 340)), list(range(500, 540))])
     assert model.args.tie_word_embeddings
     assert mx.array_equal(mlx_adapter.last_logits(model, ids, None), model(ids)[:, -1, :])
+
+
+def test_a_failed_step_s_fused_writes_never_land(engine):
+    """A step that fails after a fused layer was built: its writes are discarded, so a later
+    settle cannot write into blocks that may belong to another agent by then."""
+    runner, pool = engine.runner, engine.pool
+    (table,), (reservation,) = _agents(engine, [30], seed=4)
+    before = pool.arena.read_tail(table.tail, 31)  # row 30: whatever the slot held
+    table.grow(1, pool.arena.copy_rows, reservation)
+    step = PagedStep(pool.arena, runner.loaded.spec, [table], 1)
+    h = runner.model.model.embed_tokens(mx.array([[7]]))
+    runner.model.model.layers[0](h, None, step.caches[0])  # registers its pending write
+    pool.arena.discard_writes()  # what Runner.forward does when the step raises
+    pool.arena.settle()
+    np.testing.assert_array_equal(pool.arena.read_tail(table.tail, 31), before)
+    _release([table], [reservation])

@@ -112,11 +112,15 @@ class TurnRunner:
             table.grow(count, arena.copy_rows, reservation)
         step = PagedStep(arena, self.loaded.spec, tables, count)
         last = None
-        if logits:
-            last = mlx_adapter.last_logits(self.model, mx.array(ids), step.caches)
-            mx.eval(last)
-        else:  # the graph's KV writes run at settle; its logits are never computed
-            self.model(mx.array(ids), cache=step.caches)
+        try:
+            if logits:
+                last = mlx_adapter.last_logits(self.model, mx.array(ids), step.caches)
+                mx.eval(last)
+            else:  # the graph's KV writes run at settle; its logits are never computed
+                self.model(mx.array(ids), cache=step.caches)
+        except BaseException:
+            arena.discard_writes()
+            raise
         arena.settle()
         for table, row in zip(tables, ids):
             table.written(row)

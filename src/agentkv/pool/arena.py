@@ -330,6 +330,12 @@ class KVArena:
         decoder layer): ``settle`` evaluates it, whether or not its step's logits are used."""
         self._writers.append(out)
 
+    def discard_writes(self) -> None:
+        """Forget the fused layers' pending writes of a step that failed before ``settle``: its
+        agents are dropped, their blocks may go to others, and a later ``settle`` must not
+        write into them behind the next step's back."""
+        self._writers = []
+
     def settle(self) -> None:
         """Evaluate every arena (after a step) and count any write that was not in place."""
         writers, self._writers = self._writers, []
