@@ -41,7 +41,7 @@ enum Input : int {
   kTailSlots,                       // [B]
   kRows,                            // [B * Hkv * L] value rows of the new tokens
   kTailRows,                        // [B * Hkv * L] tail rows of the new keys
-  kFreqs,                           // optional: rope periods
+  kFreqs,                           // optional: rope periods; then each linear's bias, if any
 };
 
 struct LayerParams {
@@ -55,6 +55,8 @@ struct LayerParams {
   int key_bits = 4, value_bits = 4, group = 64, channel_tokens = 64, block_tokens = 256;
   int window = 0;
   bool rotate = true;
+  std::array<bool, kLinears> has_bias{};  // added after the matmul (Qwen2's q, k, v)
+  bool periods = false;                   // the rope periods are an input (kFreqs)
   bool operator==(const LayerParams&) const = default;
 };
 
@@ -77,7 +79,20 @@ QuantizedWeights weights(const LayerParams& p, const std::vector<mx::array>& in,
           static_cast<int64_t>(w.shape(1)) * 32 / bits};
 }
 
-// y_i = x W_i^T for the linears first .. first + ys.size() - 1, which share their input.
+// Linear i's bias [N] among the inputs, or null.
+const float* bias_of(const LayerParams& p, const std::vector<mx::array>& in, int which) {
+  if (!p.has_bias[which]) {
+    return nullptr;
+  }
+  size_t at = kFreqs + (p.periods ? 1 : 0);  // the periods come first, if given
+  for (int i = 0; i < which; ++i) {
+    at += p.has_bias[i] ? 1 : 0;
+  }
+  return in[at].data<float>();
+}
+
+// y_i = x W_i^T (+ b_i) for the linears first .. first + ys.size() - 1, which share their
+// input; a bias is added as MLX adds it after the matmul (one float add an element).
 void matmuls(const LayerParams& p, const std::vector<mx::array>& in, int first, const float* x,
              std::initializer_list<float*> ys, int64_t rows) {
   std::array<QuantizedWeights, 3> ws;
@@ -88,6 +103,16 @@ void matmuls(const LayerParams& p, const std::vector<mx::array>& in, int first, 
     outs[count++] = y;
   }
   agentkv::quantized_matmuls(x, ws.data(), outs.data(), count, rows);
+  for (int i = 0; i < count; ++i) {
+    if (const float* b = bias_of(p, in, first + i)) {
+      const int64_t n = ws[i].N;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          outs[i][r * n + j] += b[j];
+        }
+      }
+    }
+  }
 }
 
 // [B, L, heads, dim] rows of a projection, rotated by position into [B, heads, L, dim].
@@ -314,7 +339,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail, const mx::array& tables, const mx::array& lengths,
                         const mx::array& tail_slots, const mx::array& rows,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
-                        int channel_tokens, int block_tokens, int window, bool rotate) {
+                        int channel_tokens, int block_tokens, int window, bool rotate,
+                        const std::vector<std::optional<mx::array>>& linear_biases) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -394,6 +420,13 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
           "tables [B, blocks], lengths and tail_slots [B], rows and tail_rows [B * Hkv * L] "
           "must be int32");
 
+  require(linear_biases.size() == kLinears, "one bias or none for each of the seven linears");
+  for (int i = 0; i < kLinears; ++i) {
+    const auto& b = linear_biases[i];
+    require(!b || (b->dtype() == mx::float32 && b->ndim() == 1 && b->shape(0) == outputs(i)),
+            "a linear's bias must be float32 [its outputs]");
+  }
+
   LayerParams p;
   p.heads = heads;
   p.kv_heads = kv_heads;
@@ -432,6 +465,13 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   }
   if (rope_freqs) {
     in.push_back(packed(mx::astype(*rope_freqs, mx::float32, stream), stream));
+  }
+  p.periods = rope_freqs.has_value();
+  for (int i = 0; i < kLinears; ++i) {
+    if (linear_biases[i]) {
+      p.has_bias[i] = true;
+      in.push_back(packed(*linear_biases[i], stream));
+    }
   }
   return mx::array({batch, length, dim}, mx::float32,
                    std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));

@@ -68,7 +68,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 // over the block pool, o projection, RMSNorm, SwiGLU MLP, both residuals) for B rows of L
 // new tokens each, as one CPU operation: the same kernels on the same values as the
 // layer's separate operations, so the same bits. Weights: `linears` holds q, k, v, o,
-// gate, up, down as MLX affine words, scales, biases (no biases of their own). The KV
+// gate, up, down as MLX affine words, scales, biases; `linear_biases` holds each linear's own
+// bias [N] or none (Qwen2's q, k, v have one), added after its matmul. The KV
 // cache is the pool's layer arena in format 2 (per-channel keys of key_bits, values of
 // value_bits, `rotate`: stored times the Hadamard matrix) and no row may complete a channel
 // group in this step: the new values are quantized into `values` at `rows`, the new keys
@@ -85,6 +86,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail, const mx::array& tables, const mx::array& lengths,
                         const mx::array& tail_slots, const mx::array& rows,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
-                        int channel_tokens, int block_tokens, int window, bool rotate);
+                        int channel_tokens, int block_tokens, int window, bool rotate,
+                        const std::vector<std::optional<mx::array>>& linear_biases);
 
 }  // namespace agentkv::ops

@@ -193,31 +193,44 @@ class FusedLayer:
     arguments: dict
 
 
+# mlx-lm modules whose TransformerBlock is the Llama block (Qwen2's adds q/k/v biases).
+_FUSABLE_BLOCKS = ("llama", "qwen2")
+
+
 @functools.cache
-def _fused_block():
-    """(mlx-lm's Llama ``TransformerBlock``, agentkv's CPU subclass of it), made once."""
-    from mlx_lm.models.llama import TransformerBlock
+def _fused_blocks() -> dict[type, type]:
+    """{mlx-lm's TransformerBlock of each fusable architecture: agentkv's CPU subclass of it},
+    made once."""
+    import importlib
 
-    class CPUFusedBlock(TransformerBlock):
-        """A Llama block that runs as one agentkv operation where its cache offers one
-        (``fused_layer``: the block pool's decode steps on CPU), else as mlx-lm's."""
+    out = {}
+    for name in _FUSABLE_BLOCKS:
+        block = importlib.import_module(f"mlx_lm.models.{name}").TransformerBlock
 
-        agentkv_fused: FusedLayer
-
-        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        def __call__(self, x: mx.array, mask=None, cache=None, _block=block) -> mx.array:
             run = getattr(cache, "fused_layer", None)
             if run is not None and x.dtype == mx.float32:
                 out = run(self.agentkv_fused, x)
                 if out is not None:
                     return out
-            return super().__call__(x, mask, cache)
+            return _block.__call__(self, x, mask, cache)
 
-    return TransformerBlock, CPUFusedBlock
+        out[block] = type(
+            "CPUFusedBlock",
+            (block,),
+            {
+                "__call__": __call__,
+                "__doc__": f"mlx-lm's {name} block, run as one agentkv operation where its "
+                "cache offers one (``fused_layer``: the block pool's CPU steps), else as mlx-lm's.",
+                "__module__": __name__,
+            },
+        )
+    return out
 
 
 def _fused_layer(block) -> FusedLayer | None:
     """What ``_ext.decoder_layer`` needs of ``block``, or None where it cannot run it (a
-    layer not on agentkv's quantized matmul, biases, another norm or RoPE)."""
+    layer not on agentkv's quantized matmul, another norm or RoPE)."""
     attn, mlp = block.self_attn, block.mlp
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
     linears += [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
@@ -225,7 +238,7 @@ def _fused_layer(block) -> FusedLayer | None:
     _, cpu_llama3 = _llama3_rope()
     rope = attn.rope
     if (
-        any(type(m) is not CPUQuantizedLinear or "bias" in m for m in linears)
+        any(type(m) is not CPUQuantizedLinear for m in linears)
         or any(type(n) is not CPURMSNorm for n in norms)
         or norms[0].eps != norms[1].eps
         or type(rope) not in (CPURoPE, cpu_llama3)
@@ -248,20 +261,22 @@ def _fused_layer(block) -> FusedLayer | None:
             "rope_base": None if llama3 else rope.base,
             "rope_scale": 1.0 if llama3 else rope.scale,
             "rope_freqs": rope._freqs if llama3 else None,
+            "linear_biases": [m["bias"] if "bias" in m else None for m in linears],
         }
     )
 
 
 def use_fused_layers(model: nn.Module) -> int:
-    """Let a Llama-family model's blocks run as one agentkv operation each on the block
+    """Let a Llama or Qwen2 model's blocks run as one agentkv operation each on the block
     pool's CPU decode steps (``_ext.decoder_layer``: the same kernels and bits as the
     block's separate operations, without scheduling ~40 graph operations a layer). Call
     after ``use_cpu_quantized_matmul``, ``use_cpu_row_ops`` and ``use_cpu_swiglu``.
     Returns how many blocks were switched."""
-    block_class, fused_class = _fused_block()
+    fused_classes = _fused_blocks()
     switched = 0
     for _, module in model.named_modules():
-        if type(module) is block_class:
+        fused_class = fused_classes.get(type(module))
+        if fused_class is not None:
             fused = _fused_layer(module)
             if fused is not None:
                 module.__class__ = fused_class

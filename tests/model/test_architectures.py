@@ -293,6 +293,46 @@ def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, ca
     assert float(agree) >= 0.95
 
 
+def test_llama_and_qwen2_blocks_fuse_with_the_bits_of_their_separate_operations(
+    quantized_arch, tmp_path
+):
+    """Quantized Llama and Qwen2 blocks (Qwen2: q, k and v with biases) run a decode step as
+    one agentkv operation, with the logits of the block's separate operations; the other
+    architectures keep mlx-lm's blocks."""
+    from agentkv.pool.step import PagedStep
+
+    name, model = quantized_arch
+    with engine_on(model, tmp_path / "kv") as eng:
+        runner, pool = eng.runner, eng.pool
+        kinds = {type(b).__name__ for b in runner.model.model.layers}
+        if name not in ("llama", "qwen2"):
+            assert "CPUFusedBlock" not in kinds
+            return
+        assert kinds == {"CPUFusedBlock"}
+        ids = eng.loaded.tokenizer.encode(log_prompt("fuse", 5)[0]["content"])
+        logits = {}
+        for fused in (True, False):
+            table = pool.new_table(pool.seed(f"fuse-{name}-{fused}"))
+            reservation = pool.reserve(4)
+            runner.forward([table], [ids], reservations=[reservation], logits=False)
+            token, steps = 11, []
+            for _ in range(4):
+                table.grow(1, pool.arena.copy_rows, reservation)
+                step = PagedStep(pool.arena, runner.loaded.spec, [table], 1, fused=fused)
+                out = runner.model(mx.array([[token]]), cache=step.caches)[:, -1, :]
+                mx.eval(out)
+                pool.arena.settle()
+                table.written([token])
+                assert step.fused is (fused and table.length % pool.arena.ct != 0)
+                steps.append(np.array(out))
+                token = int(out.argmax())
+            logits[fused] = steps
+            table.release()
+            reservation.close()
+        for a, b in zip(logits[True], logits[False]):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_the_last_position_alone_gives_the_logits_of_the_whole_call(quantized_arch):
     """Llama, Qwen2 and Qwen3 (tied and untied heads) project only the last position onto the
     vocabulary when the engine asks for logits; the other architectures make their own call.
