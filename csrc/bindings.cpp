@@ -458,7 +458,7 @@ NB_MODULE(_ext, m) {
         "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a, "rope_freqs"_a,
         "keys"_a, "values"_a, "tail"_a, "tables"_a, "lengths"_a, "tail_slots"_a, "rows"_a,
         "tail_rows"_a, "key_bits"_a, "value_bits"_a, "group"_a, "channel_tokens"_a,
-        "block_tokens"_a, "window"_a, "rotate"_a, "linear_biases"_a,
+        "block_tokens"_a, "window"_a, "rotate"_a, "linear_biases"_a, "qk_norms"_a, "qk_eps"_a,
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
         "csrc/ops.h.");

@@ -41,7 +41,7 @@ enum Input : int {
   kTailSlots,                       // [B]
   kRows,                            // [B * Hkv * L] value rows of the new tokens
   kTailRows,                        // [B * Hkv * L] tail rows of the new keys
-  kFreqs,                           // optional: rope periods; then each linear's bias, if any
+  kFreqs,  // optional: rope periods; then each linear's bias, if any; then the q, k norms
 };
 
 struct LayerParams {
@@ -57,6 +57,8 @@ struct LayerParams {
   bool rotate = true;
   std::array<bool, kLinears> has_bias{};  // added after the matmul (Qwen2's q, k, v)
   bool periods = false;                   // the rope periods are an input (kFreqs)
+  bool qk_norms = false;                  // Qwen3: RMSNorm of each q and k head before RoPE
+  float qk_eps = 0.0f;
   bool operator==(const LayerParams&) const = default;
 };
 
@@ -233,6 +235,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   std::vector<float> v(rows * Hkv * hd), vh(rows * Hkv * hd);
   agentkv::rms_norm_rows(xs, in[kInputNorm].data<float>(), normed.data(), rows, model_dim, p.eps);
   matmuls(p, in, 0, normed.data(), {q.data(), k.data(), v.data()}, rows);
+  if (p.qk_norms) {  // per head, in place (each row is read whole before it is written)
+    const mx::array& q_norm = in[in.size() - 2];
+    const mx::array& k_norm = in[in.size() - 1];
+    agentkv::rms_norm_rows(q.data(), q_norm.data<float>(), q.data(), rows * H, hd, p.qk_eps);
+    agentkv::rms_norm_rows(k.data(), k_norm.data<float>(), k.data(), rows * Hkv, hd, p.qk_eps);
+  }
   rotary(p, q.data(), qh.data(), batch, length, H, lengths);
   rotary(p, k.data(), kh.data(), batch, length, Hkv, lengths);
   swap_axes(v.data(), vh.data(), batch, length, Hkv, hd);
@@ -340,7 +348,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail_slots, const mx::array& rows,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
                         int channel_tokens, int block_tokens, int window, bool rotate,
-                        const std::vector<std::optional<mx::array>>& linear_biases) {
+                        const std::vector<std::optional<mx::array>>& linear_biases,
+                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -421,6 +430,11 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
           "must be int32");
 
   require(linear_biases.size() == kLinears, "one bias or none for each of the seven linears");
+  require(!qk_norms || (qk_norms->size() == 2 && (*qk_norms)[0].dtype() == mx::float32 &&
+                        (*qk_norms)[1].dtype() == mx::float32 &&
+                        (*qk_norms)[0].shape() == mx::Shape{head_dim} &&
+                        (*qk_norms)[1].shape() == mx::Shape{head_dim}),
+          "the q and k norms are two float32 [head dim] weights");
   for (int i = 0; i < kLinears; ++i) {
     const auto& b = linear_biases[i];
     require(!b || (b->dtype() == mx::float32 && b->ndim() == 1 && b->shape(0) == outputs(i)),
@@ -472,6 +486,12 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
       p.has_bias[i] = true;
       in.push_back(packed(*linear_biases[i], stream));
     }
+  }
+  if (qk_norms) {
+    p.qk_norms = true;
+    p.qk_eps = qk_eps;
+    in.push_back(packed((*qk_norms)[0], stream));
+    in.push_back(packed((*qk_norms)[1], stream));
   }
   return mx::array({batch, length, dim}, mx::float32,
                    std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));

@@ -69,7 +69,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 // new tokens each, as one CPU operation: the same kernels on the same values as the
 // layer's separate operations, so the same bits. Weights: `linears` holds q, k, v, o,
 // gate, up, down as MLX affine words, scales, biases; `linear_biases` holds each linear's own
-// bias [N] or none (Qwen2's q, k, v have one), added after its matmul. The KV
+// bias [N] or none (Qwen2's q, k, v have one), added after its matmul; `qk_norms` (Qwen3)
+// RMS-normalizes each q and k head (weights [head dim], eps qk_eps) before RoPE. The KV
 // cache is the pool's layer arena in format 2 (per-channel keys of key_bits, values of
 // value_bits, `rotate`: stored times the Hadamard matrix) and no row may complete a channel
 // group in this step: the new values are quantized into `values` at `rows`, the new keys
@@ -87,6 +88,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail_slots, const mx::array& rows,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
                         int channel_tokens, int block_tokens, int window, bool rotate,
-                        const std::vector<std::optional<mx::array>>& linear_biases);
+                        const std::vector<std::optional<mx::array>>& linear_biases,
+                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps);
 
 }  // namespace agentkv::ops

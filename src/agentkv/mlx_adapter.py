@@ -193,8 +193,9 @@ class FusedLayer:
     arguments: dict
 
 
-# mlx-lm modules whose TransformerBlock is the Llama block (Qwen2's adds q/k/v biases).
-_FUSABLE_BLOCKS = ("llama", "qwen2")
+# mlx-lm modules whose TransformerBlock is the Llama block (Qwen2's adds q/k/v biases,
+# Qwen3's an RMSNorm of each q and k head).
+_FUSABLE_BLOCKS = ("llama", "qwen2", "qwen3")
 
 
 @functools.cache
@@ -237,6 +238,11 @@ def _fused_layer(block) -> FusedLayer | None:
     norms = [block.input_layernorm, block.post_attention_layernorm]
     _, cpu_llama3 = _llama3_rope()
     rope = attn.rope
+    qk = [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if (qk[0] is None) != (qk[1] is None) or any(
+        n is not None and type(n) is not CPURMSNorm for n in qk
+    ):
+        return None
     if (
         any(type(m) is not CPUQuantizedLinear for m in linears)
         or any(type(n) is not CPURMSNorm for n in norms)
@@ -262,12 +268,14 @@ def _fused_layer(block) -> FusedLayer | None:
             "rope_scale": 1.0 if llama3 else rope.scale,
             "rope_freqs": rope._freqs if llama3 else None,
             "linear_biases": [m["bias"] if "bias" in m else None for m in linears],
+            "qk_norms": [n["weight"] for n in qk] if qk[0] is not None else None,
+            "qk_eps": qk[0].eps if qk[0] is not None else 0.0,
         }
     )
 
 
 def use_fused_layers(model: nn.Module) -> int:
-    """Let a Llama or Qwen2 model's blocks run as one agentkv operation each on the block
+    """Let a Llama, Qwen2 or Qwen3 model's blocks run as one agentkv operation each on the block
     pool's CPU decode steps (``_ext.decoder_layer``: the same kernels and bits as the
     block's separate operations, without scheduling ~40 graph operations a layer). Call
     after ``use_cpu_quantized_matmul``, ``use_cpu_row_ops`` and ``use_cpu_swiglu``.

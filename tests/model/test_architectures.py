@@ -293,19 +293,19 @@ def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, ca
     assert float(agree) >= 0.95
 
 
-def test_llama_and_qwen2_blocks_fuse_with_the_bits_of_their_separate_operations(
+def test_llama_and_qwen_blocks_fuse_with_the_bits_of_their_separate_operations(
     quantized_arch, tmp_path
 ):
-    """Quantized Llama and Qwen2 blocks (Qwen2: q, k and v with biases) run a decode step as
-    one agentkv operation, with the logits of the block's separate operations; the other
-    architectures keep mlx-lm's blocks."""
+    """Quantized Llama, Qwen2 and Qwen3 blocks (Qwen2: q, k and v with biases; Qwen3: an
+    RMSNorm of each q and k head) run a decode step as one agentkv operation, with the logits
+    of the block's separate operations; the other architectures keep mlx-lm's blocks."""
     from agentkv.pool.step import PagedStep
 
     name, model = quantized_arch
     with engine_on(model, tmp_path / "kv") as eng:
         runner, pool = eng.runner, eng.pool
         kinds = {type(b).__name__ for b in runner.model.model.layers}
-        if name not in ("llama", "qwen2"):
+        if name not in ("llama", "qwen2", "qwen3"):
             assert "CPUFusedBlock" not in kinds
             return
         assert kinds == {"CPUFusedBlock"}
