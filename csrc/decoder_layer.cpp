@@ -221,11 +221,8 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
     std::fill_n(y, out.size(), std::numeric_limits<float>::quiet_NaN());
     return;
   }
-  if (p.inv_freq.empty()) {
-    const mx::array& freqs = in[kFreqs];
-    for (size_t i = 0; i < freqs.size(); ++i) {
-      p.inv_freq.push_back(1.0f / freqs.data<float>()[i]);
-    }
+  if (p.periods) {
+    p.inv_freq = rope_inverse_periods(in[kFreqs].data<float>(), in[kFreqs].size());
   }
 
   const float* xs = x.data<float>();
@@ -304,12 +301,7 @@ class DecoderLayer : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), params_(std::move(params)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
     encoder.dispatch([inputs, out, p = params_]() mutable { run(p, inputs, out); });
   }
 

@@ -1,6 +1,7 @@
 // Helpers shared by the MLX operations (ops.cpp, decoder_layer.cpp).
 #pragma once
 
+#include <mlx/backend/cpu/encoder.h>
 #include <mlx/mlx.h>
 
 #include <algorithm>
@@ -17,9 +18,24 @@ inline mlx::core::array packed(const mlx::core::array& a, mlx::core::Stream stre
   return a.is_available() && a.flags().row_contiguous ? a : mlx::core::contiguous(a, false, stream);
 }
 
+// How every primitive's eval_cpu starts: the output allocated, and every array registered
+// with the stream's encoder, which keeps them alive until the queued task has run.
+inline mlx::core::cpu::CommandEncoder& start_cpu_eval(mlx::core::Stream stream,
+                                                      const std::vector<mlx::core::array>& inputs,
+                                                      mlx::core::array& out) {
+  out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  encoder.set_output_array(out);
+  return encoder;
+}
+
 // Rotary inverse frequencies as agentkv's rope takes them: base^(-2i / dims) in double,
-// rounded to float (or, from given periods, 1 / f in float).
+// rounded to float; or, from given periods, 1 / f in float.
 std::vector<float> rope_inverse_frequencies(float base, int dims);
+std::vector<float> rope_inverse_periods(const float* periods, size_t count);
 
 // Whether every block row b of a paged attention reads lies inside the arena (of `blocks`
 // blocks). The pool never builds a table that fails this; if one did, the batch gets NaN

@@ -21,19 +21,6 @@ namespace {
 using agentkv::QuantizedWeights;
 using agentkv::ScaleType;
 
-// How every primitive's eval_cpu starts: the output allocated, and every array registered
-// with the stream's encoder, which keeps them alive until the queued task has run.
-mx::cpu::CommandEncoder& start_cpu_eval(mx::Stream stream, const std::vector<mx::array>& inputs,
-                                        mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  encoder.set_output_array(out);
-  return encoder;
-}
-
 // The element offset of every index of `a`'s first `axes` axes, in row-major order.
 std::vector<int64_t> leading_offsets(const mx::array& a, int axes) {
   const auto& shape = a.shape();
@@ -217,9 +204,7 @@ class Rope : public mx::UnaryPrimitive {
         std::vector<float> scratch;
         const mx::array& freqs = inputs.back();
         const float* f = row_major(freqs, scratch);
-        for (size_t i = 0; i < freqs.size(); ++i) {
-          inv_freq.push_back(1.0f / f[i]);
-        }
+        inv_freq = rope_inverse_periods(f, freqs.size());
       }
       agentkv::RopeArgs a;
       a.x = x.data<float>();
@@ -655,6 +640,14 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                                     channel_tokens};
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
+}
+
+std::vector<float> rope_inverse_periods(const float* periods, size_t count) {
+  std::vector<float> inv_freq(count);
+  for (size_t i = 0; i < count; ++i) {
+    inv_freq[i] = 1.0f / periods[i];
+  }
+  return inv_freq;
 }
 
 std::vector<float> rope_inverse_frequencies(float base, int dims) {
