@@ -1,5 +1,5 @@
 """``agentkv bench reload|ttft|save|compute|peers|kernels|batch|pool|serve|constrained|
-quality|kv-candidates``."""
+quality|kv-candidates|kvswap``."""
 
 from __future__ import annotations
 
@@ -113,6 +113,19 @@ def run_bench(args) -> int:
                 as_json=args.json,
                 model=args.model,
             )
+    elif name == "kvswap":
+        from .kvswap import run
+
+        run(
+            context=args.context,
+            decode=args.decode,
+            budget=args.budget,
+            rank=args.rank,
+            agents=0 if args.no_agents else args.agents,
+            agent_decode=args.agent_decode,
+            tune=args.tune,
+            as_json=args.json,
+        )
     elif name == "kv-candidates":
         from .kv_candidates import run
 

@@ -9,6 +9,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
@@ -26,6 +27,7 @@
 #include "core/block_io.h"
 #include "core/checksum.h"
 #include "core/gemm.h"
+#include "core/kvswap.h"
 #include "core/mapping_cache.h"
 #include "core/parallel.h"
 #include "core/pool_io.h"
@@ -33,6 +35,7 @@
 #include "core/rows.h"
 #include "core/store_error.h"
 #include "kernels_cpu.h"
+#include "kvswap_ops.h"
 #include "ops.h"
 
 namespace nb = nanobind;
@@ -412,7 +415,129 @@ nb::dict build_info() {
 
 }  // namespace
 
+// KVSwap (csrc/core/kvswap.h): each group's CRC-32C as the pool holds it, per evicted block,
+// layer and group: the group's rows of every component (in order), head by head.
+std::vector<uint32_t> kvswap_group_crcs(std::vector<mx::array> arenas, uint32_t layers,
+                                        uint32_t kv_heads, uint32_t block_tokens, uint32_t group,
+                                        const std::vector<int32_t>& blocks) {
+  if (layers == 0 || arenas.size() % layers || group == 0 || block_tokens % group) {
+    throw nb::value_error("kvswap_group_crcs: bad geometry");
+  }
+  mx::eval(arenas);
+  const size_t comps = arenas.size() / layers;
+  const uint32_t groups = block_tokens / group;
+  std::vector<uint32_t> crcs;
+  crcs.reserve(blocks.size() * layers * groups);
+  for (int32_t block : blocks) {
+    for (uint32_t l = 0; l < layers; ++l) {
+      for (uint32_t g = 0; g < groups; ++g) {
+        uint32_t crc = 0;
+        for (size_t c = 0; c < comps; ++c) {
+          const mx::array& a = arenas[l * comps + c];
+          const int64_t rb = static_cast<int64_t>(a.shape(1)) * a.itemsize();
+          for (uint32_t h = 0; h < kv_heads; ++h) {
+            const int64_t row = (static_cast<int64_t>(block) * kv_heads + h) * block_tokens +
+                                static_cast<int64_t>(g) * group;
+            if (block < 0 || row + group > a.shape(0)) {
+              throw nb::value_error("kvswap_group_crcs: a block outside the arena");
+            }
+            crc = agentkv::crc32c_extend(crc, a.data<uint8_t>() + row * rb, group * rb);
+          }
+        }
+        crcs.push_back(crc);
+      }
+    }
+  }
+  return crcs;
+}
+
+template <typename T>
+std::vector<T> evaluated_vector(const mx::array& a, mx::Dtype dtype, const char* what) {
+  if (a.dtype() != dtype) {
+    throw nb::type_error(what);
+  }
+  mx::array c = mx::contiguous(a);
+  mx::eval(c);
+  return std::vector<T>(c.data<T>(), c.data<T>() + c.size());
+}
+
+nb::dict kvswap_stats(const agentkv::KVSwapSet& s) {
+  const auto& st = s.stats();
+  nb::dict d;
+  d["steps"] = st.steps;
+  d["hits"] = st.hits;
+  d["misses"] = st.misses;
+  d["fills"] = st.fills;
+  d["bytes_read"] = st.bytes_read;
+  d["read_ns"] = st.read_ns;
+  d["select_ns"] = st.select_ns;
+  return d;
+}
+
+void bind_kvswap(nb::module_& m) {
+  using agentkv::KVSwapSet;
+  nb::class_<KVSwapSet>(m, "KVSwapSet",
+                        "One agent's evicted KV blocks for KVSwap (csrc/core/kvswap.h).")
+      .def(nb::init<int, int, int, int, int, int, int, int, int, float,
+                    const std::vector<std::string>&, std::vector<int64_t>, std::vector<int64_t>,
+                    int, std::vector<uint32_t>>(),
+           "layers"_a, "kv_heads"_a, "q_heads"_a, "head_dim"_a, "block_tokens"_a, "group"_a,
+           "rank"_a, "slots"_a, "demand"_a, "attention_scale"_a, "paths"_a, "offsets"_a,
+           "row_bytes"_a, "comps"_a, "crcs"_a)
+      .def(
+          "set_layer",
+          [](KVSwapSet& s, int layer, const mx::array& projection,
+             const mx::array& query_projection, const mx::array& keys, const mx::array& scales) {
+            const auto p = evaluated_vector<float>(projection, mx::float32, "projection: float32");
+            const auto qp =
+                evaluated_vector<float>(query_projection, mx::float32, "projection: float32");
+            const auto k = evaluated_vector<int8_t>(keys, mx::int8, "keys: int8");
+            const auto sc = evaluated_vector<float>(scales, mx::float32, "scales: float32");
+            if (!s.layer_sizes_ok(p.size(), k.size(), sc.size()) || qp.size() != p.size()) {
+              throw nb::value_error(
+                  "set_layer: projection [kv_heads, head_dim, rank], keys [kv_heads, rank, "
+                  "tokens] and scales [kv_heads, groups]");
+            }
+            s.set_layer(layer, p.data(), qp.data(), k.data(), sc.data());
+          },
+          "layer"_a, "projection"_a, "query_projection"_a, "keys"_a, "scales"_a)
+      .def(
+          "set_bounds",
+          [](KVSwapSet& s, int layer, const mx::array& lo, const mx::array& hi) {
+            const auto l = evaluated_vector<float>(lo, mx::float32, "lo: float32");
+            const auto h = evaluated_vector<float>(hi, mx::float32, "hi: float32");
+            if (!s.bounds_size_ok(l.size()) || h.size() != l.size()) {
+              throw nb::value_error("set_bounds: lo and hi [kv_heads, groups, head_dim]");
+            }
+            s.set_bounds(layer, l.data(), h.data());
+          },
+          "layer"_a, "lo"_a, "hi"_a)
+      .def("slot_groups", &KVSwapSet::slot_groups, "layer"_a)
+      .def(
+          "ranked",
+          [](const KVSwapSet& s, int layer, const mx::array& q) {
+            const auto v = evaluated_vector<float>(q, mx::float32, "q: float32 [Hq, D]");
+            return s.ranked(layer, v.data());
+          },
+          "layer"_a, "q"_a)
+      .def_prop_ro("stats", &kvswap_stats)
+      .def_prop_ro("error", &KVSwapSet::error)
+      .def_prop_ro("blocks", &KVSwapSet::blocks)
+      .def_prop_ro("slots", &KVSwapSet::slots)
+      .def_prop_rw("demand", &KVSwapSet::demand, &KVSwapSet::set_demand)
+      .def_prop_rw("recent", &KVSwapSet::recent, &KVSwapSet::set_recent)
+      .def_prop_ro("resident_bytes", &KVSwapSet::resident_bytes);
+  m.def("kvswap_group_crcs", &kvswap_group_crcs, "arenas"_a, "layers"_a, "kv_heads"_a,
+        "block_tokens"_a, "group"_a, "blocks"_a,
+        "CRC-32C of each (block, layer, group) of the pool, as KVSwapSet checks its reads.");
+  m.def("kvswap_stage", &agentkv::ops::kvswap_stage, "queries"_a, "keys"_a, "values"_a, "tables"_a,
+        "swaps"_a, "rows"_a, "layer"_a,
+        "Stage each swapped row's groups for this layer; returns the queries (NaN for a row "
+        "whose reads failed), to feed the paged attention after it.");
+}
+
 NB_MODULE(_ext, m) {
+  bind_kvswap(m);
   m.doc() =
       "agentkv native core: checksums, the mmap KV block loader, the block pool's I/O and "
       "fused attention.";
@@ -459,6 +584,8 @@ NB_MODULE(_ext, m) {
         "keys"_a, "values"_a, "tail"_a, "tables"_a, "lengths"_a, "tail_slots"_a, "rows"_a,
         "tail_rows"_a, "key_bits"_a, "value_bits"_a, "group"_a, "channel_tokens"_a,
         "block_tokens"_a, "window"_a, "rotate"_a, "linear_biases"_a, "qk_norms"_a, "qk_eps"_a,
+        "positions"_a = nb::none(), "swaps"_a = std::vector<std::shared_ptr<agentkv::KVSwapSet>>{},
+        "swap_rows"_a = std::vector<int>{}, "layer"_a = -1,
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
         "csrc/ops.h.");

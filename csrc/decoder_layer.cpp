@@ -19,6 +19,7 @@
 #include "core/half.h"
 #include "core/qmm.h"
 #include "core/rows.h"
+#include "kvswap_ops.h"
 #include "op_support.h"
 #include "ops.h"
 
@@ -41,7 +42,8 @@ enum Input : int {
   kTailSlots,                       // [B]
   kRows,                            // [B * Hkv * L] value rows of the new tokens
   kTailRows,                        // [B * Hkv * L] tail rows of the new keys
-  kFreqs,  // optional: rope periods; then each linear's bias, if any; then the q, k norms
+  kFreqs,  // optional: rope periods; then each linear's bias, if any; then the q, k norms;
+           // then, under KVSwap, each row's positions' end (lengths is then the table's)
 };
 
 struct LayerParams {
@@ -59,6 +61,8 @@ struct LayerParams {
   bool periods = false;                   // the rope periods are an input (kFreqs)
   bool qk_norms = false;                  // Qwen3: RMSNorm of each q and k head before RoPE
   float qk_eps = 0.0f;
+  bool positions = false;  // RoPE positions end at the last input, not at the lengths
+  SwapStep swap;           // rows whose KV is partly on disk (KVSwap)
   bool operator==(const LayerParams&) const = default;
 };
 
@@ -238,8 +242,9 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
     agentkv::rms_norm_rows(q.data(), q_norm.data<float>(), q.data(), rows * H, hd, p.qk_eps);
     agentkv::rms_norm_rows(k.data(), k_norm.data<float>(), k.data(), rows * Hkv, hd, p.qk_eps);
   }
-  rotary(p, q.data(), qh.data(), batch, length, H, lengths);
-  rotary(p, k.data(), kh.data(), batch, length, Hkv, lengths);
+  const int32_t* ends = p.positions ? in.back().data<int32_t>() : lengths;
+  rotary(p, q.data(), qh.data(), batch, length, H, ends);
+  rotary(p, k.data(), kh.data(), batch, length, Hkv, ends);
   swap_axes(v.data(), vh.data(), batch, length, Hkv, hd);
   const auto rotation = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));  // as Python
   if (p.rotate) {  // keys and values are stored as H k, H v; q.(H k) == (H q).(H k)
@@ -272,6 +277,16 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
                 scale_width * sizeof(uint16_t));
   }
 
+  // Swapped rows bring the groups their queries need into their staging blocks.
+  std::vector<int> failed;
+  if (!p.swap.empty()) {
+    std::vector<const mx::array*> parts;
+    for (int i = 0; i < 6; ++i) {
+      parts.push_back(&in[kKeys + i]);
+    }
+    failed = stage_swapped_rows(p.swap, qh.data(), H, hd, parts, a.tables, a.table_stride);
+  }
+
   // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd].
   a.q = qh.data();
   a.q_strides[0] = H * length * hd;
@@ -293,6 +308,10 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   agentkv::silu_mul(gate.data(), up.data(), gate.data(), rows * hidden);
   matmuls(p, in, 6, gate.data(), {r.data()}, rows);
   add(h.data(), r.data(), y, rows * model_dim);
+  for (int b : failed) {  // never a token from a row whose reads failed
+    std::fill_n(y + static_cast<int64_t>(b) * length * model_dim, length * model_dim,
+                std::numeric_limits<float>::quiet_NaN());
+  }
 }
 
 class DecoderLayer : public mx::UnaryPrimitive {
@@ -341,7 +360,10 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
                         int channel_tokens, int block_tokens, int window, bool rotate,
                         const std::vector<std::optional<mx::array>>& linear_biases,
-                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps) {
+                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
+                        const std::optional<mx::array>& positions,
+                        const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
+                        const std::vector<int>& swap_rows, int layer) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -433,7 +455,17 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
             "a linear's bias must be float32 [its outputs]");
   }
 
+  require(!positions || (positions->dtype() == mx::int32 && positions->ndim() == 1 &&
+                         positions->shape(0) == batch),
+          "positions must be int32 [B]");
+  require(swaps.size() == swap_rows.size() && (swaps.empty() || (length == 1 && layer >= 0)),
+          "swapped rows: one row per swap set, one new token a row, and the layer");
+  for (size_t i = 0; i < swaps.size(); ++i) {
+    require(swaps[i] && swap_rows[i] >= 0 && swap_rows[i] < batch, "a swapped row is bad");
+  }
+
   LayerParams p;
+  p.swap = SwapStep{swaps, swap_rows, layer};
   p.heads = heads;
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;
@@ -484,6 +516,10 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     p.qk_eps = qk_eps;
     in.push_back(packed((*qk_norms)[0], stream));
     in.push_back(packed((*qk_norms)[1], stream));
+  }
+  if (positions) {
+    p.positions = true;
+    in.push_back(packed(*positions, stream));
   }
   return mx::array({batch, length, dim}, mx::float32,
                    std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));

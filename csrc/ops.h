@@ -4,8 +4,13 @@
 #include <mlx/array.h>
 #include <mlx/utils.h>
 
+#include <memory>
 #include <optional>
 #include <variant>
+
+namespace agentkv {
+class KVSwapSet;
+}
 
 namespace agentkv::ops {
 
@@ -76,7 +81,10 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 // group in this step: the new values are quantized into `values` at `rows`, the new keys
 // (float16) go to `tail` at `tail_rows` (both [B * kv_heads * L], ordered batch, head,
 // token), written in place, as the pool's scatters do. Rows' positions start at
-// lengths[b] - L. CPU only.
+// lengths[b] - L, or at positions[b] - L where given (KVSwap: the tables and lengths then
+// describe what attention reads, csrc/kvswap_ops.h); each swapped row (swap_rows[i], one
+// new token) stages its groups through swaps[i] before its attention, and a row whose
+// reads failed gets NaN. CPU only.
 mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms, float eps,
                         const std::vector<mx::array>& linears, const std::vector<int>& bits,
                         const std::vector<int>& groups, int heads, int kv_heads,
@@ -89,6 +97,9 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const mx::array& tail_rows, int key_bits, int value_bits, int group,
                         int channel_tokens, int block_tokens, int window, bool rotate,
                         const std::vector<std::optional<mx::array>>& linear_biases,
-                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps);
+                        const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
+                        const std::optional<mx::array>& positions,
+                        const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
+                        const std::vector<int>& swap_rows, int layer);
 
 }  // namespace agentkv::ops

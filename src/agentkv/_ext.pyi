@@ -10,6 +10,56 @@ import numpy
 from numpy.typing import NDArray
 
 
+class KVSwapSet:
+    """One agent's evicted KV blocks for KVSwap (csrc/core/kvswap.h)."""
+
+    def __init__(self, layers: int, kv_heads: int, q_heads: int, head_dim: int, block_tokens: int, group: int, rank: int, slots: int, demand: int, attention_scale: float, paths: Sequence[str], offsets: Sequence[int], row_bytes: Sequence[int], comps: int, crcs: Sequence[int]) -> None: ...
+
+    def set_layer(self, layer: int, projection: mlx.core.array, query_projection: mlx.core.array, keys: mlx.core.array, scales: mlx.core.array) -> None: ...
+
+    def set_bounds(self, layer: int, lo: mlx.core.array, hi: mlx.core.array) -> None: ...
+
+    def slot_groups(self, layer: int) -> list[int]: ...
+
+    def ranked(self, layer: int, q: mlx.core.array) -> list[int]: ...
+
+    @property
+    def stats(self) -> dict: ...
+
+    @property
+    def error(self) -> str: ...
+
+    @property
+    def blocks(self) -> int: ...
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def demand(self) -> int: ...
+
+    @demand.setter
+    def demand(self, arg: int, /) -> None: ...
+
+    @property
+    def recent(self) -> int: ...
+
+    @recent.setter
+    def recent(self, arg: int, /) -> None: ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+def kvswap_group_crcs(arenas: Sequence[mlx.core.array], layers: int, kv_heads: int, block_tokens: int, group: int, blocks: Sequence[int]) -> list[int]:
+    """
+    CRC-32C of each (block, layer, group) of the pool, as KVSwapSet checks its reads.
+    """
+
+def kvswap_stage(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, swaps: Sequence[KVSwapSet], rows: Sequence[int], layer: int) -> mlx.core.array:
+    """
+    Stage each swapped row's groups for this layer; returns the queries (NaN for a row whose reads failed), to feed the paged attention after it.
+    """
+
 def forget_mappings(paths: Sequence[str]) -> None:
     """Drop cached mappings of segment files about to be deleted."""
 
@@ -32,7 +82,7 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, integer dot products (AVX2 or portable), every output reduced in one fixed order whatever the batch.
     """
 
-def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float) -> mlx.core.array:
+def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1) -> mlx.core.array:
     """
     One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h.
     """

@@ -227,3 +227,29 @@ def _quality(quality: argparse.ArgumentParser) -> None:
         "instead: the 4-bit weights through agentkv's kernel (int16 activations) vs the same "
         "weights in float32, fp16 KV (--tokens default 8192, --contexts default 2048)",
     )
+
+
+@_bench("kvswap", "KVSwap: decode with most of the KV on disk vs all of it in memory")
+def _kvswap(kvswap: argparse.ArgumentParser) -> None:
+    """The embedded model at 8K context (its maximum) on both `bench quality` texts: a
+    swapped agent (1/8 of its KV resident by default, the rest read back from its block files
+    as attention needs it) against the same KV format all in memory, decoding side by side:
+    tokens/s, perplexity ratio, top-1 agreement, resident KV, bytes read and reuse hits per
+    token, and a cold-page-cache figure; then agents at 8K decoding together in a pool that
+    holds 2 of them in full, against reloading them two at a time (docs/kvswap.md). About
+    5 minutes on 2 CPU cores; --tune adds a sweep of the predictor's rank on the first text."""
+    add_count(kvswap, "--context", 8192, "tokens of context per agent (default 8192)")
+    add_count(kvswap, "--decode", 128, "tokens decoded and scored per text (default 128)")
+    kvswap.add_argument(
+        "--budget",
+        type=positive_int,
+        default=None,
+        help="tokens of KV a swapped agent keeps resident per layer (default context / 8)",
+    )
+    kvswap.add_argument(
+        "--rank", type=positive_int, default=None, help="low-rank keys' rank per KV head"
+    )
+    add_count(kvswap, "--agents", 8, "agents in the batch test (default 8)")
+    add_flag(kvswap, "--no-agents", "skip the batch test")
+    add_count(kvswap, "--agent-decode", 16, "tokens each agent decodes there (default 16)")
+    add_flag(kvswap, "--tune", "sweep the rank (and the predictor without low-rank keys)")

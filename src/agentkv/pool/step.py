@@ -28,6 +28,7 @@ from ..kernels.attention import CacheBase, count_fused_attention, paged_attentio
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
 from ..mlx_adapter import FusedLayer
 from .arena import KVArena, WritePlan
+from .swap import SwapState
 from .tables import BlockTable
 
 
@@ -40,6 +41,7 @@ class PagedStep:
         count: int,
         *,
         fused: bool = True,
+        swaps: Sequence[SwapState | None] | None = None,
     ):
         if not tables or count < 1:
             raise ValueError("a step needs at least one table and one token")
@@ -47,17 +49,33 @@ class PagedStep:
         for t in tables:
             if len(t.blocks) < blocks_for(t.length + count):
                 raise ValueError("grow every table before its step")
-        width = max(len(t.blocks) for t in tables)
+        swaps = list(swaps) if swaps is not None else [None] * len(tables)
+        if len(swaps) != len(tables) or any(
+            s is not None and (s.table is not t or count != 1) for s, t in zip(swaps, tables)
+        ):
+            raise ValueError("a swapped table decodes one token a step, as its own row")
+        rows = [t.blocks if s is None else s.attention_row() for s, t in zip(swaps, tables)]
+        width = max(len(r) for r in rows)
         table = np.full((len(tables), width), -1, dtype=np.int32)
-        for b, t in enumerate(tables):
-            table[b, : len(t.blocks)] = t.blocks
+        for b, r in enumerate(rows):
+            table[b, : len(r)] = r
         if arena.ct and any(t.tail is None for t in tables):
             raise ValueError("per-channel keys: every table needs its tail slot (grow it)")
         self.arena = arena
         self.quant: KVQuant = arena.quant
         self.count = count
+        ends = np.asarray(starts, dtype=np.int32) + count
         self.tables = mx.array(table)
-        self.lengths = mx.array(np.asarray(starts, dtype=np.int32) + count)
+        # What attention reads; a swapped row reads its staging blocks, then its resident
+        # ones (pool/swap.py), and RoPE takes its true positions (`positions`).
+        self.lengths = mx.array(
+            np.asarray(
+                [e if s is None else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
+                dtype=np.int32,
+            )
+        )
+        self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
+        self.positions = mx.array(ends) if self.swapped else None
         self.plan = WritePlan(arena, list(tables), starts, count)
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
         self.fused = fused and self._fusable()
@@ -137,6 +155,16 @@ class PagedLayerCache(CacheBase):
         )
         rotate = quant.rotate
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
+        if step.swapped:  # the swapped rows' groups come into their staging blocks first
+            q = _ext.kvswap_stage(
+                q.astype(mx.float32),
+                list(keys),
+                list(values),
+                step.tables,
+                [s.swapset for _, s in step.swapped],
+                [b for b, _ in step.swapped],
+                self.layer,
+            )
         out = paged_attention(q, paged, scale=scale)
         return hadamard(out) if rotate else out  # values are stored as H v
 
@@ -166,6 +194,10 @@ class PagedLayerCache(CacheBase):
             block_tokens=BLOCK_TOKENS,
             window=self.window or 0,
             rotate=quant.rotate,
+            positions=step.positions,
+            swaps=[s.swapset for _, s in step.swapped],
+            swap_rows=[b for b, _ in step.swapped],
+            layer=self.layer,
         )
         arena.written_by(out)
         count_fused_attention()

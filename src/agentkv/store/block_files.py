@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,6 +45,19 @@ from .format import (
 log = logging.getLogger("agentkv.store")
 
 MAX_HEAD_BYTES = 1 << 20
+
+
+class SwapFile(NamedTuple):
+    """A block file as KVSwap reads it (its path and where its KV region starts) and as the
+    pool's loader verifies it (``KVArena.read_regions``)."""
+
+    path: str
+    offset: int
+    length: int
+    checksum: int
+    size: int
+    header_crc: int
+    tokens: tuple[int, ...]
 
 
 class SharedBlocks:
@@ -142,6 +156,36 @@ class SharedBlocks:
         if found is None:
             raise OSError(f"{path} vanished right after it was written")
         return found
+
+    def ensure_pool_blocks(self, pool, blocks: list[int]) -> list[SwapFile]:
+        """The block files of these complete, sealed pool blocks (written where missing,
+        their directories synced): where KVSwap reads them back (``pool/swap.py``). Call
+        inside ``writing()``."""
+        records = pool.blocks.records
+        if any(records[b].hash is None or not records[b].full for b in blocks):
+            raise ValueError("only complete, sealed blocks have block files")
+        packed, regions = pool.arena.pack(blocks, [BLOCK_TOKENS] * len(blocks))
+        view = memoryview(packed)
+        found = []
+        for block, (_, offset, length, checksum, _count) in zip(blocks, regions):
+            record = records[block]
+            stored = self.ensure(
+                record.hash, record.parent, record.tokens, view[offset : offset + length], checksum
+            )
+            found.append(stored)
+        self.sync_dirs([f.name for f in found])
+        return [
+            SwapFile(
+                str(self.path(f.name)),
+                f.offset,
+                f.length,
+                f.checksum,
+                f.size,
+                f.header_crc,
+                f.tokens,
+            )
+            for f in found
+        ]
 
     def sync_dirs(self, names) -> None:
         """fsync the directories of these block files (and ``blocks/`` itself)."""

@@ -1,0 +1,363 @@
+"""KVSwap: decoding with most of an agent's KV on disk, against the same KV all in memory.
+
+The embedded model, KV format 2 as ``Engine()`` stores it (q4.v2 with its wide layers), one
+block pool; docs/kvswap.md describes the mechanism.
+
+* **decode and quality** (each ``bench quality`` text): the text's first
+  ``context - decode`` tokens are prefilled once into a table; a fork of it is swapped
+  (its complete blocks written as block files, all but the last evicted, ``budget`` tokens
+  of KV resident per layer: staging blocks plus the last block). Then both decode the text's
+  next ``decode`` tokens one step at a time (teacher-forced), alternating step by step:
+  tokens/s of each, perplexity of each, their ratio, top-1 agreement of the swapped
+  next-token choice with the in-memory one, and what the swap held and read: resident KV
+  bytes, bytes read and reuse hit rate per token, time reading and choosing. ``cold``
+  (first text): ``cold_steps`` more steps with the swapped agent's block files dropped from
+  the page cache (``posix_fadvise(DONTNEED)``) before every step, so each miss is a disk
+  read.
+* **agents**: ``agents`` agents of ``context`` tokens (random KV written through the
+  forward pass's scatters, as ``bench save``) in a pool that holds 2 of them in full.
+  Swapped: all decode together in one batch, ``agent_decode`` steps. Evict and reload
+  (today without a swap budget): two at a time, each pair's blocks read back from their
+  block files into the pool, decoded together, given back. Aggregate tokens/s of each.
+* ``--tune``: the first text at every rank of ``TUNE_RANKS`` (and the predictor without
+  low-rank keys, ``bounds``: each group's per-channel key ranges), side by side with the
+  in-memory arm: perplexity ratio, top-1 agreement, tokens/s and resident bytes each.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from .common import emit, progress
+
+CONTEXT = 8192
+DECODE = 128
+COLD_STEPS = 16
+AGENTS = 8
+AGENT_DECODE = 16
+TUNE_RANKS = (8, 16, 24, 32)
+
+
+def run(
+    *,
+    context: int = CONTEXT,
+    decode: int = DECODE,
+    budget: int | None = None,
+    rank: int | None = None,
+    agents: int = AGENTS,
+    agent_decode: int = AGENT_DECODE,
+    tune: bool = False,
+    as_json: bool = False,
+) -> list[dict]:
+    import mlx.core as mx
+
+    from agentkv.model.kvswap import DEFAULT_RANK
+
+    from .kv_candidates import texts
+    from .quality import quant_of
+
+    if decode < 1 or context <= decode + 512:
+        raise SystemExit("agentkv: error: --context must exceed --decode by more than 512")
+    budget = budget or context // 8
+    rank = rank or DEFAULT_RANK
+    from agentkv.model.load import load_model
+
+    progress("kvswap: loading the model...")
+    loaded = load_model(weights="quantized")
+    quant = quant_of("q4.v2", loaded)
+    setup = _Setup(loaded, quant)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-kvswap-") as tmp:
+        for i, (name, text) in enumerate(texts().items()):
+            ids = loaded.tokenizer.encode(text)[: context + 1]
+            if len(ids) < context + 1:
+                raise SystemExit(f"agentkv: error: {name} has fewer than {context + 1} tokens")
+            arms = [("swap", rank)]
+            if tune and i == 0:
+                arms = [(f"rank {r}", r) for r in TUNE_RANKS] + [("bounds", 0)]
+            progress(f"kvswap: {name}: prefilling {context - decode} tokens, then decoding...")
+            rows += setup.text_rows(
+                name, ids, Path(tmp) / f"t{i}", arms, budget, decode, cold=i == 0
+            )
+            mx.clear_cache()
+        if agents:
+            progress(f"kvswap: {agents} agents of {context} tokens...")
+            rows.append(
+                setup.agents_row(Path(tmp) / "agents", agents, context, budget, rank, agent_decode)
+            )
+    emit(
+        "kvswap",
+        rows,
+        as_json,
+        {"context": context, "budget": budget, "rank": rank, "format": quant.label},
+    )
+    return rows
+
+
+class _Setup:
+    def __init__(self, loaded, quant):
+        self.loaded = loaded
+        self.quant = quant
+        self.spec = loaded.spec
+
+    def pool(self, blocks: int):
+        from agentkv.format.geometry import BLOCK_TOKENS
+        from agentkv.pool import KVPool
+
+        per_block = self.spec.bytes_per_token(self.quant) * BLOCK_TOKENS
+        return KVPool(self.spec, self.quant, pool_bytes=per_block * blocks)
+
+    def projections(self, rank: int):
+        from agentkv.model.kvswap import projections
+
+        if not rank:
+            return None
+        return projections(self.loaded.model, self.loaded.tokenizer, self.spec, self.quant, rank)
+
+    def swap(self, pool, table, directory: Path, budget: int, rank: int):
+        """Write ``table``'s complete blocks as block files and evict all but its last."""
+        from agentkv.pool.swap import SwapState, plan_blocks
+        from agentkv.store.block_files import SharedBlocks
+
+        plan = plan_blocks(table.length, budget)
+        if plan is None:
+            raise SystemExit("agentkv: error: the budget holds the whole context; nothing to swap")
+        evicted, staging = plan
+        shared = SharedBlocks(directory, self.spec, self.quant)
+        with shared.writing():
+            files = shared.ensure_pool_blocks(pool, table.blocks[:evicted])
+        return SwapState.evict(
+            pool,
+            table,
+            files,
+            self.projections(rank),
+            query_heads=self.loaded.query_heads,
+            staging=staging,
+        )
+
+    def step(self, pool, tables, swaps, tokens):
+        """One decode step of these rows; float32 logits [B, vocab]."""
+        import mlx.core as mx
+
+        from agentkv import mlx_adapter
+        from agentkv.pool.step import PagedStep
+
+        for table in tables:
+            table.grow(1, pool.arena.copy_rows)
+        step = PagedStep(pool.arena, self.spec, tables, 1, swaps=swaps)
+        out = mlx_adapter.last_logits(
+            self.loaded.model, mx.array([[t] for t in tokens]), step.caches
+        )
+        mx.eval(out)
+        pool.arena.settle()
+        for table, t in zip(tables, tokens):
+            table.written([t])
+        for swap in swaps:
+            if swap is not None and swap.error:
+                raise RuntimeError(f"kvswap: {swap.error}")
+        return out.reshape(len(tables), -1).astype(mx.float32)
+
+    def text_rows(self, name, ids, directory, arms, budget, decode, *, cold: bool):
+        import mlx.core as mx
+        import numpy as np
+
+        from agentkv.format.geometry import blocks_for
+
+        extra = COLD_STEPS if cold else 0
+        prefix = len(ids) - 1 - decode - extra
+        need = blocks_for(len(ids)) * (1 + len(arms)) + len(arms) * budget // 256 + 4
+        pool = self.pool(need)
+        base = pool.new_table(pool.seed(f"kvswap-{name}"))
+        _prefill(self.loaded.model, self.spec, pool, base, ids[:prefix])
+        tables, swaps = [base], [None]
+        for label, rank in arms:
+            fork = base.fork()
+            tables.append(fork)
+            swaps.append(self.swap(pool, fork, directory / label.replace(" ", "-"), budget, rank))
+        nll = np.zeros(len(tables))
+        top1 = np.zeros(len(tables))
+        seconds = np.zeros(len(tables))
+        for i in range(decode):
+            token, target = ids[prefix + i], ids[prefix + i + 1]
+            best = None
+            for a, (table, swap) in enumerate(zip(tables, swaps)):
+                start = time.perf_counter()
+                logits = self.step(pool, [table], [swap], [token])[0]
+                seconds[a] += time.perf_counter() - start
+                logp = logits - mx.logsumexp(logits)
+                nll[a] -= float(logp[target])
+                choice = int(mx.argmax(logits).item())
+                best = choice if a == 0 else best
+                top1[a] += choice == best
+        rows = []
+        for a in range(1, len(tables)):
+            label, rank = arms[a - 1]
+            rows.append(
+                self._row(
+                    name,
+                    label,
+                    rank,
+                    swaps[a],
+                    decode,
+                    seconds[0],
+                    seconds[a],
+                    float(np.exp(nll[0] / decode)),
+                    float(np.exp(nll[a] / decode)),
+                    top1[a] / decode,
+                )
+            )
+        if cold:
+            tokens = ids[prefix + decode : prefix + decode + extra]
+            rows.append(self._cold_row(name, pool, tables[:2], swaps[:2], tokens))
+        for swap in swaps[1:]:
+            swap.release()
+        base.release()
+        return rows
+
+    def _row(self, name, label, rank, swap, steps, ram_s, swap_s, ppl_ram, ppl_swap, agree):
+        stats = swap.stats()
+        demanded = stats["hits"] + stats["misses"]
+        return {
+            "test": name,
+            "arm": label,
+            "rank": rank,
+            "ram_tps": round(steps / ram_s, 1),
+            "swap_tps": round(steps / swap_s, 1),
+            "speed_ratio": round(ram_s / swap_s, 3),
+            "ppl_ram": round(ppl_ram, 3),
+            "ppl_swap": round(ppl_swap, 3),
+            "ppl_ratio": round(ppl_swap / ppl_ram, 4),
+            "top1_pct": round(100 * agree, 1),
+            "resident_kv_mb": round(self._resident_bytes(swap) / 1e6, 2),
+            "all_kv_mb": round(self._all_bytes(swap) / 1e6, 2),
+            "low_rank_mb": round(swap.swapset.resident_bytes / 1e6, 2),
+            "read_kb_per_token": round(stats["bytes_read"] / steps / 1e3, 1),
+            "hit_pct": round(100 * stats["hits"] / max(demanded, 1), 1),
+            "read_ms_per_token": round(stats["read_ns"] / steps / 1e6, 2),
+            "select_ms_per_token": round(stats["select_ns"] / steps / 1e6, 2),
+            "hidden_read_pct": 0.0,
+        }
+
+    def _resident_bytes(self, swap) -> int:
+        """KV held in memory for the swapped agent: its staging and resident blocks."""
+        return swap.resident_tokens() * self.spec.bytes_per_token(self.quant)
+
+    def _all_bytes(self, swap) -> int:
+        return swap.table.length * self.spec.bytes_per_token(self.quant)
+
+    def _cold_row(self, name, pool, tables, swaps, tokens):
+        swap = swaps[1]
+        before = swap.stats()
+        seconds = [0.0, 0.0]
+        for token in tokens:
+            _drop_page_cache(swap.files)
+            for a in range(2):
+                begin = time.perf_counter()
+                self.step(pool, [tables[a]], [swaps[a]], [token])
+                seconds[a] += time.perf_counter() - begin
+        after = swap.stats()
+        n = max(len(tokens), 1)
+        return {
+            "test": name,
+            "arm": "swap, cold page cache",
+            "rank": None,
+            "ram_tps": round(n / max(seconds[0], 1e-9), 1),
+            "swap_tps": round(n / max(seconds[1], 1e-9), 1),
+            "speed_ratio": round(seconds[0] / max(seconds[1], 1e-9), 3),
+            "read_kb_per_token": round((after["bytes_read"] - before["bytes_read"]) / n / 1e3, 1),
+            "read_ms_per_token": round((after["read_ns"] - before["read_ns"]) / n / 1e6, 2),
+            "steps": len(tokens),
+        }
+
+    def agents_row(self, directory, count, context, budget, rank, steps):
+        import mlx.core as mx
+
+        from agentkv.format.geometry import blocks_for
+        from agentkv.store.block_files import SharedBlocks
+
+        from .common import synthetic_table
+
+        full = blocks_for(context + steps)
+        staging = budget // 256 - 1
+        pool = self.pool(2 * full + count * (staging + 2))
+        # Swapped: every agent built in turn, written to block files and evicted.
+        swaps, stored = [], []
+        for i in range(count):
+            table = synthetic_table(pool, context, seed=i + 1)
+            shared = SharedBlocks(directory / f"a{i}", self.spec, self.quant)
+            with shared.writing():
+                stored.append(shared.ensure_pool_blocks(pool, table.blocks[: context // 256]))
+            swaps.append(self.swap(pool, table, directory / f"a{i}", budget, rank))
+            pool.blocks.drop_cached()
+        tables = [s.table for s in swaps]
+        start = time.perf_counter()
+        for i in range(steps):
+            self.step(pool, tables, swaps, [100 + i] * count)
+        swapped_s = time.perf_counter() - start
+        resident = sum(self._resident_bytes(s) for s in swaps)
+        for s in swaps:
+            s.release()
+        mx.clear_cache()
+        # Evict and reload: two agents at a time read back in full from their block files.
+        reload_s = 0.0
+        for pair in range(0, count, 2):
+            start = time.perf_counter()
+            loaded = [_reload(pool, stored[i], i + 1) for i in range(pair, min(pair + 2, count))]
+            for i in range(steps):
+                self.step(pool, loaded, [None] * len(loaded), [100 + i] * len(loaded))
+            reload_s += time.perf_counter() - start
+            for table in loaded:
+                table.release()
+        return {
+            "test": f"{count} agents x {context} tokens, pool holds 2",
+            "arm": "swap, all batched",
+            "rank": rank,
+            "swap_tps": round(count * steps / swapped_s, 1),
+            "ram_tps": round(count * steps / reload_s, 1),
+            "speed_ratio": round(reload_s / swapped_s, 3),
+            "resident_kv_mb": round(resident / 1e6, 2),
+            "pool_mb": round(pool.capacity * pool.arena.block_bytes / 1e6, 1),
+            "steps": steps,
+            "whole_agent_evictions": 0,
+        }
+
+
+def _prefill(model, spec, pool, table, ids, chunk: int = 512) -> None:
+    import mlx.core as mx
+
+    from agentkv.pool.step import PagedStep
+
+    for c0 in range(0, len(ids), chunk):
+        part = ids[c0 : c0 + chunk]
+        table.grow(len(part), pool.arena.copy_rows)
+        step = PagedStep(pool.arena, spec, [table], len(part))
+        model(mx.array([part]), cache=step.caches)
+        pool.arena.settle()
+        table.written(part)
+
+
+def _reload(pool, files, seed: int):
+    """A synthetic agent's table read back in full from its block files (today's reload of
+    a dropped agent)."""
+    table = pool.new_table(pool.seed(f"bench-{seed}"))
+    refs, regions = [], []
+    for i, f in enumerate(files):
+        block = pool.blocks.allocate()
+        table.attach(block, f.tokens)
+        refs.append((f.path, f.size, f.header_crc))
+        regions.append((i, f.offset, f.length, f.checksum, len(f.tokens), block))
+    pool.arena.read_regions(refs, regions)
+    table.seal_full()
+    return table
+
+
+def _drop_page_cache(files) -> None:
+    for f in files:
+        fd = os.open(f.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

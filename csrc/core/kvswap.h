@@ -1,0 +1,141 @@
+// KVSwap (docs/kvswap.md): one agent's KV kept mostly on disk while it decodes.
+//
+// The agent's leading blocks are *evicted*: their KV lives only in their block files
+// (store format: per layer and component a tensor [heads, 256, width], docs/storage.md).
+// Per layer a few *staging* blocks of the pool hold a reuse buffer of 64-token groups read
+// back from those files: slot s is rows [64 (s % 4), 64 (s % 4) + 64) of staging block
+// s / 4, and slot 0 always holds group 0 (the attention sinks). At each decode step and
+// layer, `stage` scores every evicted group from a low-rank copy of its keys (per KV head,
+// int8 [rank, tokens] with a float scale per 64-token group) and the step's query (see
+// group_scores in kvswap.cpp), keeps the best
+// `demand` groups resident (hits stay, misses are read with pread into the least recently
+// demanded slots) and checks every read against a CRC-32C taken from the pool before the
+// blocks were evicted. Attention then runs over the staging blocks followed by the agent's
+// resident blocks, as one ordinary block table (every slot is a whole channel group, and
+// positions live in the stored keys).
+//
+// Plain C++: no Python, no MLX. Not thread-safe: one step at a time (the model thread).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace agentkv {
+
+// One layer's arena as `stage` writes into it: each component's base and row bytes.
+struct SwapArena {
+  std::vector<uint8_t*> base;
+  std::vector<int64_t> row_bytes;
+  int64_t rows = 0;  // rows of each component
+};
+
+struct SwapStats {
+  uint64_t steps = 0;       // stage calls (layers x decode steps)
+  uint64_t hits = 0;        // demanded groups already resident
+  uint64_t misses = 0;      // demanded groups read from disk
+  uint64_t fills = 0;       // groups read to fill empty slots (the first step)
+  uint64_t bytes_read = 0;  // bytes pread from the block files
+  uint64_t read_ns = 0;     // time in pread and checking
+  uint64_t select_ns = 0;   // time scoring and choosing groups
+};
+
+class KVSwapSet {
+ public:
+  // `paths`: the evicted blocks' files, in block order; `offsets` [blocks][layers][comps]:
+  // where each component's tensor starts in its file; `row_bytes` [layers][comps];
+  // `crcs` [blocks][layers][groups per block]: CRC-32C of each group's runs (component-
+  // major, then head) as the pool held them. Opens every file (throws on failure).
+  KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int block_tokens, int group,
+            int rank, int slots, int demand, float attention_scale,
+            const std::vector<std::string>& paths, std::vector<int64_t> offsets,
+            std::vector<int64_t> row_bytes, int comps, std::vector<uint32_t> crcs);
+  ~KVSwapSet();
+  KVSwapSet(const KVSwapSet&) = delete;
+  KVSwapSet& operator=(const KVSwapSet&) = delete;
+
+  // A layer's low-rank projections per KV head, of the keys A [kv_heads][head_dim][rank] and
+  // of the queries B (the same shape), and its evicted tokens' low-rank keys (k - mean) A:
+  // int8 [kv_heads][rank][tokens] and a scale per KV head and group [kv_heads][groups].
+  // A query q scores key k as (q B) . ((k - mean) A).
+  void set_layer(int layer, const float* projection, const float* query_projection,
+                 const int8_t* keys, const float* scales);
+  // Or a layer's per-channel bounds of each group's keys, lo and hi [kv_heads][groups][dim]
+  // (format 2 stores them: a group's bias and bias + scale * levels); they take precedence.
+  void set_bounds(int layer, const float* lo, const float* hi);
+
+  // Make this layer's slots hold the groups `q` (rotated queries [q_heads, head_dim] of the
+  // row's new token) needs, reading into `arena` at the staging blocks `staging`
+  // (slots / groups-per-block of them). False (and `error()` set) if a read failed or did
+  // not match its checksum; the row's attention must not run on it.
+  bool stage(int layer, const float* q, const SwapArena& arena, const int32_t* staging);
+
+  // Which evicted group each of a layer's slots holds (-1: empty).
+  const std::vector<int32_t>& slot_groups(int layer) const {
+    return layer_state_[layer].slot_group;
+  }
+  // The groups `stage` would demand for `q` (best first), for tests.
+  std::vector<int32_t> ranked(int layer, const float* q) const;
+
+  const SwapStats& stats() const {
+    return stats_;
+  }
+  const std::string& error() const {
+    return error_;
+  }
+  int blocks() const {
+    return blocks_;
+  }
+  bool bounds_size_ok(size_t n) const {
+    return n == static_cast<size_t>(kv_heads_) * blocks_ * groups_per_block_ * head_dim_;
+  }
+  bool layer_sizes_ok(size_t projection, size_t keys, size_t scales) const {
+    const size_t tokens = static_cast<size_t>(blocks_) * block_tokens_;
+    return projection == static_cast<size_t>(kv_heads_) * head_dim_ * rank_ &&
+           keys == static_cast<size_t>(kv_heads_) * rank_ * tokens &&
+           scales == static_cast<size_t>(kv_heads_) * blocks_ * groups_per_block_;
+  }
+  int slots() const {
+    return slots_;
+  }
+  int demand() const {
+    return demand_;
+  }
+  void set_demand(int demand);
+  int recent() const {
+    return recent_;
+  }
+  void set_recent(int recent) {  // the newest evicted groups always demanded
+    recent_ = std::max(0, recent);
+  }
+  int64_t resident_bytes() const;  // the low-rank keys and the slot tables
+
+ private:
+  struct Layer {
+    std::vector<float> projection;  // [kv_heads][head_dim][rank]
+    std::vector<int8_t> keys;       // [kv_heads][rank][tokens]
+    std::vector<float> scales;      // [kv_heads][groups]
+    std::vector<int32_t> slot_group;
+    std::vector<uint64_t> slot_used;
+    std::vector<int32_t> where;  // group -> slot, or -1
+    std::vector<float> lo, hi;   // [kv_heads][groups][head_dim]
+  };
+  std::vector<float> group_scores(int layer, const float* q) const;
+  std::vector<float> softmax_sum(const std::vector<float>& best, int groups) const;
+  bool read_group(int layer, int group, int slot, const SwapArena& arena, const int32_t* staging);
+
+  int layers_, kv_heads_, q_heads_, head_dim_, block_tokens_, group_, rank_, slots_, demand_;
+  float attention_scale_;
+  int groups_per_block_, blocks_, comps_;
+  std::vector<int> fds_;
+  std::vector<std::string> paths_;
+  std::vector<int64_t> offsets_, row_bytes_;
+  std::vector<uint32_t> crcs_;
+  std::vector<Layer> layer_state_;
+  uint64_t tick_ = 0;
+  int recent_ = 0;
+  SwapStats stats_;
+  std::string error_;
+};
+
+}  // namespace agentkv

@@ -1,0 +1,259 @@
+"""KVSwap on the block pool (pool/swap.py, csrc/core/kvswap.*): an agent decoding with its
+leading blocks evicted to their block files, read back group by group as its queries need
+them. On the embedded model: a buffer that holds every evicted group gives the in-memory
+bits; a row gives the same bits alone or batched with swapped and resident rows; the
+chosen groups are the exact top groups where the projection is exact; a damaged or
+truncated block file fails that row (NaN, a clear error naming the file), never another
+row, never a wrong token."""
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from agentkv import mlx_adapter
+from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.model import kvswap
+from agentkv.pool import KVPool
+from agentkv.pool.step import PagedStep
+from agentkv.pool.swap import GROUPS_PER_BLOCK, Projections, SwapState, plan_blocks, stored_keys
+from agentkv.store.block_files import SharedBlocks
+
+PREFIX = 1086  # 4 full blocks + 62 tokens: the second decode step completes a channel group
+
+
+@pytest.fixture(scope="module")
+def setup(engine):
+    """A pool of the engine's format with one prefilled table the tests fork."""
+    loaded, quant = engine.runner.loaded, engine.pool.quant
+    spec = loaded.spec
+    pool = KVPool(spec, quant, pool_bytes=spec.bytes_per_token(quant) * BLOCK_TOKENS * 64)
+    base = pool.new_table(pool.seed("kvswap-test"))
+    ids = np.random.default_rng(5).integers(100, 30000, PREFIX).tolist()
+    for c0 in range(0, PREFIX, 512):
+        part = ids[c0 : c0 + 512]
+        base.grow(len(part), pool.arena.copy_rows)
+        step = PagedStep(pool.arena, spec, [base], len(part))
+        loaded.model(mx.array([part]), cache=step.caches)
+        pool.arena.settle()
+        base.written(part)
+    yield loaded, pool, base
+    base.release()
+
+
+def _identity(spec) -> Projections:
+    """Exact projections: rank = head dim, A = B = I, no mean."""
+    eye = mx.broadcast_to(mx.eye(spec.key_head_dim), (spec.kv_heads, *[spec.key_head_dim] * 2))
+    zero = mx.zeros((spec.kv_heads, spec.key_head_dim))
+    layers = spec.num_layers
+    return Projections((eye,) * layers, (zero,) * layers, (eye,) * layers)
+
+
+def _swapped(setup, directory, *, evict: int, staging: int, projections=None) -> SwapState:
+    loaded, pool, base = setup
+    table = base.fork()
+    shared = SharedBlocks(directory, loaded.spec, pool.quant)
+    with shared.writing():
+        files = shared.ensure_pool_blocks(pool, table.blocks[:evict])
+    return SwapState.evict(
+        pool,
+        table,
+        files,
+        projections or _identity(loaded.spec),
+        query_heads=loaded.query_heads,
+        staging=staging,
+    )
+
+
+def _step(setup, tables, swaps, tokens) -> np.ndarray:
+    loaded, pool, _ = setup
+    for table in tables:
+        table.grow(1, pool.arena.copy_rows)
+    step = PagedStep(pool.arena, loaded.spec, tables, 1, swaps=swaps)
+    out = mlx_adapter.last_logits(loaded.model, mx.array([[t] for t in tokens]), step.caches)
+    mx.eval(out)
+    pool.arena.settle()
+    for table, t in zip(tables, tokens):
+        table.written([t])
+    return np.array(out.reshape(len(tables), -1).astype(mx.float32))
+
+
+def test_plan_blocks_swaps_only_what_the_budget_cannot_hold():
+    assert plan_blocks(8192, 1024) == (31, 3)  # the last block stays, 3 staging blocks
+    assert plan_blocks(8192, 8192) is None  # the budget holds it all: exact attention
+    assert plan_blocks(1000, 2048) is None
+    assert plan_blocks(2048, 256) is None  # no room for a staging block
+    assert plan_blocks(600, 512) == (2, 1)  # the smallest swap: 3 blocks held by 2
+    assert plan_blocks(2000, 512) == (7, 1)
+
+
+def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(setup, tmp_path):
+    """Four blocks evicted into four staging blocks: every group comes back in its place,
+    so attention reads the same tokens in the same order (fused steps, and the step that
+    completes a channel group, which runs the separate operations)."""
+    _, pool, base = setup
+    swap = _swapped(setup, tmp_path, evict=4, staging=4)
+    plain = base.fork()
+    tokens = [17]
+    for _ in range(3):
+        a = _step(setup, [plain], [None], tokens)
+        b = _step(setup, [swap.table], [swap], tokens)
+        np.testing.assert_array_equal(a, b)
+        tokens = [int(a[0].argmax())]
+    assert swap.error == ""
+    stats = swap.stats()
+    assert stats["misses"] + stats["fills"] == pool.spec.num_layers * 4 * GROUPS_PER_BLOCK
+    assert stats["bytes_read"] > 0
+    assert all(swap.swapset.slot_groups(layer) == list(range(16)) for layer in range(30))
+    swap.release()
+    plain.release()
+    pool.blocks.check()
+
+
+def test_a_swapped_row_gives_the_same_bits_alone_or_batched(setup, tmp_path):
+    """Two swapped agents (1 staging block for 4 evicted ones: groups chosen by their
+    queries) and a resident one, batched, against each alone."""
+    _, pool, base = setup
+    together = [_swapped(setup, tmp_path / f"t{i}", evict=4, staging=1) for i in range(2)]
+    alone = [_swapped(setup, tmp_path / f"a{i}", evict=4, staging=1) for i in range(2)]
+    resident = [base.fork(), base.fork()]
+    tokens = [31, 32, 33]
+    for _ in range(3):
+        both = _step(setup, [s.table for s in together] + [resident[0]], [*together, None], tokens)
+        each = [_step(setup, [s.table], [s], [t])[0] for s, t in zip(alone, tokens)]
+        each.append(_step(setup, [resident[1]], [None], [tokens[2]])[0])
+        np.testing.assert_array_equal(both, np.stack(each))
+        tokens = [int(t) for t in both.argmax(axis=-1)]
+    for s in together + alone:
+        assert s.error == ""
+        assert s.stats()["misses"] > 0  # groups came and went
+        s.release()
+    for t in resident:
+        t.release()
+    pool.blocks.check()
+
+
+def _exact_ranking(keys: np.ndarray, q: np.ndarray, scale: float, groups: int) -> np.ndarray:
+    """Per query head, the softmax over groups 1.. of each group's best q.k, summed."""
+    per = q.shape[0] // keys.shape[0]
+    total = np.zeros(groups)
+    for h in range(q.shape[0]):
+        s = keys[h // per] @ (q[h] * scale)  # [tokens]
+        best = s.reshape(groups, -1).max(axis=1)[1:]
+        p = np.exp(best - best.max())
+        total[1:] += p / p.sum()
+    return total
+
+
+def test_the_chosen_groups_are_the_exact_top_groups(setup, tmp_path):
+    """With exact projections the predictor ranks groups as the exact scores do (queries
+    drawn around chosen keys, so the top groups mostly stand apart from the rest; cases with
+    a near tie at the cut are skipped)."""
+    loaded, pool, base = setup
+    spec = loaded.spec
+    swap = _swapped(setup, tmp_path, evict=4, staging=1)
+    rng = np.random.default_rng(0)
+    groups = 4 * GROUPS_PER_BLOCK
+    scale = spec.key_head_dim**-0.5
+    checked = 0
+    for layer in (0, 7, 19):
+        keys = np.array(stored_keys(pool, layer, base.blocks[:4]))  # the fork's evicted ones
+        for _ in range(4):
+            planted = rng.choice(np.arange(1, groups), size=3, replace=False)
+            q = np.zeros((loaded.query_heads, spec.key_head_dim), dtype=np.float32)
+            per = loaded.query_heads // spec.kv_heads
+            for h in range(loaded.query_heads):
+                g = planted[h % 3]
+                token = g * 64 + rng.integers(0, 64)
+                q[h] = 3 * keys[h // per, token] + rng.normal(0, 0.1, spec.key_head_dim)
+            exact = _exact_ranking(keys, q, scale, groups)
+            order = np.argsort(-exact)
+            if exact[order[2]] - exact[order[3]] < 0.2:
+                continue  # a near tie at the cut: int8 low-rank keys may break it either way
+            got = swap.swapset.ranked(layer, mx.array(q))
+            assert set(got[:3]) == set(order[:3].tolist())
+            checked += 1
+    assert checked >= 6
+    swap.release()
+
+
+def test_a_damaged_block_file_fails_only_its_row(setup, tmp_path):
+    """One agent's block files damaged after it swapped (bytes flipped), another's
+    truncated: each of those rows gets NaN and an error naming its file; the third swapped
+    agent in the same batch gets the bits it gets alone."""
+    _, pool, _ = setup
+    damaged = _swapped(setup, tmp_path / "d", evict=4, staging=1)
+    short = _swapped(setup, tmp_path / "s", evict=4, staging=1)
+    sound = _swapped(setup, tmp_path / "ok", evict=4, staging=1)
+    sound_alone = _swapped(setup, tmp_path / "ok2", evict=4, staging=1)
+    for f in damaged.files:
+        with open(f.path, "r+b") as fh:
+            fh.seek(f.offset)
+            data = bytearray(fh.read(f.length))
+            fh.seek(f.offset)
+            fh.write(bytes(b ^ 0x5A for b in data))
+    for f in short.files:
+        with open(f.path, "r+b") as fh:
+            fh.truncate(f.offset + 100)
+    rows = [damaged, short, sound]
+    out = _step(setup, [s.table for s in rows], rows, [41, 42, 43])
+    want = _step(setup, [sound_alone.table], [sound_alone], [43])
+    assert np.isnan(out[0]).all() and np.isnan(out[1]).all()
+    np.testing.assert_array_equal(out[2], want[0])
+    assert "do not match their checksum" in damaged.error
+    assert any(f.path in damaged.error for f in damaged.files)
+    assert "shorter than its layout" in short.error
+    assert sound.error == ""
+    for s in rows + [sound_alone]:
+        s.release()
+    pool.blocks.check()
+
+
+def test_a_missing_block_file_is_refused_when_swapping(setup, tmp_path):
+    loaded, pool, base = setup
+    table = base.fork()
+    shared = SharedBlocks(tmp_path, loaded.spec, pool.quant)
+    with shared.writing():
+        files = shared.ensure_pool_blocks(pool, table.blocks[:4])
+    Path(files[2].path).unlink()
+    with pytest.raises(RuntimeError, match="cannot open block file"):
+        SwapState.evict(
+            pool, table, files, _identity(loaded.spec), query_heads=loaded.query_heads, staging=1
+        )
+    assert table.blocks[0] >= 0  # nothing evicted
+    table.release()
+    pool.blocks.check()
+
+
+def test_the_projections_are_measured_once_and_kept(setup, monkeypatch, caplog):
+    loaded, pool, _ = setup
+    spec, quant = loaded.spec, pool.quant
+    monkeypatch.setattr(kvswap, "CALIBRATION_TOKENS", 512)
+    monkeypatch.setattr(kvswap, "_MEMO", {})
+    p = kvswap.projections(loaded.model, loaded.tokenizer, spec, quant, 8)
+    assert len(p.matrices) == spec.num_layers and p.rank == 8
+    assert p.matrices[0].shape == (spec.kv_heads, spec.key_head_dim, 8)
+    path = kvswap._path(spec, quant)
+    assert path.exists()
+    # Read back, not measured again.
+    monkeypatch.setattr(kvswap, "_MEMO", {})
+    monkeypatch.setattr(kvswap, "layer_keys", lambda *a: pytest.fail("measured again"))
+    q = kvswap.projections(loaded.model, loaded.tokenizer, spec, quant, 8)
+    np.testing.assert_array_equal(np.array(q.matrices[3]), np.array(p.matrices[3]))
+    # The bilinear form at full rank is exact: (q B).((k - mean) A) == q.(k - mean).
+    full = kvswap.projections(loaded.model, loaded.tokenizer, spec, quant, spec.key_head_dim)
+    rng = np.random.default_rng(1)
+    k, qv = rng.normal(size=(2, spec.key_head_dim)).astype(np.float32)
+    a, b = np.array(full.matrices[5][1]), np.array(full.queries[5][1])
+    mean = np.array(full.means[5][1])
+    assert math.isclose(float((qv @ b) @ ((k - mean) @ a)), float(qv @ (k - mean)), rel_tol=1e-3)
+    # A damaged file is ignored (logged) and measured again.
+    path.write_bytes(b"not safetensors")
+    monkeypatch.setattr(kvswap, "_MEMO", {})
+    calls = []
+    monkeypatch.setattr(kvswap, "layer_keys", lambda *a: calls.append(1) or pytest.fail("x"))
+    with pytest.raises(pytest.fail.Exception):
+        kvswap.projections(loaded.model, loaded.tokenizer, spec, quant, 8)
+    assert calls and "ignoring the unreadable KVSwap calibration" in caplog.text
