@@ -522,6 +522,7 @@ void bind_kvswap(nb::module_& m) {
           "layer"_a, "q"_a)
       .def_prop_ro("stats", &kvswap_stats)
       .def_prop_ro("error", &KVSwapSet::error)
+      .def_prop_ro("failed_block", &KVSwapSet::failed_block)
       .def_prop_ro("blocks", &KVSwapSet::blocks)
       .def_prop_ro("slots", &KVSwapSet::slots)
       .def_prop_rw("demand", &KVSwapSet::demand, &KVSwapSet::set_demand)

@@ -292,6 +292,7 @@ bool KVSwapSet::read_group(int layer, int group, int slot, const SwapArena& aren
       while (done < bytes) {
         const ssize_t n = ::pread(fds_[block], dst + done, bytes - done, offset + done);
         if (n <= 0) {
+          failed_block_ = block;
           error_ = "block file " + paths_[block] + ": " +
                    (n == 0 ? std::string("file is shorter than its layout")
                            : std::string(std::strerror(errno)));
@@ -305,6 +306,7 @@ bool KVSwapSet::read_group(int layer, int group, int slot, const SwapArena& aren
   }
   stats_.read_ns += now_ns() - start;
   if (crc != crcs_[(static_cast<size_t>(block) * layers_ + layer) * groups_per_block_ + in_block]) {
+    failed_block_ = block;
     error_ = "block file " + paths_[block] + ": layer " + std::to_string(layer) + ", tokens " +
              std::to_string(in_block * group_) + "-" + std::to_string((in_block + 1) * group_) +
              " do not match their checksum";

@@ -83,6 +83,9 @@ class KVSwapSet {
   const std::string& error() const {
     return error_;
   }
+  int failed_block() const {  // the evicted block whose read failed, or -1
+    return failed_block_;
+  }
   int blocks() const {
     return blocks_;
   }
@@ -136,6 +139,7 @@ class KVSwapSet {
   int recent_ = 0;
   SwapStats stats_;
   std::string error_;
+  int failed_block_ = -1;
 };
 
 }  // namespace agentkv

@@ -22,6 +22,7 @@ from .options import (
     byte_size,
     command,
     common_options,
+    positive_int,
     with_parents,
 )
 
@@ -128,6 +129,15 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="memory for every agent's KV blocks, e.g. 2GiB or 512MiB (default: a quarter "
         "of this machine's RAM, at most 16GiB; pages are committed only as blocks fill)",
+    )
+    serve.add_argument(
+        "--kv-swap-budget",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="KVSwap: tokens of KV per layer an agent keeps in memory while it decodes (at "
+        "least 512); the rest stays in its block files and what attention needs is read "
+        "back each step (docs/kvswap.md). Default: none, all KV in memory, exact attention",
     )
     serve.add_argument(
         "--schedule",

@@ -100,6 +100,7 @@ def _engine_factory(args):
         "kv_bits": args.kv_bits,
         "key_bits": args.key_bits,
         "pool_bytes": args.pool_memory,
+        "kv_swap_budget": args.kv_swap_budget,
         "max_batch": args.max_batch,
         "max_queue": args.max_queue,
         "schedule": args.schedule,

@@ -14,6 +14,7 @@ from ..text.matcher import DEFAULT_MIN_REUSE
 from .scheduler import POLICIES
 
 KV_FORMATS = (1, 2)
+MIN_SWAP_BUDGET = 512  # tokens: one staging block and the last block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,10 @@ class EngineConfig:
     turns waiting before ``submit_chat`` raises ``EngineBusyError``; ``schedule``: one of
     ``scheduler.POLICIES``; ``warmup``: run the model once at start so the first turn pays
     no one-time costs.
+    ``kv_swap_budget``: KVSwap (docs/kvswap.md): tokens of KV per layer an agent keeps in
+    memory while it decodes (at least 512); the rest of its context stays in its block files
+    and the groups each step's attention needs are read back. Prefill stays exact. None
+    (the default): every agent's KV stays in memory and attention is exact.
     """
 
     model: str | os.PathLike | None = None
@@ -59,6 +64,7 @@ class EngineConfig:
     warmup: bool = True
     kv_format: int = 2
     kv_wide_layers: Sequence[int] | None = None
+    kv_swap_budget: int | None = None
 
     def __post_init__(self):
         if self.weights is not None and self.weights not in WEIGHTS:
@@ -77,6 +83,14 @@ class EngineConfig:
         pool_bytes = self.pool_bytes
         if pool_bytes is not None and (not isinstance(pool_bytes, int) or pool_bytes < 1):
             raise InvalidRequestError("pool_bytes must be a positive number of bytes")
+        budget = self.kv_swap_budget
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int) or budget < MIN_SWAP_BUDGET
+        ):
+            raise InvalidRequestError(
+                f"kv_swap_budget must be at least {MIN_SWAP_BUDGET} tokens (a staging block and "
+                f"the agent's last block), or None; not {budget!r}"
+            )
         if self.kv_wide_layers is not None:  # the indices now; against the model's layers later
             wide = KVQuant(wide_layers=self.kv_wide_layers).wide_layers
             object.__setattr__(self, "kv_wide_layers", wide)

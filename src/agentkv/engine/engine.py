@@ -57,6 +57,7 @@ from .resume import Resumer
 from .runner import TurnRunner
 from .scheduler import Scheduler
 from .state import AgentState
+from .swapping import Swapper
 
 log = logging.getLogger("agentkv.engine")
 
@@ -128,6 +129,7 @@ class Engine:
         kv_format: int = 2,
         kv_wide_layers: Sequence[int] | None = None,
         weights: str | None = None,
+        kv_swap_budget: int | None = None,
     ):
         options = EngineConfig(
             model=model,
@@ -146,6 +148,7 @@ class Engine:
             warmup=warmup,
             kv_format=kv_format,
             kv_wide_layers=kv_wide_layers,
+            kv_swap_budget=kv_swap_budget,
         )
         self.config = _one_config(config, options)
         # Not a bound method: the runner holds it, and a method would tie the runner back to
@@ -195,14 +198,34 @@ class Engine:
             min_reuse=config.min_reuse_tokens,
             context_limit=self.context_limit,
         )
+        self.swapper = None
+        if config.kv_swap_budget is not None:
+            self._check_swappable()
+            self.swapper = Swapper(
+                pool=self.pool, store=self.store, loaded=loaded, budget=config.kv_swap_budget
+            )
         self.runner = TurnRunner(
             loaded=loaded,
             resumer=resumer,
             eos_ids=self.eos_ids,
             prefill_chunk=config.prefill_chunk,
             agent_lock=self._agent_lock,
+            swapper=self.swapper,
         )
         self.residency.save = self.runner.save
+
+    def _check_swappable(self) -> None:
+        """KVSwap's needs (docs/kvswap.md), or a clear error at start."""
+        quant = self.quant
+        reasons = []
+        if self.pool.window is not None:
+            reasons.append("the model has sliding-window layers")
+        if not quant.channel_keys or quant.channel_tokens != 64:
+            reasons.append("the KV format is not format 2 with 64-token channel groups")
+        if mx.default_device() != mx.cpu:
+            reasons.append("it runs on the CPU only, so far")
+        if reasons:
+            raise InvalidRequestError("kv_swap_budget: " + "; ".join(reasons))
 
     # -- public API -------------------------------------------------------------
 

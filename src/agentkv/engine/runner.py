@@ -28,6 +28,7 @@ from .job import Job, Resumed
 from .residency import Residency
 from .resume import ReloadNeeded, Resumer
 from .state import AgentState
+from .swapping import Swapper
 
 log = logging.getLogger("agentkv.engine")
 
@@ -43,8 +44,10 @@ class TurnRunner:
         eos_ids: frozenset,
         prefill_chunk: int,
         agent_lock: Callable[[str], threading.Lock],
+        swapper: Swapper | None = None,
     ):
         self.loaded = loaded
+        self.swapper = swapper
         self.resumer = resumer
         self.eos_ids = eos_ids
         self.prefill_chunk = prefill_chunk
@@ -101,16 +104,19 @@ class TurnRunner:
 
     # -- forward passes ---------------------------------------------------------------------
 
-    def forward(self, tables, ids: list[list[int]], *, reservations=None, logits: bool = True):
+    def forward(
+        self, tables, ids: list[list[int]], *, reservations=None, logits: bool = True, swaps=None
+    ):
         """Feed ``ids`` (as many per row) through the model on these block tables, growing
         each from its reservation; the logits after each row's last token, or None
         (``logits=False``: a prefill chunk that is not the last, whose output projection
-        is then never computed)."""
+        is then never computed). ``swaps``: each row's KVSwap state or None (a row whose
+        reads failed gets NaN logits and its state's ``error``: ``check_swap``)."""
         count = len(ids[0])
         arena = self.pool.arena
         for table, reservation in zip(tables, reservations or [None] * len(tables)):
             table.grow(count, arena.copy_rows, reservation)
-        step = PagedStep(arena, self.loaded.spec, tables, count)
+        step = PagedStep(arena, self.loaded.spec, tables, count, swaps=swaps)
         last = None
         try:
             if logits:
@@ -125,6 +131,19 @@ class TurnRunner:
         for table, row in zip(tables, ids):
             table.written(row)
         return last
+
+    # -- KVSwap -------------------------------------------------------------------------------
+
+    def start_decode(self, job: Job) -> None:
+        """A turn's prefill is done: swap the agent's leading blocks out if it is over the
+        engine's KVSwap budget (engine/swapping.py)."""
+        if self.swapper is not None and job.state is not None:
+            self.swapper.start(job.state)
+
+    def check_swap(self, job: Job) -> None:
+        """Raise the agent's error if its KVSwap reads failed in the last step."""
+        if self.swapper is not None and job.state is not None:
+            self.swapper.check(job.state)
 
     # -- the end of a turn --------------------------------------------------------------------
 
@@ -148,6 +167,9 @@ class TurnRunner:
         except BaseException:  # e.g. no memory to pack the save: drop it, reload from disk
             state.release()
             raise
+        if state.swap is not None:  # saved; its next turn resumes from disk (and the pool)
+            state.release()
+            return
         self.residency.put(state)
 
     def save(self, state: AgentState) -> None:
@@ -167,11 +189,11 @@ class TurnRunner:
             spans=state.spans,
             text=state.text,
             messages=state.messages,
+            evicted=state.swap.records if state.swap is not None else None,
         )
         self.writer.submit(job)
-        records = self.pool.blocks.records
         full = state.table.length // BLOCK_TOKENS  # a partial last block is saved as the agent's
-        state.saved_blocks = [records[b].hash for b in state.table.blocks[:full]]
+        state.saved_blocks = [state.block_hash(i) for i in range(full)]
         state.durable = state.size
 
     def _cap_window(self, state: AgentState) -> None:

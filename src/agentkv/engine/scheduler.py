@@ -264,6 +264,8 @@ class Scheduler:
                 return
             job.prefill_finished()
             over = job.take(job.sample(logits).item())
+            if not over:
+                self.runner.start_decode(job)
         except Exception as exc:
             self._fail(job, exc)
             return
@@ -296,6 +298,7 @@ class Scheduler:
                 [j.state.table for j in jobs],
                 [[j.last_token] for j in jobs],
                 reservations=[j.reservation for j in jobs],
+                swaps=[j.state.swap for j in jobs],
             )
         except Exception as exc:
             self._decoding = []
@@ -305,6 +308,7 @@ class Scheduler:
         sampled, ended = {}, []
         for i, job in enumerate(jobs):
             try:
+                self.runner.check_swap(job)  # a failed KVSwap read ends its own turn only
                 sampled[job] = job.sample(logits[i : i + 1])
             except Exception as exc:
                 ended.append((job, exc))

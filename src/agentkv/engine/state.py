@@ -5,7 +5,8 @@ Invariant: ``table`` holds exactly ``len(tokens)`` tokens, token ``i`` covers by
 leading tokens are identical to what is on disk (or queued to be), and ``saved_blocks``
 are the chain hashes of the leading blocks the agent's manifest names once its queued
 saves land (None for a private, partial block): a save keeps the leading blocks whose
-hashes still match and writes the rest.
+hashes still match and writes the rest. While the agent decodes under a KVSwap budget,
+``swap`` holds its evicted leading blocks (``table.blocks`` is -1 there; pool/swap.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import KVQuant
 from ..pool import BlockTable
+from ..pool.swap import SwapState
 
 
 @dataclass
@@ -32,6 +34,7 @@ class AgentState:
     saved_blocks: list[bytes | None] = field(default_factory=list)
     messages: list | None = None
     last_used: float = field(default_factory=time.monotonic)
+    swap: SwapState | None = None
 
     @property
     def size(self) -> int:
@@ -61,16 +64,26 @@ class AgentState:
         self.spans = np.concatenate([self.spans, spans.astype(np.int64)])
         self.text = self.text + text
 
+    def block_hash(self, index: int) -> bytes | None:
+        """The chain hash of the table's block ``index`` (an evicted one's too)."""
+        block = self.table.blocks[index]
+        if block < 0:
+            return self.swap.records[index][0]
+        return self.table.pool.records[block].hash
+
     def kept_blocks(self) -> int:
         """Leading blocks a save need not write again (their hashes are on disk already)."""
-        records = self.table.pool.records
         keep = 0
-        for saved, block in zip(self.saved_blocks, self.table.blocks):
-            if saved is None or records[block].hash != saved:
+        for index, saved in enumerate(self.saved_blocks[: len(self.table.blocks)]):
+            if saved is None or self.block_hash(index) != saved:
                 break
             keep += 1
         return keep
 
     def release(self) -> None:
         """Give the agent's blocks back to the pool (the state is unusable afterwards)."""
+        if self.swap is not None:
+            self.swap.release()  # the staging blocks, and the table
+            self.swap = None
+            return
         self.table.release()

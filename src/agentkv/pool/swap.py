@@ -80,22 +80,26 @@ class SwapState:
     """One agent's table while KVSwap keeps its leading blocks on disk (module docstring)."""
 
     def __init__(
-        self,
-        pool,
-        table: BlockTable,
-        swapset,
-        evicted: int,
-        staging: list[int],
-        hashes: list[bytes],
-        files: list,
+        self, pool, table: BlockTable, swapset, staging: list[int], records: list, files: list
     ):
         self.pool = pool
         self.table = table
         self.swapset = swapset
-        self.evicted = evicted
+        self.evicted = len(records)
         self.staging = staging
-        self.hashes = hashes
+        self.records = records  # (hash, parent, token ids) of each evicted block
         self.files = files
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return [r[0] for r in self.records]
+
+    @staticmethod
+    def frees(pool, table: BlockTable, evicted: int) -> int:
+        """Pool blocks evicting ``table``'s first ``evicted`` blocks would give back (those
+        no other table holds)."""
+        records = pool.blocks.records
+        return sum(records[b].refs == 1 for b in table.blocks[:evicted])
 
     # -- building -------------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class SwapState:
         blocks = table.blocks[:evicted]
         if any(b < 0 or records[b].hash is None or not records[b].full for b in blocks):
             raise ValueError("KVSwap evicts only complete, sealed blocks")
-        if pool.blocks.available() < staging:
+        if pool.blocks.available() + cls.frees(pool, table, evicted) < staging:
             raise ValueError(f"KVSwap needs {staging} free pool blocks for its reuse buffers")
         spec, arena = pool.spec, pool.arena
         pool.arena.settle()
@@ -158,12 +162,12 @@ class SwapState:
                 swapset.set_layer(
                     layer, projections.matrices[layer], projections.queries[layer], keys, scales
                 )
-        taken = [pool.blocks.allocate() for _ in range(staging)]
-        hashes = [records[b].hash for b in blocks]
+        kept = [(records[b].hash, records[b].parent, tuple(records[b].tokens)) for b in blocks]
         for b in blocks:
-            pool.blocks.release(b)
+            pool.blocks.release(b)  # cached by hash until the pool needs the room
         table.blocks[:evicted] = [-1] * evicted
-        return cls(pool, table, swapset, evicted, taken, hashes, list(files))
+        taken = [pool.blocks.allocate() for _ in range(staging)]
+        return cls(pool, table, swapset, taken, kept, list(files))
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -178,6 +182,11 @@ class SwapState:
     @property
     def error(self) -> str:
         return self.swapset.error
+
+    def failed_file(self):
+        """The block file a failed read came from (None if none failed)."""
+        block = self.swapset.failed_block
+        return self.files[block] if 0 <= block < len(self.files) else None
 
     # -- what it holds ----------------------------------------------------------------------
 

@@ -63,7 +63,8 @@ class StoreConflictError(Exception):
 
 
 class NewRegion(NamedTuple):
-    """One block packed for a save: a region of ``SaveJob.packed``."""
+    """One block packed for a save: a region of ``SaveJob.packed``; or (``offset`` -1, no
+    bytes) a block KVSwap evicted, which is a block file already and must still be one."""
 
     offset: int
     length: int
@@ -394,9 +395,17 @@ class AgentStore:
         fsynced."""
         part = WrittenPart([], {}, 0)
         for r in regions:
-            region = memoryview(job.packed)[r.offset : r.offset + r.length]
             existed = (self.model_dir / block_file_name(r.hash)).exists()
-            stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
+            if r.offset < 0:  # evicted by KVSwap: its block file is all there is
+                stored = self.shared.find(r.hash)
+                if stored is None:
+                    raise StoreConflictError(
+                        f"the block file of {r.hash.hex()[:16]}, evicted while the agent "
+                        "decoded, is gone or damaged; the agent cannot be saved whole"
+                    )
+            else:
+                region = memoryview(job.packed)[r.offset : r.offset + r.length]
+                stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
             part.segments[stored.name] = SegmentRecord(stored.size, stored.header_crc)
             part.blocks.append(
                 ManifestBlock(
@@ -591,21 +600,40 @@ def build_save_job(
     spans,
     text: bytes,
     messages: list | None,
+    evicted: list | None = None,
 ) -> SaveJob:
-    """Pack the table's blocks from ``keep`` on (one copy each, checksummed) for a save."""
+    """Pack the table's blocks from ``keep`` on (one copy each, checksummed) for a save.
+    ``evicted``: (hash, parent, token ids) of the table's first blocks where KVSwap evicted
+    them (``table.blocks`` holds -1 there): named by hash, never packed."""
     pool = table.pool
+    evicted = evicted or []
     slots = table.blocks[keep:]
     counts = [
         min(BLOCK_TOKENS, table.length - (keep + i) * BLOCK_TOKENS) for i in range(len(slots))
     ]
-    packed, records = arena.pack(slots, counts)
+    resident = [i for i, slot in enumerate(slots) if slot >= 0]
+    packed, packed_records = (
+        arena.pack([slots[i] for i in resident], [counts[i] for i in resident])
+        if resident
+        else (b"", [])
+    )
+    records = [None] * len(slots)
+    for i, record in zip(resident, packed_records):
+        records[i] = record
     tail = None
     if arena.ct:
         if len(tokens) != table.length:
             raise ValueError("a save of per-channel keys needs the table's every token")
         tail = arena.read_tail(table.tail, table.length % arena.ct) if table.length else None
     regions = []
-    for slot, (_, offset, length, checksum, count) in zip(slots, records):
+    for i, (slot, packed_record) in enumerate(zip(slots, records)):
+        if slot < 0:
+            digest, parent, ids = evicted[keep + i]
+            regions.append(
+                NewRegion(-1, 0, 0, BLOCK_TOKENS, digest, parent, np.asarray(ids, np.int32))
+            )
+            continue
+        _, offset, length, checksum, count = packed_record
         record = pool.records[slot]
         # A sealed block the table holds only part of (a turn trimmed back into it) is
         # stored as the agent's own partial block, never under the full block's hash.
@@ -633,8 +661,10 @@ def build_save_job(
         bytes(text),
         messages,
         tuple(
-            pool.records[b].hash.hex() if pool.records[b].hash else None
-            for b in table.blocks[:keep]
+            (evicted[i][0].hex() if b < 0 else pool.records[b].hash.hex())
+            if b < 0 or pool.records[b].hash
+            else None
+            for i, b in enumerate(table.blocks[:keep])
         ),
         tail,
     )

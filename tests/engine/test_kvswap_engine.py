@@ -1,0 +1,111 @@
+"""KVSwap through the engine (``Engine(kv_swap_budget=...)``, engine/swapping.py): a budget
+the context fits in changes nothing; an agent over it decodes with its leading blocks
+evicted, is saved whole (its evicted blocks named by hash) and resumes; a block file
+damaged while it decodes fails that agent's turn alone and is quarantined; agents whose
+contexts together are over the pool all decode, without a whole agent evicted."""
+
+import threading
+
+import pytest
+
+from agentkv import InvalidRequestError
+from agentkv.engine import swapping
+from agentkv.errors import CacheFormatError
+
+PROMPT_TOKENS = 1100
+
+
+def _prompt(engine, seed: int, tokens: int = PROMPT_TOKENS) -> str:
+    from agentkv.model.wide_layers import calibration_text
+
+    tok = engine.loaded.tokenizer
+    ids = tok.encode(calibration_text())
+    return tok.decode(ids[seed * tokens : (seed + 1) * tokens])
+
+
+def test_the_budget_is_checked():
+    from agentkv.engine.config import EngineConfig
+
+    for bad in (0, 100, 511, -1, 2.5, True):
+        with pytest.raises(InvalidRequestError, match="kv_swap_budget"):
+            EngineConfig(kv_swap_budget=bad)
+    assert EngineConfig(kv_swap_budget=512).kv_swap_budget == 512
+
+
+def test_a_budget_the_context_fits_in_gives_todays_tokens(engine, fresh_engine):
+    prompt = _prompt(engine, 0)
+    swapping_engine = fresh_engine(kv_swap_budget=4096)
+    got = swapping_engine.generate("a", prompt, max_tokens=12)
+    want = engine.generate("budget-ref", prompt, max_tokens=12)
+    assert got.tokens == want.tokens
+    assert swapping_engine.swapper.swapped == 0
+
+
+def test_an_agent_over_the_budget_decodes_is_saved_whole_and_resumes(fresh_engine):
+    eng = fresh_engine(kv_swap_budget=512)
+    prompt = _prompt(eng, 1)
+    first = eng.generate("a", prompt, max_tokens=8)
+    assert eng.swapper.swapped == 1
+    assert first.stats.generated_tokens == 8
+    assert eng.pool.stats().used_blocks == 0  # saved, then dropped from memory
+    eng.flush()
+    again = eng.generate("a", prompt + first.text, max_tokens=4)
+    assert again.stats.reused_tokens >= PROMPT_TOKENS  # its own tokens, none prefilled again
+    assert eng.swapper.swapped == 2
+    eng.pool.blocks.check()
+
+
+def test_a_damaged_block_file_fails_only_that_agent(fresh_engine, monkeypatch):
+    """The block files of agent "bad" are damaged right after it swaps; its turn fails with
+    an error naming the file, which is quarantined; "good", decoding beside it, gets the
+    tokens it gets alone."""
+    eng = fresh_engine(kv_swap_budget=512)
+    bad_prompt, good_prompt = _prompt(eng, 2), _prompt(eng, 3)
+    alone = fresh_engine(kv_swap_budget=512, cache_dir=eng.config.cache_dir.parent / "alone")
+    want = alone.generate("good", good_prompt, max_tokens=6)
+    start = swapping.Swapper.start
+
+    def start_then_damage(self, state):
+        swapped = start(self, state)
+        if swapped and state.agent_id == "bad":
+            for f in state.swap.files:
+                with open(f.path, "r+b") as fh:
+                    fh.seek(f.offset)
+                    data = fh.read(f.length)
+                    fh.seek(f.offset)
+                    fh.write(bytes(b ^ 0xFF for b in data))
+        return swapped
+
+    monkeypatch.setattr(swapping.Swapper, "start", start_then_damage)
+    results = {}
+
+    def run(agent, prompt):
+        try:
+            results[agent] = eng.generate(agent, prompt, max_tokens=6)
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            results[agent] = exc
+
+    threads = [
+        threading.Thread(target=run, args=a) for a in (("bad", bad_prompt), ("good", good_prompt))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(results["bad"], CacheFormatError)
+    assert "do not match their checksum" in str(results["bad"])
+    assert results["good"].tokens == want.tokens
+    quarantined = list((eng.store.model_dir / "quarantine").rglob("*"))
+    assert quarantined, "the damaged block file is quarantined"
+    eng.pool.blocks.check()
+
+
+def test_agents_over_the_pool_all_decode_without_evicting_a_whole_agent(fresh_engine):
+    """A pool of 10 blocks (4 agents of 1,100 tokens hold 20): each turn prefills in full,
+    then keeps 2 blocks while it decodes, so all four run to the end."""
+    eng = fresh_engine(kv_swap_budget=512, pool_bytes=10 * 1708032, max_batch=8)
+    prompts = [(f"a{i}", _prompt(eng, 10 + i)) for i in range(4)]
+    results = eng.generate_many(prompts, max_tokens=5)
+    assert [r.stats.generated_tokens for r in results] == [5] * 4
+    assert eng.swapper.swapped == 4
+    assert eng.residency.evicted == 0  # no agent dropped whole to make room
