@@ -30,6 +30,9 @@ class KVSwapSet:
     def error(self) -> str: ...
 
     @property
+    def failed_block(self) -> int: ...
+
+    @property
     def blocks(self) -> int: ...
 
     @property

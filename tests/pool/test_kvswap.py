@@ -257,3 +257,42 @@ def test_the_projections_are_measured_once_and_kept(setup, monkeypatch, caplog):
     with pytest.raises(pytest.fail.Exception):
         kvswap.projections(loaded.model, loaded.tokenizer, spec, quant, 8)
     assert calls and "ignoring the unreadable KVSwap calibration" in caplog.text
+
+
+def test_the_kernel_body_reads_a_swapped_row_as_the_fused_kernel_does(setup, tmp_path):
+    """A swapped row's attention table (staging blocks, then resident ones) is an ordinary
+    block table: kernels/paged_attention.metal's body, compiled for the CPU, reads it as the
+    fused kernel does (the body Metal and CUDA run)."""
+    from agentkv import kernels
+    from agentkv.kernels import PagedQuery, cpu
+
+    loaded, pool, _ = setup
+    swap = _swapped(setup, tmp_path, evict=4, staging=1)
+    _step(setup, [swap.table], [swap], [51])  # stages every layer's groups
+    arena, spec = pool.arena, loaded.spec
+    row = swap.attention_row()
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((1, loaded.query_heads, 1, spec.key_head_dim)), mx.float32)
+    for layer in (0, 19):
+        quant = arena.layer_quants[layer]
+        paged = PagedQuery(
+            arena.keys(layer),
+            arena.values(layer),
+            mx.array([row], dtype=mx.int32),
+            mx.array([swap.attention_length(swap.table.length)], dtype=mx.int32),
+            spec.kv_heads,
+            BLOCK_TOKENS,
+            quant.key_bits,
+            quant.value_bits,
+            quant.group_size,
+            0,
+            None,
+            channel_tokens=quant.channel_tokens,
+            tail=arena.tails[layer],
+            tail_slots=mx.array([swap.table.tail], dtype=mx.int32),
+        )
+        ours = cpu.fused_paged_attention(q, paged, scale=0.125)
+        with kernels.use_backend("cpu"):
+            body = kernels.paged_attention_body(q, paged, scale=0.125)
+        np.testing.assert_allclose(np.array(body), np.array(ours), rtol=3e-4, atol=3e-5)
+    swap.release()
