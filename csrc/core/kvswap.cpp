@@ -122,8 +122,9 @@ namespace {
 #define AGENTKV_SCORE_CLONES
 #endif
 
-// out[g] = max over the group's tokens t of sum_j q[j] * keys[j][t] for `per` queries at
-// once (keys: int8 [rank][tokens] of one KV head). Plain loops the compiler vectorizes.
+// out[h] = max over the group's tokens t of sum_j q[h][j] * keys[j][t] for `per` queries at
+// once (keys: int8 [rank][tokens] of one KV head). Plain loops the compiler vectorizes; each
+// row of keys is converted once for every query.
 AGENTKV_SCORE_CLONES void group_maxima(const int8_t* keys, int64_t tokens, int rank, const float* q,
                                        int per, int64_t first, int group, float* out) {
   constexpr int kMaxPer = 8, kMaxGroup = 64;
@@ -131,13 +132,17 @@ AGENTKV_SCORE_CLONES void group_maxima(const int8_t* keys, int64_t tokens, int r
   for (int h = 0; h < per; ++h) {
     std::fill_n(acc[h], group, 0.0f);
   }
+  float kf[kMaxGroup];
   for (int j = 0; j < rank; ++j) {
     const int8_t* k = keys + j * tokens + first;
+    for (int t = 0; t < group; ++t) {
+      kf[t] = static_cast<float>(k[t]);
+    }
     for (int h = 0; h < per; ++h) {
       const float c = q[h * rank + j];
       float* a = acc[h];
       for (int t = 0; t < group; ++t) {
-        a[t] += c * static_cast<float>(k[t]);
+        a[t] += c * kf[t];
       }
     }
   }
