@@ -204,6 +204,7 @@ class Engine:
             self.swapper = Swapper(
                 pool=self.pool, store=self.store, loaded=loaded, budget=config.kv_swap_budget
             )
+            self.swapper.projections()  # measured once per model and format (~15 s), then read
         self.runner = TurnRunner(
             loaded=loaded,
             resumer=resumer,
