@@ -526,7 +526,6 @@ void bind_kvswap(nb::module_& m) {
       .def_prop_ro("blocks", &KVSwapSet::blocks)
       .def_prop_ro("slots", &KVSwapSet::slots)
       .def_prop_rw("demand", &KVSwapSet::demand, &KVSwapSet::set_demand)
-      .def_prop_rw("recent", &KVSwapSet::recent, &KVSwapSet::set_recent)
       .def_prop_ro("resident_bytes", &KVSwapSet::resident_bytes);
   m.def("kvswap_group_crcs", &kvswap_group_crcs, "arenas"_a, "layers"_a, "kv_heads"_a,
         "block_tokens"_a, "group"_a, "blocks"_a,

@@ -257,13 +257,8 @@ std::vector<int32_t> KVSwapSet::ranked(int layer, const float* q) const {
   const std::vector<float> scores = group_scores(layer, q);
   std::vector<int32_t> order(scores.size() - 1);
   std::iota(order.begin(), order.end(), 1);  // group 0 is always resident (the sinks)
-  // The newest evicted groups come first whatever their scores (the rolling buffer).
-  const int32_t groups = static_cast<int32_t>(scores.size());
-  const int32_t recent = groups - std::min<int32_t>(recent_, groups - 1);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-    const bool ra = a >= recent, rb = b >= recent;
-    return ra != rb ? ra : scores[a] > scores[b];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return scores[a] > scores[b]; });
   return order;
 }
 

@@ -105,12 +105,6 @@ class KVSwapSet {
     return demand_;
   }
   void set_demand(int demand);
-  int recent() const {
-    return recent_;
-  }
-  void set_recent(int recent) {  // the newest evicted groups always demanded
-    recent_ = std::max(0, recent);
-  }
   int64_t resident_bytes() const;  // the low-rank keys and the slot tables
 
  private:
@@ -136,7 +130,6 @@ class KVSwapSet {
   std::vector<uint32_t> crcs_;
   std::vector<Layer> layer_state_;
   uint64_t tick_ = 0;
-  int recent_ = 0;
   SwapStats stats_;
   std::string error_;
   int failed_block_ = -1;

@@ -20,8 +20,9 @@ group and positions live in the stored keys, so the kernel reads it as it reads 
 RoPE takes the true positions (``PagedStep`` passes them apart from the table's lengths).
 
 Invariants: while a table is swapped its ``blocks[:evicted]`` are -1 and the pool holds no
-reference for them; only ``SwapState`` touches them (``restore`` puts blocks back,
-``release`` gives everything back). Staging blocks are private to the state.
+reference for them; only ``SwapState`` touches them (``release`` gives the staging blocks
+and the table back; a save names them by hash: ``store.agent_store.build_save_job``).
+Staging blocks are private to the state.
 """
 
 from __future__ import annotations
@@ -89,10 +90,6 @@ class SwapState:
         self.staging = staging
         self.records = records  # (hash, parent, token ids) of each evicted block
         self.files = files
-
-    @property
-    def hashes(self) -> list[bytes]:
-        return [r[0] for r in self.records]
 
     @staticmethod
     def frees(pool, table: BlockTable, evicted: int) -> int:
