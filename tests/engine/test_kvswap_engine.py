@@ -109,3 +109,8 @@ def test_agents_over_the_pool_all_decode_without_evicting_a_whole_agent(fresh_en
     assert [r.stats.generated_tokens for r in results] == [5] * 4
     assert eng.swapper.swapped == 4
     assert eng.residency.evicted == 0  # no agent dropped whole to make room
+
+
+def test_a_budget_the_engine_cannot_honour_is_refused_at_start(fresh_engine):
+    with pytest.raises(InvalidRequestError, match="not format 2"):
+        fresh_engine(kv_format=1, kv_swap_budget=512)

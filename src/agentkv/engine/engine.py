@@ -178,6 +178,8 @@ class Engine:
         self.pool = KVPool(
             loaded.spec, self.quant, pool_bytes=config.pool_bytes or default_pool_bytes()
         )
+        if config.kv_swap_budget is not None:
+            self._check_swappable()  # before the store and its writer thread exist
         self.context_limit = loaded.context_limit
         hf_tokenizer = loaded.tokenizer._tokenizer
         self.token_text = TokenText.for_tokenizer(hf_tokenizer)
@@ -200,7 +202,6 @@ class Engine:
         )
         self.swapper = None
         if config.kv_swap_budget is not None:
-            self._check_swappable()
             self.swapper = Swapper(
                 pool=self.pool, store=self.store, loaded=loaded, budget=config.kv_swap_budget
             )
