@@ -296,3 +296,34 @@ def test_the_kernel_body_reads_a_swapped_row_as_the_fused_kernel_does(setup, tmp
             body = kernels.paged_attention_body(q, paged, scale=0.125)
         np.testing.assert_allclose(np.array(body), np.array(ours), rtol=3e-4, atol=3e-5)
     swap.release()
+
+
+def test_a_swapped_table_grows_and_seals_blocks_as_it_decodes(setup, tmp_path):
+    """Decoding across a block boundary: the block it filled is sealed (hashed), the next
+    one allocated; the evicted blocks stay evicted and the pool's books stay right."""
+    loaded, pool, base = setup
+    table = pool.new_table(pool.seed("kvswap-grow"))
+    ids = np.random.default_rng(9).integers(100, 30000, 1022).tolist()
+    for c0 in range(0, len(ids), 512):
+        part = ids[c0 : c0 + 512]
+        table.grow(len(part), pool.arena.copy_rows)
+        step = PagedStep(pool.arena, loaded.spec, [table], len(part))
+        loaded.model(mx.array([part]), cache=step.caches)
+        pool.arena.settle()
+        table.written(part)
+    shared = SharedBlocks(tmp_path, loaded.spec, pool.quant)
+    with shared.writing():
+        files = shared.ensure_pool_blocks(pool, table.blocks[:3])
+    swap = SwapState.evict(
+        pool, table, files, _identity(loaded.spec), query_heads=loaded.query_heads, staging=1
+    )
+    for token in (61, 62, 63, 64):
+        out = _step(setup, [table], [swap], [token])
+        assert np.isfinite(out).all()
+    assert table.length == 1026 and len(table.blocks) == 5
+    assert table.blocks[:3] == [-1, -1, -1]
+    assert pool.blocks.records[table.blocks[3]].hash is not None  # filled at 1024: sealed
+    assert swap.attention_length(table.length) == 256 + 1026 - 3 * 256
+    assert swap.error == ""
+    swap.release()
+    pool.blocks.check()
