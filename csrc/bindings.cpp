@@ -502,6 +502,29 @@ void bind_kvswap(nb::module_& m) {
           },
           "layer"_a, "projection"_a, "query_projection"_a, "keys"_a, "scales"_a)
       .def(
+          "add_block",
+          [](KVSwapSet& s, const std::string& path, const std::vector<int64_t>& offsets,
+             const std::vector<uint32_t>& crcs, const std::vector<mx::array>& keys,
+             const std::vector<mx::array>& scales) {
+            std::vector<std::vector<int8_t>> k;
+            std::vector<std::vector<float>> sc;
+            std::vector<const int8_t*> kp;
+            std::vector<const float*> sp;
+            for (size_t i = 0; i < keys.size() && i < scales.size(); ++i) {
+              k.push_back(evaluated_vector<int8_t>(keys[i], mx::int8, "keys: int8"));
+              sc.push_back(evaluated_vector<float>(scales[i], mx::float32, "scales: float32"));
+              if (!s.block_sizes_ok(k.back().size(), sc.back().size())) {
+                throw nb::value_error(
+                    "add_block: keys [kv_heads, rank, block_tokens] and scales [kv_heads, "
+                    "groups per block] per layer");
+              }
+              kp.push_back(k.back().data());
+              sp.push_back(sc.back().data());
+            }
+            s.add_block(path, offsets, crcs, kp, sp);
+          },
+          "path"_a, "offsets"_a, "crcs"_a, "keys"_a, "scales"_a)
+      .def(
           "set_bounds",
           [](KVSwapSet& s, int layer, const mx::array& lo, const mx::array& hi) {
             const auto l = evaluated_vector<float>(lo, mx::float32, "lo: float32");

@@ -101,6 +101,39 @@ void KVSwapSet::set_layer(int layer, const float* projection, const float* query
   l.scales.assign(scales, scales + static_cast<size_t>(kv_heads_) * groups);
 }
 
+void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& offsets,
+                          const std::vector<uint32_t>& crcs, const std::vector<const int8_t*>& keys,
+                          const std::vector<const float*>& scales) {
+  if (offsets.size() != static_cast<size_t>(layers_) * comps_ ||
+      crcs.size() != static_cast<size_t>(layers_) * groups_per_block_ ||
+      keys.size() != static_cast<size_t>(layers_) || scales.size() != keys.size()) {
+    throw std::invalid_argument("kvswap: a block's offsets, checksums or keys have bad sizes");
+  }
+  for (const auto& l : layer_state_) {
+    if (l.keys.empty()) {
+      throw std::invalid_argument("kvswap: blocks join only a set with low-rank keys");
+    }
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw std::runtime_error("kvswap: cannot open block file " + path + ": " +
+                             std::strerror(errno));
+  }
+  fds_.push_back(fd);
+  paths_.push_back(path);
+  offsets_.insert(offsets_.end(), offsets.begin(), offsets.end());
+  crcs_.insert(crcs_.end(), crcs.begin(), crcs.end());
+  const size_t block_keys = static_cast<size_t>(kv_heads_) * rank_ * block_tokens_;
+  const size_t block_scales = static_cast<size_t>(kv_heads_) * groups_per_block_;
+  for (int layer = 0; layer < layers_; ++layer) {
+    auto& l = layer_state_[layer];
+    l.keys.insert(l.keys.end(), keys[layer], keys[layer] + block_keys);
+    l.scales.insert(l.scales.end(), scales[layer], scales[layer] + block_scales);
+    l.where.resize(l.where.size() + groups_per_block_, -1);
+  }
+  ++blocks_;
+}
+
 int64_t KVSwapSet::resident_bytes() const {
   int64_t total = 0;
   for (const auto& l : layer_state_) {
@@ -179,7 +212,6 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
   const auto& l = layer_state_[layer];
   const int per = q_heads_ / kv_heads_;
   const int groups = blocks_ * groups_per_block_;
-  const int64_t tokens = static_cast<int64_t>(blocks_) * block_tokens_;
   if (l.keys.empty() && l.lo.empty()) {
     return std::vector<float>(groups, 0.0f);
   }
@@ -211,12 +243,14 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
     }
   }
   std::vector<float> maxima(per);
-  for (int g = 0; g < kv_heads_; ++g) {
-    const int8_t* keys = l.keys.data() + static_cast<size_t>(g) * rank_ * tokens;
-    for (int G = 0; G < groups; ++G) {
-      group_maxima(keys, tokens, rank_, qt.data() + static_cast<size_t>(g) * per * rank_, per,
-                   static_cast<int64_t>(G) * group_, group_, maxima.data());
-      const float scale = l.scales[static_cast<size_t>(g) * groups + G];
+  for (int G = 0; G < groups; ++G) {
+    const int block = G / groups_per_block_, in_block = G % groups_per_block_;
+    for (int g = 0; g < kv_heads_; ++g) {
+      const size_t head = static_cast<size_t>(block) * kv_heads_ + g;
+      const int8_t* keys = l.keys.data() + head * rank_ * block_tokens_;
+      group_maxima(keys, block_tokens_, rank_, qt.data() + static_cast<size_t>(g) * per * rank_,
+                   per, static_cast<int64_t>(in_block) * group_, group_, maxima.data());
+      const float scale = l.scales[head * groups_per_block_ + in_block];
       for (int h = 0; h < per; ++h) {
         best[static_cast<size_t>(g * per + h) * groups + G] = maxima[h] * scale;
       }

@@ -56,10 +56,17 @@ class KVSwapSet {
 
   // A layer's low-rank projections per KV head, of the keys A [kv_heads][head_dim][rank] and
   // of the queries B (the same shape), and its evicted tokens' low-rank keys (k - mean) A:
-  // int8 [kv_heads][rank][tokens] and a scale per KV head and group [kv_heads][groups].
+  // int8 [blocks][kv_heads][rank][block_tokens] and a scale per KV head and group
+  // [blocks][kv_heads][groups per block].
   // A query q scores key k as (q B) . ((k - mean) A).
   void set_layer(int layer, const float* projection, const float* query_projection,
                  const int8_t* keys, const float* scales);
+  // One more evicted block (low-rank keys only), after the others: its file, its components'
+  // offsets [layers][comps], its groups' checksums [layers][groups per block], and per layer
+  // its low-rank keys [kv_heads][rank][block_tokens] and scales [kv_heads][groups per block].
+  void add_block(const std::string& path, const std::vector<int64_t>& offsets,
+                 const std::vector<uint32_t>& crcs, const std::vector<const int8_t*>& keys,
+                 const std::vector<const float*>& scales);
   // Or a layer's per-channel bounds of each group's keys, lo and hi [kv_heads][groups][dim]
   // (format 2 stores them: a group's bias and bias + scale * levels); they take precedence.
   void set_bounds(int layer, const float* lo, const float* hi);
@@ -89,6 +96,10 @@ class KVSwapSet {
   int blocks() const {
     return blocks_;
   }
+  bool block_sizes_ok(size_t keys, size_t scales) const {
+    return keys == static_cast<size_t>(kv_heads_) * rank_ * block_tokens_ &&
+           scales == static_cast<size_t>(kv_heads_) * groups_per_block_;
+  }
   bool bounds_size_ok(size_t n) const {
     return n == static_cast<size_t>(kv_heads_) * blocks_ * groups_per_block_ * head_dim_;
   }
@@ -110,8 +121,8 @@ class KVSwapSet {
  private:
   struct Layer {
     std::vector<float> projection;  // [kv_heads][head_dim][rank]
-    std::vector<int8_t> keys;       // [kv_heads][rank][tokens]
-    std::vector<float> scales;      // [kv_heads][groups]
+    std::vector<int8_t> keys;       // [blocks][kv_heads][rank][block_tokens]
+    std::vector<float> scales;      // [blocks][kv_heads][groups per block]
     std::vector<int32_t> slot_group;
     std::vector<uint64_t> slot_used;
     std::vector<int32_t> where;  // group -> slot, or -1

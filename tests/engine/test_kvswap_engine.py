@@ -55,6 +55,21 @@ def test_an_agent_over_the_budget_decodes_is_saved_whole_and_resumes(fresh_engin
     eng.pool.blocks.check()
 
 
+def test_a_block_filled_while_decoding_is_evicted_too(fresh_engine):
+    """A swapped agent whose reply fills a block: the block is written as a block file and
+    evicted, so the resident KV stays at the budget; the agent is saved whole and resumes."""
+    eng = fresh_engine(kv_swap_budget=512)
+    prompt = _prompt(eng, 4, tokens=1272)
+    first = eng.generate("a", prompt, max_tokens=24)
+    fed = first.stats.prompt_tokens + first.stats.generated_tokens - 1
+    assert fed > 1281, "the reply crosses the block boundary at 1,280"
+    assert eng.swapper.filled_evicted == 1
+    eng.flush()
+    again = eng.generate("a", prompt + first.text, max_tokens=2)
+    assert again.stats.reused_tokens >= 1280  # every evicted block found again by hash
+    eng.pool.blocks.check()
+
+
 def test_a_damaged_block_file_fails_only_that_agent(fresh_engine, monkeypatch):
     """The block files of agent "bad" are damaged right after it swaps; its turn fails with
     an error naming the file, which is quarantined; "good", decoding beside it, gets the

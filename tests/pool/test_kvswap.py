@@ -300,7 +300,8 @@ def test_the_kernel_body_reads_a_swapped_row_as_the_fused_kernel_does(setup, tmp
 
 def test_a_swapped_table_grows_and_seals_blocks_as_it_decodes(setup, tmp_path):
     """Decoding across a block boundary: the block it filled is sealed (hashed), the next
-    one allocated; the evicted blocks stay evicted and the pool's books stay right."""
+    one allocated; then the filled block is evicted too (its own block file), and decoding
+    goes on reading it back; the pool's books stay right."""
     loaded, pool, base = setup
     table = pool.new_table(pool.seed("kvswap-grow"))
     ids = np.random.default_rng(9).integers(100, 30000, 1022).tolist()
@@ -322,8 +323,21 @@ def test_a_swapped_table_grows_and_seals_blocks_as_it_decodes(setup, tmp_path):
         assert np.isfinite(out).all()
     assert table.length == 1026 and len(table.blocks) == 5
     assert table.blocks[:3] == [-1, -1, -1]
-    assert pool.blocks.records[table.blocks[3]].hash is not None  # filled at 1024: sealed
+    filled = table.blocks[3]
+    assert pool.blocks.records[filled].hash is not None  # filled at 1024: sealed
     assert swap.attention_length(table.length) == 256 + 1026 - 3 * 256
-    assert swap.error == ""
+    # The block it filled joins the evicted ones, read back from its own file from now on.
+    assert swap.next_evictable() == filled
+    digest = pool.blocks.records[filled].hash
+    with shared.writing():
+        (file,) = shared.ensure_pool_blocks(pool, [filled])
+    swap.evict_next(file)
+    assert swap.evicted == 4 and table.blocks[:4] == [-1] * 4 and swap.next_evictable() is None
+    assert swap.records[-1][0] == digest  # a save names it by its hash
+    assert swap.attention_length(table.length) == 256 + 1026 - 4 * 256
+    before = swap.stats()["misses"] + swap.stats()["fills"]
+    for token in (65, 66):
+        assert np.isfinite(_step(setup, [table], [swap], [token])).all()
+    assert swap.error == "" and swap.stats()["misses"] + swap.stats()["fills"] >= before
     swap.release()
     pool.blocks.check()

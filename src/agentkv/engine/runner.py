@@ -141,9 +141,11 @@ class TurnRunner:
             self.swapper.start(job.state)
 
     def check_swap(self, job: Job) -> None:
-        """Raise the agent's error if its KVSwap reads failed in the last step."""
+        """Raise the agent's error if its KVSwap reads failed in the last step; else evict
+        a block it filled (engine/swapping.py)."""
         if self.swapper is not None and job.state is not None:
             self.swapper.check(job.state)
+            self.swapper.keep_to_budget(job.state)
 
     # -- the end of a turn --------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ keeps only the budget in memory (docs/kvswap.md).
 ``Swapper.start`` runs when a turn's prefill is done (prefill stays exact: the whole
 context was in the pool): the agent's complete blocks before its last are written as
 block files where missing, then evicted (``pool/swap.py``); the pool gets them back as
-cached blocks, so other turns can take the room. ``check`` turns a failed read into the
+cached blocks, so other turns can take the room. ``keep_to_budget`` does the same after
+each decode step for a block the agent filled. ``check`` turns a failed read into the
 agent's error (its block file quarantined). A swapped agent's turn ends by saving it
 (its evicted blocks named by hash) and dropping it from memory; its next turn resumes from
 disk, by hash from the pool's cached blocks where they are still there.
@@ -32,6 +33,7 @@ class Swapper:
         self.rank = rank
         self._projections = None
         self.swapped = 0  # agents swapped since the engine started
+        self.filled_evicted = 0  # blocks agents filled while decoding, evicted since
 
     def projections(self):
         """The model's low-rank key projections (measured once per model and KV format)."""
@@ -83,6 +85,21 @@ class Swapper:
             return False
         self.swapped += 1
         return True
+
+    def keep_to_budget(self, state: AgentState) -> None:
+        """Evict the blocks a swapped agent filled while decoding (written as block files
+        first), so a long reply keeps its resident KV at the budget."""
+        swap = state.swap
+        while swap is not None and (block := swap.next_evictable()) is not None:
+            try:
+                shared = self.store.shared
+                with shared.writing():
+                    (file,) = shared.ensure_pool_blocks(self.pool, [block])
+                swap.evict_next(file)
+                self.filled_evicted += 1
+            except (OSError, RuntimeError, ValueError) as exc:
+                log.warning("agentkv: agent %r keeps a block in memory: %s", state.agent_id, exc)
+                return
 
     def check(self, state: AgentState) -> None:
         """Raise CacheFormatError (after quarantining the block file) if one of the

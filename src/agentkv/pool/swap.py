@@ -81,8 +81,16 @@ class SwapState:
     """One agent's table while KVSwap keeps its leading blocks on disk (module docstring)."""
 
     def __init__(
-        self, pool, table: BlockTable, swapset, staging: list[int], records: list, files: list
+        self,
+        pool,
+        table: BlockTable,
+        swapset,
+        staging: list[int],
+        records: list,
+        files: list,
+        projections: Projections | None = None,
     ):
+        self.projections = projections
         self.pool = pool
         self.table = table
         self.swapset = swapset
@@ -164,7 +172,45 @@ class SwapState:
             pool.blocks.release(b)  # cached by hash until the pool needs the room
         table.blocks[:evicted] = [-1] * evicted
         taken = [pool.blocks.allocate() for _ in range(staging)]
-        return cls(pool, table, swapset, taken, kept, list(files))
+        return cls(pool, table, swapset, taken, kept, list(files), projections)
+
+    def next_evictable(self) -> int | None:
+        """The pool block to evict next to keep the table at its budget: the block after
+        the evicted ones once it is complete and sealed and another follows it (a block the
+        table filled while decoding), else None."""
+        table, index = self.table, self.evicted
+        if self.projections is None or index + 1 >= len(table.blocks):
+            return None
+        record = self.pool.blocks.records[table.blocks[index]]
+        return table.blocks[index] if record.hash is not None and record.full else None
+
+    def evict_next(self, file: StoredFile) -> None:
+        """Evict ``next_evictable()``, whose block file ``file`` is."""
+        block = self.next_evictable()
+        if block is None:
+            raise ValueError("KVSwap: no complete, sealed block to evict next")
+        pool, spec, arena = self.pool, self.pool.spec, self.pool.arena
+        arena.settle()
+        crcs = _ext.kvswap_group_crcs(
+            arena._flat(), spec.num_layers, spec.kv_heads, BLOCK_TOKENS, SWAP_GROUP, [block]
+        )
+        parts = [
+            low_rank_keys(pool, layer, [block], self.projections)
+            for layer in range(spec.num_layers)
+        ]
+        self.swapset.add_block(
+            str(file.path),
+            _component_offsets(arena.components, [file]),
+            crcs,
+            [keys[0] for keys, _ in parts],
+            [scales[0] for _, scales in parts],
+        )
+        record = pool.blocks.records[block]
+        self.records.append((record.hash, record.parent, tuple(record.tokens)))
+        self.files.append(file)
+        pool.blocks.release(block)
+        self.table.blocks[self.evicted] = -1
+        self.evicted += 1
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -260,16 +306,17 @@ def stored_keys(pool, layer: int, blocks: list[int]) -> mx.array:
 
 
 def low_rank_keys(pool, layer: int, blocks: list[int], projections: Projections):
-    """The blocks' keys in ``layer`` projected per KV head: int8 [heads, rank, tokens] and a
-    float32 scale per head and 64-token group [heads, groups], tokens in block order."""
+    """The blocks' keys in ``layer`` projected per KV head, as ``KVSwapSet`` holds them:
+    int8 [blocks, heads, rank, 256] and a float32 scale per block, head and 64-token group
+    [blocks, heads, 4]."""
     keys = stored_keys(pool, layer, blocks) - projections.means[layer][:, None, :]
     low = keys @ projections.matrices[layer]  # [heads, tokens, rank]
-    heads, tokens, rank = low.shape
-    grouped = low.reshape(heads, tokens // SWAP_GROUP, SWAP_GROUP * rank)
+    heads, _, rank = low.shape
+    grouped = low.reshape(heads, len(blocks), GROUPS_PER_BLOCK, SWAP_GROUP * rank)
     scales = mx.maximum(mx.abs(grouped).max(axis=-1), 1e-12) / 127
     codes = mx.clip(mx.round(grouped / scales[..., None]), -127, 127).astype(mx.int8)
-    codes = codes.reshape(heads, tokens, rank).transpose(0, 2, 1)
-    return codes, scales.astype(mx.float32)
+    codes = codes.reshape(heads, len(blocks), BLOCK_TOKENS, rank).transpose(1, 0, 3, 2)
+    return codes, scales.transpose(1, 0, 2).astype(mx.float32)
 
 
 def _component_offsets(components, files) -> list[int]:
