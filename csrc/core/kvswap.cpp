@@ -243,16 +243,19 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
     }
   }
   std::vector<float> maxima(per);
-  for (int G = 0; G < groups; ++G) {
-    const int block = G / groups_per_block_, in_block = G % groups_per_block_;
+  for (int block = 0; block < blocks_; ++block) {
     for (int g = 0; g < kv_heads_; ++g) {
       const size_t head = static_cast<size_t>(block) * kv_heads_ + g;
       const int8_t* keys = l.keys.data() + head * rank_ * block_tokens_;
-      group_maxima(keys, block_tokens_, rank_, qt.data() + static_cast<size_t>(g) * per * rank_,
-                   per, static_cast<int64_t>(in_block) * group_, group_, maxima.data());
-      const float scale = l.scales[head * groups_per_block_ + in_block];
-      for (int h = 0; h < per; ++h) {
-        best[static_cast<size_t>(g * per + h) * groups + G] = maxima[h] * scale;
+      const float* q_group = qt.data() + static_cast<size_t>(g) * per * rank_;
+      for (int in_block = 0; in_block < groups_per_block_; ++in_block) {
+        group_maxima(keys, block_tokens_, rank_, q_group, per,
+                     static_cast<int64_t>(in_block) * group_, group_, maxima.data());
+        const float scale = l.scales[head * groups_per_block_ + in_block];
+        const int G = block * groups_per_block_ + in_block;
+        for (int h = 0; h < per; ++h) {
+          best[static_cast<size_t>(g * per + h) * groups + G] = maxima[h] * scale;
+        }
       }
     }
   }
