@@ -486,21 +486,20 @@ void bind_kvswap(nb::module_& m) {
            "row_bytes"_a, "comps"_a, "crcs"_a)
       .def(
           "set_layer",
-          [](KVSwapSet& s, int layer, const mx::array& projection,
-             const mx::array& query_projection, const mx::array& keys, const mx::array& scales) {
-            const auto p = evaluated_vector<float>(projection, mx::float32, "projection: float32");
+          [](KVSwapSet& s, int layer, const mx::array& query_projection, const mx::array& keys,
+             const mx::array& scales) {
             const auto qp =
                 evaluated_vector<float>(query_projection, mx::float32, "projection: float32");
             const auto k = evaluated_vector<int8_t>(keys, mx::int8, "keys: int8");
             const auto sc = evaluated_vector<float>(scales, mx::float32, "scales: float32");
-            if (!s.layer_sizes_ok(p.size(), k.size(), sc.size()) || qp.size() != p.size()) {
+            if (!s.layer_sizes_ok(qp.size(), k.size(), sc.size())) {
               throw nb::value_error(
                   "set_layer: projection [kv_heads, head_dim, rank], keys [kv_heads, rank, "
                   "tokens] and scales [kv_heads, groups]");
             }
-            s.set_layer(layer, p.data(), qp.data(), k.data(), sc.data());
+            s.set_layer(layer, qp.data(), k.data(), sc.data());
           },
-          "layer"_a, "projection"_a, "query_projection"_a, "keys"_a, "scales"_a)
+          "layer"_a, "query_projection"_a, "keys"_a, "scales"_a)
       .def(
           "add_block",
           [](KVSwapSet& s, const std::string& path, const std::vector<int64_t>& offsets,

@@ -86,8 +86,8 @@ void KVSwapSet::set_demand(int demand) {
   demand_ = std::max(1, std::min(demand, slots_ - 1));
 }
 
-void KVSwapSet::set_layer(int layer, const float* projection, const float* query_projection,
-                          const int8_t* keys, const float* scales) {
+void KVSwapSet::set_layer(int layer, const float* query_projection, const int8_t* keys,
+                          const float* scales) {
   if (layer < 0 || layer >= layers_) {
     throw std::out_of_range("kvswap: no such layer");
   }
@@ -96,7 +96,6 @@ void KVSwapSet::set_layer(int layer, const float* projection, const float* query
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
   l.projection.assign(query_projection,
                       query_projection + static_cast<size_t>(kv_heads_) * head_dim_ * rank_);
-  (void)projection;  // the keys come projected already
   l.keys.assign(keys, keys + static_cast<size_t>(kv_heads_) * rank_ * tokens);
   l.scales.assign(scales, scales + static_cast<size_t>(kv_heads_) * groups);
 }

@@ -54,13 +54,12 @@ class KVSwapSet {
   KVSwapSet(const KVSwapSet&) = delete;
   KVSwapSet& operator=(const KVSwapSet&) = delete;
 
-  // A layer's low-rank projections per KV head, of the keys A [kv_heads][head_dim][rank] and
-  // of the queries B (the same shape), and its evicted tokens' low-rank keys (k - mean) A:
+  // A layer's query projection per KV head, B [kv_heads][head_dim][rank], and its evicted
+  // tokens' low-rank keys (k - mean) A (A: the keys' projection, applied by the caller):
   // int8 [blocks][kv_heads][rank][block_tokens] and a scale per KV head and group
   // [blocks][kv_heads][groups per block].
   // A query q scores key k as (q B) . ((k - mean) A).
-  void set_layer(int layer, const float* projection, const float* query_projection,
-                 const int8_t* keys, const float* scales);
+  void set_layer(int layer, const float* query_projection, const int8_t* keys, const float* scales);
   // One more evicted block (low-rank keys only), after the others: its file, its components'
   // offsets [layers][comps], its groups' checksums [layers][groups per block], and per layer
   // its low-rank keys [kv_heads][rank][block_tokens] and scales [kv_heads][groups per block].

@@ -25,12 +25,11 @@ log = logging.getLogger("agentkv.engine")
 
 
 class Swapper:
-    def __init__(self, *, pool: KVPool, store, loaded, budget: int | None, rank: int | None = None):
+    def __init__(self, *, pool: KVPool, store, loaded, budget: int | None):
         self.pool = pool
         self.store = store
         self.loaded = loaded
         self.budget = budget
-        self.rank = rank
         self._projections = None
         self.swapped = 0  # agents swapped since the engine started
         self.filled_evicted = 0  # blocks agents filled while decoding, evicted since
@@ -45,7 +44,7 @@ class Swapper:
                 self.loaded.tokenizer,
                 self.loaded.spec,
                 self.pool.quant,
-                self.rank or DEFAULT_RANK,
+                DEFAULT_RANK,
             )
         return self._projections
 

@@ -164,9 +164,7 @@ class SwapState:
                 swapset.set_bounds(layer, *key_bounds(pool, layer, blocks))
             else:
                 keys, scales = low_rank_keys(pool, layer, blocks, projections)
-                swapset.set_layer(
-                    layer, projections.matrices[layer], projections.queries[layer], keys, scales
-                )
+                swapset.set_layer(layer, projections.queries[layer], keys, scales)
         kept = [(records[b].hash, records[b].parent, tuple(records[b].tokens)) for b in blocks]
         for b in blocks:
             pool.blocks.release(b)  # cached by hash until the pool needs the room
