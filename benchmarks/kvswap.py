@@ -356,7 +356,7 @@ def _reload(pool, files, seed: int):
     for i, f in enumerate(files):
         block = pool.blocks.allocate()
         table.attach(block, f.tokens)
-        refs.append((f.path, f.size, f.header_crc))
+        refs.append((f.path, f.size, f.header_crc, f.layout))
         regions.append((i, f.offset, f.length, f.checksum, len(f.tokens), block))
     pool.arena.read_regions(refs, regions)
     table.seal_full()

@@ -47,7 +47,8 @@ namespace {
 // (heads, width, dtype name) of one component of a layer's cache.
 using ComponentArg = std::tuple<uint32_t, uint32_t, std::string>;
 using LayerComponents = std::vector<std::vector<ComponentArg>>;  // per layer
-using SegmentArg = std::tuple<std::string, uint64_t, uint32_t>;
+// (path, size, header checksum, layout): layout 0 = planes, 1 = groups (block_io.h).
+using SegmentArg = std::tuple<std::string, uint64_t, uint32_t, uint32_t>;
 using BlockArg = std::tuple<uint32_t, uint64_t, uint64_t, uint32_t, uint32_t>;
 using SpanArg = std::tuple<uint64_t, uint64_t>;
 
@@ -132,6 +133,21 @@ uint32_t py_block_checksum(nb::handle data) {
   return crc;
 }
 
+agentkv::RegionLayout region_layout(uint32_t layout) {
+  if (layout > static_cast<uint32_t>(agentkv::RegionLayout::kGroups)) {
+    throw nb::value_error("a region layout is 0 (planes) or 1 (groups)");
+  }
+  return static_cast<agentkv::RegionLayout>(layout);
+}
+
+std::vector<agentkv::SegmentRef> segment_refs(const std::vector<SegmentArg>& files) {
+  std::vector<agentkv::SegmentRef> refs;
+  for (const auto& [path, size, crc, layout] : files) {
+    refs.push_back({path, size, crc, region_layout(layout)});
+  }
+  return refs;
+}
+
 // Load tokens [0, tokens) of an agent's blocks into fresh MLX arrays,
 // one [1, heads, capacity, width] array per layer and component.
 std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
@@ -144,10 +160,7 @@ std::vector<mx::array> gather_blocks(uint32_t layers, uint32_t block_tokens,
   if (layer_spans.size() != layers) {
     throw nb::value_error("need one span per layer");
   }
-  std::vector<agentkv::SegmentRef> segs;
-  for (const auto& [path, size, crc] : segments) {
-    segs.push_back({path, size, crc});
-  }
+  const std::vector<agentkv::SegmentRef> segs = segment_refs(segments);
   std::vector<agentkv::BlockRef> refs;
   for (const auto& [segment, offset, length, checksum, count] : blocks) {
     refs.push_back({segment, offset, length, checksum, count});
@@ -280,10 +293,7 @@ void read_regions(std::vector<mx::array> arenas, uint32_t layers, uint32_t block
                   int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
   auto dst = arena_pointers<uint8_t*>(arenas, layout, arena_rows(layout, blocks));
-  std::vector<agentkv::SegmentRef> refs;
-  for (const auto& [path, size, crc] : files) {
-    refs.push_back({path, size, crc});
-  }
+  const std::vector<agentkv::SegmentRef> refs = segment_refs(files);
   std::vector<agentkv::RegionRef> regs;
   for (const auto& [file, offset, length, checksum, tokens, slot] : regions) {
     regs.push_back({file, offset, length, checksum, tokens, slot});
@@ -295,9 +305,13 @@ void read_regions(std::vector<mx::array> arenas, uint32_t layers, uint32_t block
 std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> pack_regions(
     std::vector<mx::array> arenas, uint32_t layers, uint32_t block_tokens,
     const LayerComponents& components, uint64_t blocks, const std::vector<uint32_t>& slots,
-    const std::vector<uint32_t>& tokens, int threads) {
+    const std::vector<uint32_t>& tokens, const std::vector<uint32_t>& layouts, int threads) {
   const Layout layout = make_layout(layers, block_tokens, components);
   auto src = arena_pointers<const uint8_t*>(arenas, layout, arena_rows(layout, blocks));
+  std::vector<agentkv::RegionLayout> region_layouts;
+  for (uint32_t l : layouts) {
+    region_layouts.push_back(region_layout(l));
+  }
   uint64_t size = 0;
   for (size_t i = 0; i < slots.size(); ++i) {
     if (slots[i] >= blocks) {
@@ -310,7 +324,8 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>, std::vector<BlockArg>> 
   std::vector<agentkv::PackedBlock> packed;
   {
     nb::gil_scoped_release release;
-    packed = agentkv::pack_regions(layout.geometry, slots, tokens, src, out, threads);
+    packed =
+        agentkv::pack_regions(layout.geometry, slots, tokens, region_layouts, src, out, threads);
   }
   std::vector<BlockArg> records;
   for (const auto& p : packed) {
@@ -647,11 +662,12 @@ NB_MODULE(_ext, m) {
         "An arena [rows, width] whose pages are committed only as they are written.");
   m.def("read_regions", &read_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
         "blocks"_a, "files"_a, "regions"_a, "threads"_a = 2,
-        "Verify stored block regions (file, offset, length, checksum, tokens, slot) and copy "
-        "each into its pool slot.");
+        "Verify stored block regions (file, offset, length, checksum, tokens, slot) of files "
+        "(path, size, header checksum, layout) and copy each into its pool slot.");
   m.def("pack_regions", &pack_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
-        "blocks"_a, "slots"_a, "tokens"_a, "threads"_a = 2,
-        "Lay pool slots out as checksummed block regions for a block or segment file.");
+        "blocks"_a, "slots"_a, "tokens"_a, "layouts"_a, "threads"_a = 2,
+        "Lay pool slots out as checksummed block regions for a block or segment file, each "
+        "in its layout (0: planes, 1: groups of 64 tokens).");
   m.def("copy_slot_rows", &copy_slot_rows, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,
         "blocks"_a, "src"_a, "dst"_a, "tokens"_a,
         "Copy the first tokens rows of one pool slot into another (every layer and head).");

@@ -222,14 +222,15 @@ def tiny_llama_dir(root: Path, *, seed: int = 3, layers: int = 2) -> Path:
     return root
 
 
-def write_segment(path, pool, table, first_block, end_token):
-    """Pack blocks [first_block, blocks_for(end_token)) of ``table`` into a segment file."""
+def write_segment(path, pool, table, first_block, end_token, layout=0):
+    """Pack blocks [first_block, blocks_for(end_token)) of ``table`` into a segment file,
+    its regions in ``layout`` (0 planes, 1 groups; csrc/core/block_io.h)."""
     spec = pool.spec
     slots = table.blocks[first_block : -(-end_token // BLOCK_TOKENS)]
     counts = [
         min(BLOCK_TOKENS, end_token - (first_block + i) * BLOCK_TOKENS) for i in range(len(slots))
     ]
-    packed, records = pool.arena.pack(slots, counts)
+    packed, records = pool.arena.pack(slots, counts, [layout] * len(slots))
     header, blocks = encode_segment_header(
         agent_id="a",
         fingerprint=spec.fingerprint,
@@ -240,7 +241,7 @@ def write_segment(path, pool, table, first_block, end_token):
     )
     path.write_bytes(header + packed.tobytes())
     refs = [(0, len(header) + off, ln, crc, t) for _, off, ln, crc, t in blocks]
-    return (str(path), len(header) + packed.nbytes, _ext.crc32c(header[8:])), refs
+    return (str(path), len(header) + packed.nbytes, _ext.crc32c(header[8:]), layout), refs
 
 
 def gather_segments(spec, quant, segments, blocks, tokens, spans):

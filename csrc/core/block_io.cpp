@@ -71,6 +71,14 @@ uint64_t Geometry::token_bytes() const {
   return total;
 }
 
+uint64_t Geometry::layer_token_bytes(uint32_t layer) const {
+  uint64_t total = 0;
+  for (uint32_t c = 0; c < per_layer; ++c) {
+    total += static_cast<uint64_t>(component(layer, c).heads) * component(layer, c).row_bytes;
+  }
+  return total;
+}
+
 void Geometry::validate() const {
   if (layers == 0 || block_tokens == 0 || per_layer == 0 ||
       components.size() != static_cast<size_t>(layers) * per_layer) {
@@ -133,28 +141,27 @@ void gather_blocks(const Geometry& g, const std::vector<SegmentRef>& segments,
         b.length > file.size() - b.offset) {
       throw StoreError(path, "block " + std::to_string(i) + " lies outside the file");
     }
-    // Copy each (layer, component, head) plane, then checksum it while it is in L1:
-    // the planes are the region in order, so this is the region's checksum.
+    // Copy each run of rows, then checksum it while it is in L1: the runs are the region in
+    // order, so this is the region's checksum.
     const uint8_t* src = file.data() + b.offset;
     const uint64_t n = std::min<uint64_t>(b.tokens, tokens - t0);
+    const RegionLayout layout = segments[b.segment].layout;
     BlockChecksum sum;
-    for (uint32_t l = 0; l < g.layers; ++l) {
-      const LayerSpan& span = spans[l];
-      const bool wanted = t0 >= span.first_token;
-      for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.component(l, c);
-        const uint64_t plane = static_cast<uint64_t>(b.tokens) * comp.row_bytes;
-        uint8_t* out = dst[l * ncomp + c];
-        for (uint32_t h = 0; h < comp.heads; ++h) {
-          if (wanted) {
-            std::memcpy(out + (h * span.capacity + (t0 - span.first_token)) * comp.row_bytes, src,
-                        n * comp.row_bytes);
-          }
-          sum.update(src, plane);
-          src += plane;
-        }
-      }
-    }
+    for_each_run(g, b.tokens, layout,
+                 [&](uint32_t l, uint32_t c, uint32_t h, uint64_t first, uint64_t rows) {
+                   const LayerSpan& span = spans[l];
+                   const ComponentSpec& comp = g.component(l, c);
+                   const uint64_t bytes = rows * comp.row_bytes;
+                   if (t0 >= span.first_token && first < n) {
+                     uint8_t* out = dst[l * ncomp + c];
+                     const uint64_t take = std::min(rows, n - first);
+                     std::memcpy(out + (h * span.capacity + (t0 - span.first_token) + first) *
+                                           comp.row_bytes,
+                                 src, take * comp.row_bytes);
+                   }
+                   sum.update(src, bytes);
+                   src += bytes;
+                 });
     if (sum.finish() != b.checksum) {
       throw StoreError(path, "block " + std::to_string(i) + " checksum mismatch");
     }

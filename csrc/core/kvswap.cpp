@@ -12,6 +12,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "block_io.h"
 #include "checksum.h"
 
 namespace agentkv {
@@ -47,12 +48,12 @@ KVSwapSet::KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int bl
       row_bytes_(std::move(row_bytes)),
       crcs_(std::move(crcs)) {
   if (layers < 1 || kv_heads < 1 || q_heads < kv_heads || q_heads % kv_heads || head_dim < 8 ||
-      head_dim % 8 || group < 1 || group > 64 || group % 8 || block_tokens % group || rank < 1 ||
+      head_dim % 8 || group != static_cast<int>(kGroupTokens) || block_tokens % group || rank < 1 ||
       comps < 1 || q_heads / kv_heads > 8 || slots < 2 || slots % groups_per_block_) {
     throw std::invalid_argument("kvswap: bad geometry");
   }
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
-  if (blocks_ < 1 || offsets_.size() != static_cast<size_t>(blocks_) * layers * comps ||
+  if (blocks_ < 1 || offsets_.size() != static_cast<size_t>(blocks_) * layers ||
       row_bytes_.size() != static_cast<size_t>(layers) * comps || crcs_.size() != groups * layers) {
     throw std::invalid_argument("kvswap: offsets, row bytes or checksums of the wrong size");
   }
@@ -103,7 +104,7 @@ void KVSwapSet::set_layer(int layer, const float* query_projection, const int8_t
 void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& offsets,
                           const std::vector<uint32_t>& crcs, const std::vector<const int8_t*>& keys,
                           const std::vector<const float*>& scales) {
-  if (offsets.size() != static_cast<size_t>(layers_) * comps_ ||
+  if (offsets.size() != static_cast<size_t>(layers_) ||
       crcs.size() != static_cast<size_t>(layers_) * groups_per_block_ ||
       keys.size() != static_cast<size_t>(layers_) || scales.size() != keys.size()) {
     throw std::invalid_argument("kvswap: a block's offsets, checksums or keys have bad sizes");
@@ -308,46 +309,56 @@ bool KVSwapSet::read_group(int layer, int group, int slot, const SwapArena& aren
   const int block = group / groups_per_block_, in_block = group % groups_per_block_;
   const int64_t staged = staging[slot / groups_per_block_];
   const int64_t first = static_cast<int64_t>(slot % groups_per_block_) * group_;
-  const uint64_t start = now_ns();
-  uint32_t crc = 0;
-  for (int c = 0; c < comps_; ++c) {
-    const int64_t rb = row_bytes_[static_cast<size_t>(layer) * comps_ + c];
-    const int64_t base = offsets_[(static_cast<size_t>(block) * layers_ + layer) * comps_ + c];
-    for (int h = 0; h < kv_heads_; ++h) {
-      const int64_t row = (staged * kv_heads_ + h) * block_tokens_ + first;
-      if (staged < 0 || row + group_ > arena.rows) {
-        error_ = "kvswap: a staging block lies outside the pool";
-        return false;
-      }
-      uint8_t* dst = arena.base[c] + row * rb;
-      const int64_t bytes = group_ * rb;
-      int64_t offset =
-          base +
-          (static_cast<int64_t>(h) * block_tokens_ + static_cast<int64_t>(in_block) * group_) * rb;
-      int64_t done = 0;
-      while (done < bytes) {
-        const ssize_t n = ::pread(fds_[block], dst + done, bytes - done, offset + done);
-        if (n <= 0) {
-          failed_block_ = block;
-          error_ = "block file " + paths_[block] + ": " +
-                   (n == 0 ? std::string("file is shorter than its layout")
-                           : std::string(std::strerror(errno)));
-          return false;
-        }
-        done += n;
-      }
-      crc = crc32c_extend(crc, dst, bytes);
-      stats_.bytes_read += bytes;
-    }
+  if (staged < 0) {
+    error_ = "kvswap: a staging block lies outside the pool";
+    return false;
   }
-  stats_.read_ns += now_ns() - start;
+  // The group is one extent of its block file (store version 3, groups layout): every
+  // component's rows of this group, head by head, in the order the checksum covers them.
+  int64_t extent = 0;
+  for (int c = 0; c < comps_; ++c) {
+    extent += static_cast<int64_t>(kv_heads_) * group_ *
+              row_bytes_[static_cast<size_t>(layer) * comps_ + c];
+  }
+  const uint64_t start = now_ns();
+  extent_.resize(static_cast<size_t>(extent));
+  const int64_t offset = offsets_[static_cast<size_t>(block) * layers_ + layer] + in_block * extent;
+  int64_t done = 0;
+  while (done < extent) {
+    const ssize_t n = ::pread(fds_[block], extent_.data() + done, extent - done, offset + done);
+    if (n <= 0) {
+      failed_block_ = block;
+      error_ = "block file " + paths_[block] + ": " +
+               (n == 0 ? std::string("file is shorter than its layout")
+                       : std::string(std::strerror(errno)));
+      return false;
+    }
+    done += n;
+  }
+  stats_.bytes_read += extent;
+  const uint32_t crc = crc32c(extent_.data(), extent_.size());
   if (crc != crcs_[(static_cast<size_t>(block) * layers_ + layer) * groups_per_block_ + in_block]) {
+    stats_.read_ns += now_ns() - start;
     failed_block_ = block;
     error_ = "block file " + paths_[block] + ": layer " + std::to_string(layer) + ", tokens " +
              std::to_string(in_block * group_) + "-" + std::to_string((in_block + 1) * group_) +
              " do not match their checksum";
     return false;
   }
+  const uint8_t* src = extent_.data();
+  for (int c = 0; c < comps_; ++c) {
+    const int64_t rb = row_bytes_[static_cast<size_t>(layer) * comps_ + c];
+    for (int h = 0; h < kv_heads_; ++h) {
+      const int64_t row = (staged * kv_heads_ + h) * block_tokens_ + first;
+      if (row + group_ > arena.rows) {
+        error_ = "kvswap: a staging block lies outside the pool";
+        return false;
+      }
+      std::memcpy(arena.base[c] + row * rb, src, group_ * rb);
+      src += group_ * rb;
+    }
+  }
+  stats_.read_ns += now_ns() - start;
   l.slot_group[slot] = group;
   l.where[group] = slot;
   return true;

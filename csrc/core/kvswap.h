@@ -42,8 +42,9 @@ struct SwapStats {
 
 class KVSwapSet {
  public:
-  // `paths`: the evicted blocks' files, in block order; `offsets` [blocks][layers][comps]:
-  // where each component's tensor starts in its file; `row_bytes` [layers][comps];
+  // `paths`: the evicted blocks' files (store version 3: groups layout), in block order;
+  // `offsets` [blocks][layers]: where each layer's group extents start in its file;
+  // `row_bytes` [layers][comps];
   // `crcs` [blocks][layers][groups per block]: CRC-32C of each group's runs (component-
   // major, then head) as the pool held them. Opens every file (throws on failure).
   KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int block_tokens, int group,
@@ -60,8 +61,8 @@ class KVSwapSet {
   // [blocks][kv_heads][groups per block].
   // A query q scores key k as (q B) . ((k - mean) A).
   void set_layer(int layer, const float* query_projection, const int8_t* keys, const float* scales);
-  // One more evicted block (low-rank keys only), after the others: its file, its components'
-  // offsets [layers][comps], its groups' checksums [layers][groups per block], and per layer
+  // One more evicted block (low-rank keys only), after the others: its file, its layers'
+  // offsets [layers], its groups' checksums [layers][groups per block], and per layer
   // its low-rank keys [kv_heads][rank][block_tokens] and scales [kv_heads][groups per block].
   void add_block(const std::string& path, const std::vector<int64_t>& offsets,
                  const std::vector<uint32_t>& crcs, const std::vector<const int8_t*>& keys,
@@ -137,6 +138,7 @@ class KVSwapSet {
   std::vector<int> fds_;
   std::vector<std::string> paths_;
   std::vector<int64_t> offsets_, row_bytes_;
+  std::vector<uint8_t> extent_;  // one group as read, before it goes to its rows
   std::vector<uint32_t> crcs_;
   std::vector<Layer> layer_state_;
   uint64_t tick_ = 0;

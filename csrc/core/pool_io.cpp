@@ -62,22 +62,20 @@ void read_regions(const Geometry& g, const std::vector<SegmentRef>& files,
         r.length > file.size() - r.offset) {
       throw StoreError(path, "block region " + std::to_string(i) + " lies outside the file");
     }
-    // Copy each (layer, component, head) plane, checksumming it while it is in L1: the planes
-    // are the region in order, so this is the region's checksum.
+    // Copy each run of rows, checksumming it while it is in L1: the runs are the region in
+    // order, so this is the region's checksum.
     const uint8_t* src = file.data() + r.offset;
     BlockChecksum sum;
-    for (uint32_t l = 0; l < g.layers; ++l) {
-      for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.component(l, c);
-        const uint64_t plane = static_cast<uint64_t>(r.tokens) * comp.row_bytes;
-        uint8_t* arena = arenas[l * ncomp + c];
-        for (uint32_t h = 0; h < comp.heads; ++h) {
-          std::memcpy(arena + slot_offset(g, comp, r.slot, h), src, plane);
-          sum.update(src, plane);
-          src += plane;
-        }
-      }
-    }
+    for_each_run(g, r.tokens, files[r.file].layout,
+                 [&](uint32_t l, uint32_t c, uint32_t h, uint64_t first, uint64_t rows) {
+                   const ComponentSpec& comp = g.component(l, c);
+                   const uint64_t bytes = rows * comp.row_bytes;
+                   std::memcpy(arenas[l * ncomp + c] + slot_offset(g, comp, r.slot, h) +
+                                   first * comp.row_bytes,
+                               src, bytes);
+                   sum.update(src, bytes);
+                   src += bytes;
+                 });
     if (sum.finish() != r.checksum) {
       throw StoreError(path, "block region " + std::to_string(i) + " checksum mismatch");
     }
@@ -86,11 +84,12 @@ void read_regions(const Geometry& g, const std::vector<SegmentRef>& files,
 
 std::vector<PackedBlock> pack_regions(const Geometry& g, const std::vector<uint32_t>& slots,
                                       const std::vector<uint32_t>& tokens,
+                                      const std::vector<RegionLayout>& layouts,
                                       const std::vector<const uint8_t*>& arenas, uint8_t* out,
                                       int threads) {
   check_arenas(g, arenas.size());
-  if (slots.size() != tokens.size()) {
-    throw std::invalid_argument("need a token count per slot");
+  if (slots.size() != tokens.size() || slots.size() != layouts.size()) {
+    throw std::invalid_argument("need a token count and a layout per slot");
   }
   std::vector<PackedBlock> packed(slots.size());
   uint64_t offset = 0;
@@ -105,17 +104,16 @@ std::vector<PackedBlock> pack_regions(const Geometry& g, const std::vector<uint3
   parallel_for(slots.size(), threads, [&](size_t i) {
     PackedBlock& p = packed[i];
     uint8_t* dst = out + p.offset;
-    for (uint32_t l = 0; l < g.layers; ++l) {
-      for (size_t c = 0; c < ncomp; ++c) {
-        const ComponentSpec& comp = g.component(l, c);
-        const uint8_t* arena = arenas[l * ncomp + c];
-        const uint64_t plane = static_cast<uint64_t>(p.tokens) * comp.row_bytes;
-        for (uint32_t h = 0; h < comp.heads; ++h) {
-          std::memcpy(dst, arena + slot_offset(g, comp, slots[i], h), plane);
-          dst += plane;
-        }
-      }
-    }
+    for_each_run(g, p.tokens, layouts[i],
+                 [&](uint32_t l, uint32_t c, uint32_t h, uint64_t first, uint64_t rows) {
+                   const ComponentSpec& comp = g.component(l, c);
+                   const uint64_t bytes = rows * comp.row_bytes;
+                   std::memcpy(dst,
+                               arenas[l * ncomp + c] + slot_offset(g, comp, slots[i], h) +
+                                   first * comp.row_bytes,
+                               bytes);
+                   dst += bytes;
+                 });
     p.checksum = block_checksum(out + p.offset, p.length);
   });
   return packed;

@@ -35,9 +35,10 @@ void read_regions(const Geometry& geometry, const std::vector<SegmentRef>& files
                   uint64_t slots, int threads);
 
 // Lays rows [0, tokens[i]) of slots[i] out as consecutive regions in `out` (the sum of their
-// block_bytes), returning where each went and its checksum.
+// block_bytes), each in layouts[i], returning where each went and its checksum.
 std::vector<PackedBlock> pack_regions(const Geometry& geometry, const std::vector<uint32_t>& slots,
                                       const std::vector<uint32_t>& tokens,
+                                      const std::vector<RegionLayout>& layouts,
                                       const std::vector<const uint8_t*>& arenas, uint8_t* out,
                                       int threads);
 

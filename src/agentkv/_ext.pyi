@@ -134,14 +134,14 @@ def uninitialized(rows: int, width: int, dtype: str) -> mlx.core.array:
     An arena [rows, width] whose pages are committed only as they are written.
     """
 
-def read_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], blocks: int, files: Sequence[tuple[str, int, int]], regions: Sequence[tuple[int, int, int, int, int, int]], threads: int = 2) -> None:
+def read_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], blocks: int, files: Sequence[tuple[str, int, int, int]], regions: Sequence[tuple[int, int, int, int, int, int]], threads: int = 2) -> None:
     """
-    Verify stored block regions (file, offset, length, checksum, tokens, slot) and copy each into its pool slot.
+    Verify stored block regions (file, offset, length, checksum, tokens, slot) of files (path, size, header checksum, layout) and copy each into its pool slot.
     """
 
-def pack_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], blocks: int, slots: Sequence[int], tokens: Sequence[int], threads: int = 2) -> tuple[Annotated[NDArray[numpy.uint8], dict(shape=(None,))], list[tuple[int, int, int, int, int]]]:
+def pack_regions(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], blocks: int, slots: Sequence[int], tokens: Sequence[int], layouts: Sequence[int], threads: int = 2) -> tuple[Annotated[NDArray[numpy.uint8], dict(shape=(None,))], list[tuple[int, int, int, int, int]]]:
     """
-    Lay pool slots out as checksummed block regions for a block or segment file.
+    Lay pool slots out as checksummed block regions for a block or segment file, each in its layout (0: planes, 1: groups of 64 tokens).
     """
 
 def copy_slot_rows(arenas: Sequence[mlx.core.array], layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], blocks: int, src: int, dst: int, tokens: int) -> None:
@@ -166,7 +166,7 @@ def crc32c(data: object, value: int = 0) -> int:
 def block_checksum(data: object) -> int:
     """The striped CRC-32C agentkv stores per KV block."""
 
-def gather_blocks(layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], segments: Sequence[tuple[str, int, int]], blocks: Sequence[tuple[int, int, int, int, int]], tokens: int, spans: Sequence[tuple[int, int]], threads: int = 2) -> list[mlx.core.array]:
+def gather_blocks(layers: int, block_tokens: int, components: Sequence[Sequence[tuple[int, int, str]]], segments: Sequence[tuple[str, int, int, int]], blocks: Sequence[tuple[int, int, int, int, int]], tokens: int, spans: Sequence[tuple[int, int]], threads: int = 2) -> list[mlx.core.array]:
     """
     Load tokens [0, tokens) of stored KV blocks into new MLX arrays, verifying every read.
     """

@@ -53,7 +53,7 @@ def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
         "kvswap"
     )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
-    expected |= {("cache", a) for a in ("ls", "show", "rm", "verify")}
+    expected |= {("cache", a) for a in ("ls", "show", "rm", "verify", "migrate")}
     expected |= {(m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import-gguf")}
     expected |= {("bench", b) for b in benches.split()}
     assert set(commands) == {tuple(w for w in words if w) for words in expected}

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.errors import CacheFormatError
-from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 from agentkv.format.quant import V1, KVQuant
 
 
@@ -28,14 +28,16 @@ from agentkv.format.quant import V1, KVQuant
     group=st.sampled_from([32, 64]),
     heads=st.integers(1, 3),
     keep=st.floats(0.05, 1.0),
+    layout=st.sampled_from([0, 1]),
 )
-def test_round_trip_is_exact(tmp_path_factory, tokens, bits, group, heads, keep):
+def test_round_trip_is_exact(tmp_path_factory, tokens, bits, group, heads, keep, layout):
+    """Either region layout (planes: segments; groups: block files of store version 3)."""
     tmp = tmp_path_factory.mktemp("rt")
     quant = KVQuant(*bits, group, **V1)
     spec = synthetic_spec(layers=2, heads=heads)
     pool = pool_for(spec, quant, blocks=8)
     table = fill_table(pool, tokens)
-    segment, blocks = write_segment(tmp / "seg.safetensors", pool, table, 0, tokens)
+    segment, blocks = write_segment(tmp / "seg.safetensors", pool, table, 0, tokens, layout)
     load = max(1, int(tokens * keep))
     want = table_arrays(pool, table, load)
     contiguous = gather_segments(spec, quant, [segment], blocks, load, [(0, load + 7)] * 2)
@@ -51,12 +53,13 @@ def test_round_trip_is_exact(tmp_path_factory, tokens, bits, group, heads, keep)
         assert np.array_equal(w, g)
 
 
-def test_incremental_segments_and_sliding_window_start(tmp_path):
+@pytest.mark.parametrize("layout", [0, 1])
+def test_incremental_segments_and_sliding_window_start(tmp_path, layout):
     spec = synthetic_spec(layers=2, windows=[None, 300])
     pool = pool_for(spec)
     table = fill_table(pool, 900)
-    seg1, blocks1 = write_segment(tmp_path / "s1.safetensors", pool, table, 0, 600)
-    seg2, blocks2 = write_segment(tmp_path / "s2.safetensors", pool, table, 2, 900)
+    seg1, blocks1 = write_segment(tmp_path / "s1.safetensors", pool, table, 0, 600, layout)
+    seg2, blocks2 = write_segment(tmp_path / "s2.safetensors", pool, table, 2, 900, 1 - layout)
     blocks = blocks1[:2] + [(1, *b[1:]) for b in blocks2]
     first = (900 - 300) // BLOCK_TOKENS * BLOCK_TOKENS  # the window reaches back into block 2
     arrays = gather_segments(
@@ -68,6 +71,33 @@ def test_incremental_segments_and_sliding_window_start(tmp_path):
         assert np.array_equal(w, np.array(g)[0, :, :900])
     for w, g in zip(want[per:], arrays[per:]):
         assert np.array_equal(w[:, first:900], np.array(g)[0, :, : 900 - first])
+
+
+def test_groups_layout_puts_each_layer_group_in_one_extent(tmp_path):
+    """Store version 3's block files: per layer, each 64-token group is one extent holding
+    every component's rows of the group, head by head (what KVSwap reads with one pread)."""
+    spec = synthetic_spec(layers=3, heads=2)
+    pool = pool_for(spec)
+    table = fill_table(pool, 300)
+    packed, records = pool.arena.pack(table.blocks[:2], [BLOCK_TOKENS, 44], [1, 1])
+    arrays = table_arrays(pool, table)  # [layer * comps + comp]: [heads, tokens, row bytes]
+    comps = len(arrays) // spec.num_layers
+    for (_, offset, length, _, tokens), block in zip(records, range(2)):
+        region = packed[offset : offset + length]
+        at = 0
+        for layer in range(spec.num_layers):
+            for first in range(0, tokens, GROUP_TOKENS):
+                rows = min(GROUP_TOKENS, tokens - first)
+                t0 = block * BLOCK_TOKENS + first
+                want = [
+                    arrays[layer * comps + c].view(np.uint8)[h, t0 : t0 + rows].tobytes()
+                    for c in range(comps)
+                    for h in range(arrays[layer * comps + c].shape[0])
+                ]
+                extent = b"".join(want)
+                assert region[at : at + len(extent)].tobytes() == extent
+                at += len(extent)
+        assert at == length
 
 
 def test_corrupt_block_and_header_are_reported_with_the_file(tmp_path):
@@ -99,9 +129,8 @@ def test_corrupt_block_and_header_are_reported_with_the_file(tmp_path):
         pool.arena.read_regions([segment], regions[:1])
     path.write_bytes((10**12).to_bytes(8, "little") + bytes(data[8:]))
     with pytest.raises(CacheFormatError, match="header length"):
-        gather_segments(
-            spec, KVQuant(**V1), [(str(path), len(data), segment[2])], blocks, 200, [(0, 256)] * 2
-        )
+        ref = (str(path), len(data), segment[2], 0)
+        gather_segments(spec, KVQuant(**V1), [ref], blocks, 200, [(0, 256)] * 2)
 
 
 def test_bad_slots_and_files_are_refused_before_any_copy(tmp_path):

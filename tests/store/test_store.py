@@ -154,6 +154,10 @@ def test_block_files_are_collected_only_when_no_manifest_names_them(store, pool)
 def test_store_version_1_manifests_still_load(store, pool):
     """A state written before shared blocks existed: every block in the agent's segment."""
     table = fill_table(pool, 600)
+    records = [pool.blocks.records[b] for b in table.blocks]
+    hashes = [r.hash for r in records]
+    for r in records:  # blocks as version 1 knew them: no hashes, all in the segment
+        r.hash = None
     job = build_save_job(
         pool.arena,
         table,
@@ -164,7 +168,8 @@ def test_store_version_1_manifests_still_load(store, pool):
         text=text_for(600)[2],
         messages=None,
     )
-    job.regions = [r._replace(hash=None, parent=None, ids=None) for r in job.regions]
+    for r, digest in zip(records, hashes):
+        r.hash = digest
     store.write(job, DurableState())
     path = store.manifest_path("old")
     data = path.read_bytes()

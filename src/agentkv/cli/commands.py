@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,7 +65,13 @@ def _entry_summary(e: inventory.AgentEntry) -> dict:
 
 
 def run_cache(args) -> int:
-    action = {"ls": _cache_ls, "show": _cache_show, "rm": _cache_rm, "verify": _cache_verify}
+    action = {
+        "ls": _cache_ls,
+        "show": _cache_show,
+        "rm": _cache_rm,
+        "verify": _cache_verify,
+        "migrate": _cache_migrate,
+    }
     return action[args.cache_command](args, _root(args))
 
 
@@ -164,6 +171,24 @@ def _cache_verify(args, root: Path) -> int:
         )
     print(f"{len(found)} agents checked, {bad} bad")
     return 1 if bad else 0
+
+
+def _cache_migrate(args, root: Path) -> int:
+    from ..store.migrate import migrate
+
+    say = None if args.json else print
+    report = migrate(root, progress=say)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+    else:
+        print(
+            f"{report.agents} agents on store version 3 ({report.switched} switched now): "
+            f"{_files(report.written, 'block file')} written, {report.reused} found by hash, "
+            f"{_files(report.collected, 'unused block file')} deleted"
+        )
+        for problem in report.problems:
+            print(f"NOT MIGRATED {problem}")
+    return 1 if report.problems else 0
 
 
 def _details(e: inventory.AgentEntry) -> dict:

@@ -189,6 +189,15 @@ def _cache_verify(verify: argparse.ArgumentParser) -> None:
     verify.add_argument("agent", nargs="?", default=None)
 
 
+@command(CACHE_ACTIONS, "migrate", "move stored agents to store version 3", json=JSON_OBJECT)
+def _cache_migrate(migrate: argparse.ArgumentParser) -> None:
+    """Rewrite the shared block files of store version 2 in version 3's layout (one extent
+    per layer and 64-token group, which --kv-swap-budget reads from) and switch each agent's
+    manifest to the new files, crash-safe; then delete the old files no agent names. Version
+    2 stores load as they are without it. Run it while no server uses the cache directory:
+    a server that saved an agent meanwhile refuses to overwrite it until it reloads."""
+
+
 COMMANDS.append(
     Command("doctor", "check MLX, its BLAS, the extension and AGENTKV_HOME", json=JSON_OBJECT)
 )

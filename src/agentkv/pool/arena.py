@@ -354,12 +354,17 @@ class KVArena:
         return [a for layer in self.arrays for a in layer]
 
     def read_regions(self, files, regions) -> None:
-        """Copy stored block regions into their slots (verifying each; CacheFormatError)."""
+        """Copy stored block regions into their slots (verifying each; CacheFormatError).
+        ``files``: (path, size, header CRC, layout: 0 planes, 1 groups)."""
         _ext.read_regions(self._flat(), *self._layout, self.capacity, files, regions, IO_THREADS)
 
-    def pack(self, slots: list[int], tokens: list[int]):
-        """The blocks as checksummed regions: (bytes, [(0, offset, length, crc, tokens)])."""
-        return _ext.pack_regions(self._flat(), *self._layout, self.capacity, slots, tokens, 2)
+    def pack(self, slots: list[int], tokens: list[int], layouts: list[int] | None = None):
+        """The blocks as checksummed regions: (bytes, [(0, offset, length, crc, tokens)]),
+        each in its layout (default: planes, as segments hold them; see store/format.py)."""
+        layouts = [0] * len(slots) if layouts is None else layouts
+        return _ext.pack_regions(
+            self._flat(), *self._layout, self.capacity, slots, tokens, layouts, 2
+        )
 
     def copy_rows(self, src: int, dst: int, tokens: int) -> None:
         _ext.copy_slot_rows(self._flat(), *self._layout, self.capacity, src, dst, tokens)

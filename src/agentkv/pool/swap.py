@@ -46,6 +46,7 @@ class StoredFile(Protocol):
 
     path: str
     offset: int  # where the block's region starts in the file
+    layout: int  # of its region: KVSwap reads 1 (groups: store version 3) only
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class SwapState:
         crcs = _ext.kvswap_group_crcs(
             arena._flat(), spec.num_layers, spec.kv_heads, BLOCK_TOKENS, SWAP_GROUP, blocks
         )
-        offsets = _component_offsets(arena.components, files)
+        offsets = _layer_offsets(arena.components, files)
         row_bytes = [c.row_bytes for comps in arena.components for c in comps]
         slots = staging * GROUPS_PER_BLOCK
         swapset = _ext.KVSwapSet(
@@ -198,7 +199,7 @@ class SwapState:
         ]
         self.swapset.add_block(
             str(file.path),
-            _component_offsets(arena.components, [file]),
+            _layer_offsets(arena.components, [file]),
             crcs,
             [keys[0] for keys, _ in parts],
             [scales[0] for _, scales in parts],
@@ -317,13 +318,15 @@ def low_rank_keys(pool, layer: int, blocks: list[int], projections: Projections)
     return codes, scales.transpose(1, 0, 2).astype(mx.float32)
 
 
-def _component_offsets(components, files) -> list[int]:
-    """[block][layer][component] file offset of each component's [heads, 256, width]
-    tensor (a block file's region is layer-major from the file's ``offset``)."""
+def _layer_offsets(components, files) -> list[int]:
+    """[block][layer] file offset of each layer's first 64-token group extent (a block
+    file of store version 3 lays its region out layer-major from the file's ``offset``,
+    each layer as 4 extents of every component's rows of one group, head by head)."""
+    if any(f.layout != 1 for f in files):
+        raise ValueError("KVSwap reads block files of store version 3 (groups) only")
     within = []
     position = 0
     for comps in components:
-        for c in comps:
-            within.append(position)
-            position += c.heads * BLOCK_TOKENS * c.row_bytes
+        within.append(position)
+        position += sum(c.heads * BLOCK_TOKENS * c.row_bytes for c in comps)
     return [int(f.offset) + w for f in files for w in within]

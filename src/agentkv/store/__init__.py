@@ -1,2 +1,2 @@
-"""Persistent per-(model, agent) KV state: the files (store version 2), the store, the background
+"""Persistent per-(model, agent) KV state: the files (store version 3), the store, the background
 writer."""

@@ -38,7 +38,9 @@ from ..kv.cache import AgentKVCache, window_start
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
 from .block_files import SharedBlocks
 from .format import (
+    GROUPS,
     MANIFEST_NAME,
+    PLANES,
     SEGMENT_RE,
     Manifest,
     ManifestBlock,
@@ -47,6 +49,7 @@ from .format import (
     decode_manifest,
     encode_manifest,
     encode_segment_header,
+    file_layout,
     is_shared_file,
     segment_name,
 )
@@ -56,6 +59,23 @@ log = logging.getLogger("agentkv.store")
 LOAD_THREADS = max(1, min(4, os.cpu_count() or 1))
 MAX_MANIFEST_BYTES = 1 << 30
 Signature = tuple[int, int, int] | None  # (inode, size, mtime_ns) of a manifest, None if absent
+
+
+@contextmanager
+def agent_lock(directory: Path, *, exclusive: bool):
+    """flock(2) on an agent directory's ``.lock``: exclusive for a save (or a migration),
+    shared for a read; a read of an agent that does not exist takes none."""
+    if exclusive:
+        secure_mkdir(directory)
+    elif not directory.exists():
+        yield
+        return
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 class StoreConflictError(Exception):
@@ -73,6 +93,7 @@ class NewRegion(NamedTuple):
     hash: bytes | None  # complete, sealed blocks go to shared block files
     parent: bytes | None
     ids: np.ndarray | None  # int32 [256] token ids of a hashed block
+    layout: int = PLANES  # of its bytes: GROUPS for a block file, PLANES for a segment
 
 
 @dataclass
@@ -175,20 +196,8 @@ class AgentStore:
     def manifest_path(self, agent_id: str) -> Path:
         return self.agent_dir(agent_id) / MANIFEST_NAME
 
-    @contextmanager
     def _locked(self, agent_id: str, *, exclusive: bool):
-        directory = self.agent_dir(agent_id)
-        if exclusive:
-            secure_mkdir(directory)
-        elif not directory.exists():
-            yield
-            return
-        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
-        finally:
-            os.close(fd)
+        return agent_lock(self.agent_dir(agent_id), exclusive=exclusive)
 
     @staticmethod
     def _signature(path: Path) -> Signature:
@@ -260,7 +269,7 @@ class AgentStore:
         for src, slot in items:
             if src.path not in files:
                 files[src.path] = len(refs)
-                refs.append((src.path, src.size, src.header_crc))
+                refs.append((src.path, src.size, src.header_crc, file_layout(src.path)))
             regions.append(
                 (files[src.path], src.offset, src.length, src.checksum, src.tokens, slot)
             )
@@ -307,6 +316,7 @@ class AgentStore:
                 str(self.file_path(agent_id, n)),
                 manifest.segments[n].size,
                 manifest.segments[n].header_crc,
+                file_layout(n),
             )
             for n in names
         ]
@@ -395,7 +405,9 @@ class AgentStore:
         fsynced."""
         part = WrittenPart([], {}, 0)
         for r in regions:
-            existed = (self.model_dir / block_file_name(r.hash)).exists()
+            existed = any(
+                (self.model_dir / block_file_name(r.hash, version)).exists() for version in (3, 2)
+            )
             if r.offset < 0:  # evicted by KVSwap: its block file is all there is
                 stored = self.shared.find(r.hash)
                 if stored is None:
@@ -404,6 +416,8 @@ class AgentStore:
                         "decoded, is gone or damaged; the agent cannot be saved whole"
                     )
             else:
+                if r.layout != GROUPS:
+                    raise ValueError("a block file's region is packed in groups")
                 region = memoryview(job.packed)[r.offset : r.offset + r.length]
                 stored = self.shared.ensure(r.hash, r.parent, r.ids, region, r.checksum)
             part.segments[stored.name] = SegmentRecord(stored.size, stored.header_crc)
@@ -428,6 +442,8 @@ class AgentStore:
         directory too); nothing if there are none."""
         if not regions:
             return WrittenPart([], {}, 0)
+        if any(r.layout != PLANES for r in regions):
+            raise ValueError("a segment's regions are packed in planes")
         name = segment_name(generation)
         body = np.concatenate([job.packed[r.offset : r.offset + r.length] for r in regions])
         packed, at = [], 0
@@ -612,8 +628,19 @@ def build_save_job(
         min(BLOCK_TOKENS, table.length - (keep + i) * BLOCK_TOKENS) for i in range(len(slots))
     ]
     resident = [i for i, slot in enumerate(slots) if slot >= 0]
+    # A sealed block the table holds only part of (a turn trimmed back into it) is stored as
+    # the agent's own partial block (planes, in its segment), never under the full block's
+    # hash; a complete sealed block goes to its block file (groups).
+    hashed = [
+        slot >= 0 and pool.records[slot].hash is not None and count == BLOCK_TOKENS
+        for slot, count in zip(slots, counts)
+    ]
     packed, packed_records = (
-        arena.pack([slots[i] for i in resident], [counts[i] for i in resident])
+        arena.pack(
+            [slots[i] for i in resident],
+            [counts[i] for i in resident],
+            [GROUPS if hashed[i] else PLANES for i in resident],
+        )
         if resident
         else (b"", [])
     )
@@ -630,23 +657,21 @@ def build_save_job(
         if slot < 0:
             digest, parent, ids = evicted[keep + i]
             regions.append(
-                NewRegion(-1, 0, 0, BLOCK_TOKENS, digest, parent, np.asarray(ids, np.int32))
+                NewRegion(-1, 0, 0, BLOCK_TOKENS, digest, parent, np.asarray(ids, np.int32), GROUPS)
             )
             continue
         _, offset, length, checksum, count = packed_record
         record = pool.records[slot]
-        # A sealed block the table holds only part of (a turn trimmed back into it) is
-        # stored as the agent's own partial block, never under the full block's hash.
-        hashed = record.hash is not None and count == BLOCK_TOKENS
         regions.append(
             NewRegion(
                 offset,
                 length,
                 checksum,
                 count,
-                record.hash if hashed else None,
-                record.parent if hashed else None,
-                np.asarray(record.tokens, dtype=np.int32) if hashed else None,
+                record.hash if hashed[i] else None,
+                record.parent if hashed[i] else None,
+                np.asarray(record.tokens, dtype=np.int32) if hashed[i] else None,
+                GROUPS if hashed[i] else PLANES,
             )
         )
     return SaveJob(

@@ -2,7 +2,10 @@
 
 ::
 
-    <model_dir>/blocks/<hh>/<hash>.safetensors     header | region (layer-major) | token ids
+    <model_dir>/blocks/<hh>/<hash>.v3.safetensors  header | region (layer-major, in groups)
+                                                   | token ids  (store version 3)
+    <model_dir>/blocks/<hh>/<hash>.safetensors     the same, region in planes (version 2:
+                                                   read, shared, moved to 3 by migrate.py)
     <model_dir>/.blocks.lock                       flock(2): writers shared, the collector
                                                    exclusive
 
@@ -35,10 +38,13 @@ from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, atomic_write_bytes, atomic_write_text, fsync_dir, secure_mkdir
 from .format import (
     BLOCK_FILE_RE,
+    GROUPS,
+    STORE_VERSION,
     StoredBlock,
     block_file_name,
     decode_block_file,
     encode_block_header,
+    file_layout,
     read_header,
 )
 
@@ -58,16 +64,28 @@ class SwapFile(NamedTuple):
     size: int
     header_crc: int
     tokens: tuple[int, ...]
+    layout: int  # GROUPS: what KVSwap reads
 
 
 class SharedBlocks:
     def __init__(self, model_dir: Path, spec: ModelCacheSpec, quant: KVQuant):
+        self._setup(model_dir, spec.fingerprint, spec.components(quant))
+
+    @classmethod
+    def of_manifest(cls, model_dir: Path, manifest) -> SharedBlocks:
+        """The block files of a stored agent's model, as its manifest describes them."""
+        shared = cls.__new__(cls)
+        shared._setup(model_dir, manifest.model_fingerprint, manifest.components())
+        return shared
+
+    def _setup(self, model_dir: Path, fingerprint: str, components) -> None:
         self.model_dir = Path(model_dir)
         self.dir = self.model_dir / "blocks"
-        self.spec = spec
-        self.quant = quant
-        self.components = spec.components(quant)
-        self.region_bytes = spec.bytes_per_token(quant) * BLOCK_TOKENS
+        self.fingerprint = fingerprint
+        self.components = components
+        self.region_bytes = BLOCK_TOKENS * sum(
+            c.heads * c.row_bytes for comps in components for c in comps
+        )
 
     def path(self, name: str) -> Path:
         return self.model_dir / name
@@ -80,10 +98,16 @@ class SharedBlocks:
 
     # -- reading ------------------------------------------------------------------------
 
-    def find(self, digest: bytes) -> StoredBlock | None:
+    def find(self, digest: bytes, *, grouped: bool = False) -> StoredBlock | None:
         """The stored block with this hash, if there is a sound one (a damaged file is
-        moved to quarantine and reported as absent)."""
-        name = block_file_name(digest)
+        moved to quarantine and reported as absent): its store-version-3 file, else (unless
+        ``grouped``: KVSwap reads only version 3) its version-2 file."""
+        found = self.find_file(block_file_name(digest), digest)
+        if found is None and not grouped:
+            found = self.find_file(block_file_name(digest, 2), digest)
+        return found
+
+    def find_file(self, name: str, digest: bytes) -> StoredBlock | None:
         path = self.path(name)
         length = self.region_bytes
         try:
@@ -105,7 +129,7 @@ class SharedBlocks:
                 path,
                 name=name,
                 size=size,
-                fingerprint=self.spec.fingerprint,
+                fingerprint=self.fingerprint,
                 digest=digest,
                 length=length,
             )
@@ -127,32 +151,49 @@ class SharedBlocks:
         tokens,
         region: memoryview,
         checksum: int,
+        *,
+        grouped: bool = False,
     ) -> StoredBlock:
-        """The block file of ``digest``, written from ``region`` unless a sound one exists.
+        """The block file of ``digest``, written from ``region`` (groups layout: store
+        version 3) unless a sound one exists (``grouped``: a version-3 one).
 
         Call inside ``writing()``. The file is fsynced and renamed into place (fault points
         ``block-written``, ``block-renamed``); its directory is fsynced by ``sync_dirs``
         before any manifest names it.
         """
-        found = self.find(digest)
+        found = self.find(digest, grouped=grouped)
         if found is not None:
             return found
-        name = block_file_name(digest)
+        return self.write(digest, parent, tokens, region, checksum)
+
+    def write(
+        self,
+        digest: bytes,
+        parent: bytes,
+        tokens,
+        region,
+        checksum: int,
+        version: int = STORE_VERSION,
+    ) -> StoredBlock:
+        """Write the block file of ``digest`` of store ``version`` from ``region`` (laid out
+        for that version: groups for 3, planes for 2), as ``ensure`` does."""
+        name = block_file_name(digest, version)
         path = self.path(name)
         secure_mkdir(path.parent)
         header = encode_block_header(
-            fingerprint=self.spec.fingerprint,
+            fingerprint=self.fingerprint,
             digest=digest,
             parent=parent,
             components=self.components,
             length=len(region),
             checksum=checksum,
+            version=version,
         )
         ids = np.ascontiguousarray(tokens, dtype="<i4")
         if ids.shape != (BLOCK_TOKENS,):
             raise ValueError("a block file holds exactly one complete block")
         atomic_write_bytes(path, header, region, ids, label="block", sync_dir=False)
-        found = self.find(digest)
+        found = self.find_file(name, digest)
         if found is None:
             raise OSError(f"{path} vanished right after it was written")
         return found
@@ -164,13 +205,16 @@ class SharedBlocks:
         records = pool.blocks.records
         if any(records[b].hash is None or not records[b].full for b in blocks):
             raise ValueError("only complete, sealed blocks have block files")
-        packed, regions = pool.arena.pack(blocks, [BLOCK_TOKENS] * len(blocks))
+        packed, regions = pool.arena.pack(
+            blocks, [BLOCK_TOKENS] * len(blocks), [GROUPS] * len(blocks)
+        )
         view = memoryview(packed)
         found = []
         for block, (_, offset, length, checksum, _count) in zip(blocks, regions):
             record = records[block]
+            region = view[offset : offset + length]
             stored = self.ensure(
-                record.hash, record.parent, record.tokens, view[offset : offset + length], checksum
+                record.hash, record.parent, record.tokens, region, checksum, grouped=True
             )
             found.append(stored)
         self.sync_dirs([f.name for f in found])
@@ -183,6 +227,7 @@ class SharedBlocks:
                 f.size,
                 f.header_crc,
                 f.tokens,
+                file_layout(f.name),
             )
             for f in found
         ]

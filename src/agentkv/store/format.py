@@ -1,20 +1,24 @@
-"""agentkv's files on disk (store version 2): safetensors files, shared blocks stored once.
+"""agentkv's files on disk (store version 3): safetensors files, shared blocks stored once.
 
 ::
 
     <cache_dir>/<fingerprint[:16]>/
-        blocks/<hh>/<hash>.safetensors   one complete 256-token block, named by its chain
+        blocks/<hh>/<hash>.v3.safetensors  one complete 256-token block, named by its chain
                                          hash, written once, shared by every agent naming it
+                                         (``<hash>.safetensors``: store version 2, still read)
         agents/<agent_id>/
             manifest.safetensors         the switch point: tokens, spans, text + JSON record
             seg-00000007.safetensors     the agent's private blocks (its partial tail)
             .lock                        flock(2) between processes
 
-A *region* is one block's KV, laid out layer-major (see ``csrc/core/block_io.h``) and
-described as ordinary safetensors tensors ``l017.k.w`` (block files) or
-``b000003.l017.k.w`` (segments) of shape ``[heads, tokens, width]``; one striped CRC-32C
-covers each region. Files are written once under a new name and never modified, so a
-reader's mmap never sees a change.
+A *region* is one block's KV, laid out layer-major (see ``csrc/core/block_io.h``) in one of
+two layouts, which the file's name says: *planes* (segments, and block files of store
+version 2) described as ordinary safetensors tensors ``b000003.l017.k.w`` / ``l017.k.w`` of
+shape ``[heads, tokens, width]``; *groups* (block files of store version 3): per layer, one
+extent per 64-token group (every component of the group, head by head: what KVSwap reads
+with one ``pread``), tensors ``l017.g2.k.w`` of shape ``[heads, 64, width]``. One striped
+CRC-32C covers each region as stored. Files are written once under a new name and never
+modified, so a reader's mmap never sees a change.
 
 The *manifest* holds the agent's token ids (int32 [n]), each token's byte span in the text
 (int32 [n, 2]), the text (uint8), in KV format 2 the float16 keys of the channel group
@@ -25,7 +29,8 @@ files (name, size, header CRC-32C) and blocks (file, offset, length, checksum, t
 hash), CRC-32Cs of the arrays and of the record itself. A save writes and fsyncs its new
 block files and segment, then atomically replaces the manifest: a crash leaves the old
 state or the new one, never a mix. Store-version-1 manifests (every block in the agent's own
-segments, no hashes) are still read.
+segments, no hashes) and store-version-2 manifests (block files in planes) are still read;
+``store/migrate.py`` moves a store's block files to version 3.
 """
 
 from __future__ import annotations
@@ -40,20 +45,24 @@ import numpy as np
 
 from .. import _ext
 from ..errors import CacheFormatError, InvalidRequestError
-from ..format.geometry import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 from ..format.quant import Component, KVQuant
 
 # The store version: the layout of these files (not the KV format of the bytes inside a
 # block, ``KVQuant``: a manifest records that separately, under "quant"). Each file keeps
 # it under its on-disk key "format_version".
-STORE_VERSION = 2
-READABLE_STORE_VERSIONS = (1, 2)
+STORE_VERSION = 3
+READABLE_STORE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.safetensors"
 MANIFEST_KIND = "agentkv-manifest"
 SEGMENT_KIND = "agentkv-segment"
 BLOCK_KIND = "agentkv-block"
 SEGMENT_RE = re.compile(r"^seg-\d{8}\.safetensors$")
-BLOCK_FILE_RE = re.compile(r"^blocks/([0-9a-f]{2})/([0-9a-f]{64})\.safetensors$")
+BLOCK_FILE_RE = re.compile(r"^blocks/([0-9a-f]{2})/([0-9a-f]{64})(\.v3)?\.safetensors$")
+# How a file lays out its block regions (csrc/core/block_io.h): in planes (segments, block
+# files of store version 2) or in groups of GROUP_TOKENS (block files of store version 3).
+PLANES, GROUPS = 0, 1
+_V3_BLOCK_SUFFIX = ".v3.safetensors"
 MAX_HEADER_BYTES = 64 << 20
 _DTYPE_CODES = {"uint32": "U32", "float16": "F16", "uint8": "U8", "float32": "F32"}
 
@@ -62,14 +71,25 @@ def segment_name(generation: int) -> str:
     return f"seg-{generation:08d}.safetensors"
 
 
-def block_file_name(digest: bytes) -> str:
-    """Where a shared block lives, relative to the model directory."""
+def block_file_name(digest: bytes, version: int = STORE_VERSION) -> str:
+    """Where a shared block of this store version lives, relative to the model directory."""
     hex_digest = digest.hex()
-    return f"blocks/{hex_digest[:2]}/{hex_digest}.safetensors"
+    suffix = _V3_BLOCK_SUFFIX if version >= 3 else ".safetensors"
+    return f"blocks/{hex_digest[:2]}/{hex_digest}{suffix}"
 
 
 def is_shared_file(name: str) -> bool:
     return BLOCK_FILE_RE.match(name) is not None
+
+
+def file_layout(name: str) -> int:
+    """GROUPS for a block file of store version 3 (by its name, or a path ending in it),
+    else PLANES."""
+    return GROUPS if str(name).endswith(_V3_BLOCK_SUFFIX) else PLANES
+
+
+def block_file_version(name: str) -> int:
+    return 3 if file_layout(name) == GROUPS else 2
 
 
 @dataclass(frozen=True)
@@ -367,7 +387,9 @@ def _check_blocks(m: Manifest, path) -> None:
             path,
             f"block {i} names an unknown segment {b.segment!r}",
         )
-        named = b.hash is not None and b.segment == block_file_name(bytes.fromhex(b.hash))
+        named = b.hash is not None and b.segment == block_file_name(
+            bytes.fromhex(b.hash), block_file_version(b.segment)
+        )
         _require(
             not shared or named,
             path,
@@ -429,6 +451,24 @@ def _add_region(tensors: dict, prefix: str, components, tokens: int, start: int)
     return position
 
 
+def _add_grouped_region(tensors: dict, components, tokens: int) -> int:
+    """Describe one block region in the groups layout as tensors ``l017.g2.k.w``
+    [heads, rows, width]; returns where it ends."""
+    position = 0
+    for layer, comps in enumerate(components):
+        for group, first in enumerate(range(0, tokens, GROUP_TOKENS)):
+            rows = min(GROUP_TOKENS, tokens - first)
+            for comp in comps:
+                size = comp.heads * rows * comp.row_bytes
+                tensors[f"l{layer:03d}.g{group}.{comp.name}"] = {
+                    "dtype": _DTYPE_CODES[comp.dtype],
+                    "shape": [comp.heads, rows, comp.width],
+                    "data_offsets": [position, position + size],
+                }
+                position += size
+    return position
+
+
 def _safetensors_header(kind: str, record: dict, tensors: dict) -> bytes:
     """A safetensors header (length prefix included, padded to 8 bytes) whose metadata
     names the file's ``kind`` and holds agentkv's JSON ``record``."""
@@ -450,6 +490,7 @@ class StoredBlock:
     length: int
     checksum: int
     tokens: tuple[int, ...]
+    parent: bytes = b""  # the chain hash of the blocks before it
 
 
 def encode_block_header(
@@ -460,11 +501,16 @@ def encode_block_header(
     components: list[list[Component]],
     length: int,
     checksum: int,
+    version: int = STORE_VERSION,
 ) -> bytes:
-    """The safetensors header of a shared block file: the region's tensors ``l017.k.w``
-    [heads, 256, width], then ``tokens`` int32 [256] (length prefix included, padded)."""
+    """The safetensors header of a shared block file of store ``version`` (3: groups, 2:
+    planes): the region's tensors (``l017.g2.k.w`` [heads, 64, width] or ``l017.k.w``
+    [heads, 256, width]), then ``tokens`` int32 [256] (length prefix included, padded)."""
     tensors: dict = {}
-    end = _add_region(tensors, "", components, BLOCK_TOKENS, 0)
+    if version >= 3:
+        end = _add_grouped_region(tensors, components, BLOCK_TOKENS)
+    else:
+        end = _add_region(tensors, "", components, BLOCK_TOKENS, 0)
     assert end == length
     tensors["tokens"] = {
         "dtype": "I32",
@@ -472,7 +518,7 @@ def encode_block_header(
         "data_offsets": [length, length + 4 * BLOCK_TOKENS],
     }
     record = {
-        "format_version": STORE_VERSION,
+        "format_version": version,
         "model_fingerprint": fingerprint,
         "hash": digest.hex(),
         "parent": parent.hex(),
@@ -501,12 +547,19 @@ def decode_block_file(
     try:
         record = json.loads(meta["agentkv"])
         checksum = int(record["checksum"])
+        parent = bytes.fromhex(record["parent"])
     except (KeyError, TypeError, ValueError):
         raise CacheFormatError(path, "block record is malformed") from None
-    _require(record.get("format_version") == STORE_VERSION, path, "unknown block store version")
+    _require(
+        record.get("format_version") == block_file_version(name),
+        path,
+        "block store version does not match the file's name",
+    )
     _require(record.get("model_fingerprint") == fingerprint, path, "another model's block")
     _require(record.get("hash") == digest.hex(), path, "block file holds another hash")
     _require(size == data_start + length + 4 * BLOCK_TOKENS, path, "block file has the wrong size")
     _require(len(tail) == 4 * BLOCK_TOKENS, path, "block file lacks its token ids")
     tokens = tuple(int(t) for t in np.frombuffer(tail, dtype="<i4"))
-    return StoredBlock(name, size, _ext.crc32c(head[8:]), data_start, length, checksum, tokens)
+    return StoredBlock(
+        name, size, _ext.crc32c(head[8:]), data_start, length, checksum, tokens, parent
+    )

@@ -18,7 +18,14 @@ from ..agent_id import validate_agent_id
 from ..errors import CacheFormatError
 from ..format.quant import native_layout
 from .block_files import collect_block_files
-from .format import BLOCK_TOKENS, MANIFEST_NAME, Manifest, decode_manifest, is_shared_file
+from .format import (
+    BLOCK_TOKENS,
+    MANIFEST_NAME,
+    Manifest,
+    decode_manifest,
+    file_layout,
+    is_shared_file,
+)
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,8 @@ def verify(entry: AgentEntry) -> str | None:
     names = sorted(m.segments)
     index = {n: i for i, n in enumerate(names)}
     segments = [
-        (str(file_path(entry, n)), m.segments[n].size, m.segments[n].header_crc) for n in names
+        (str(file_path(entry, n)), m.segments[n].size, m.segments[n].header_crc, file_layout(n))
+        for n in names
     ]
     blocks = [(index[b.segment], b.offset, b.length, b.checksum, b.tokens) for b in m.blocks]
     layers = int(m.geometry["num_layers"])
