@@ -14,9 +14,29 @@
 
 #include "block_io.h"
 #include "checksum.h"
+#include "cpu_features.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace agentkv {
 namespace {
+
+// int8 [kv_heads][rank][tokens] -> biased u8 [kv_heads][rank / 4][tokens][4].
+void interleave_keys(const int8_t* keys, int kv_heads, int rank, int tokens, uint8_t* out) {
+  for (int g = 0; g < kv_heads; ++g) {
+    const int8_t* src = keys + static_cast<size_t>(g) * rank * tokens;
+    uint8_t* dst = out + static_cast<size_t>(g) * rank * tokens;
+    for (int r = 0; r < rank; ++r) {
+      for (int t = 0; t < tokens; ++t) {
+        dst[(static_cast<size_t>(r / 4) * tokens + t) * 4 + r % 4] =
+            static_cast<uint8_t>(src[static_cast<size_t>(r) * tokens + t] + 128);
+      }
+    }
+  }
+}
 
 uint64_t now_ns() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -48,8 +68,8 @@ KVSwapSet::KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int bl
       row_bytes_(std::move(row_bytes)),
       crcs_(std::move(crcs)) {
   if (layers < 1 || kv_heads < 1 || q_heads < kv_heads || q_heads % kv_heads || head_dim < 8 ||
-      head_dim % 8 || group != static_cast<int>(kGroupTokens) || block_tokens % group || rank < 1 ||
-      comps < 1 || q_heads / kv_heads > 8 || slots < 2 || slots % groups_per_block_) {
+      head_dim % 8 || group != static_cast<int>(kGroupTokens) || block_tokens % group || rank < 4 ||
+      rank % 4 || comps < 1 || q_heads / kv_heads > 8 || slots < 2 || slots % groups_per_block_) {
     throw std::invalid_argument("kvswap: bad geometry");
   }
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
@@ -97,7 +117,11 @@ void KVSwapSet::set_layer(int layer, const float* query_projection, const int8_t
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
   l.projection.assign(query_projection,
                       query_projection + static_cast<size_t>(kv_heads_) * head_dim_ * rank_);
-  l.keys.assign(keys, keys + static_cast<size_t>(kv_heads_) * rank_ * tokens);
+  l.keys.resize(static_cast<size_t>(kv_heads_) * rank_ * tokens);
+  for (int b = 0; b < blocks_; ++b) {
+    const size_t block = static_cast<size_t>(b) * kv_heads_ * rank_ * block_tokens_;
+    interleave_keys(keys + block, kv_heads_, rank_, block_tokens_, l.keys.data() + block);
+  }
   l.scales.assign(scales, scales + static_cast<size_t>(kv_heads_) * groups);
 }
 
@@ -127,7 +151,9 @@ void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& o
   const size_t block_scales = static_cast<size_t>(kv_heads_) * groups_per_block_;
   for (int layer = 0; layer < layers_; ++layer) {
     auto& l = layer_state_[layer];
-    l.keys.insert(l.keys.end(), keys[layer], keys[layer] + block_keys);
+    const size_t at = l.keys.size();
+    l.keys.resize(at + block_keys);
+    interleave_keys(keys[layer], kv_heads_, rank_, block_tokens_, l.keys.data() + at);
     l.scales.insert(l.scales.end(), scales[layer], scales[layer] + block_scales);
     l.where.resize(l.where.size() + groups_per_block_, -1);
   }
@@ -148,47 +174,90 @@ int64_t KVSwapSet::resident_bytes() const {
 
 namespace {
 
-// The scoring loop in AVX2 where the CPU has it (GCC picks the clone when the library loads).
+// The scoring loop: AVX-512 VNNI where the CPU has it, else plain loops the compiler
+// vectorizes (AVX2 where GCC can clone them). Integers throughout, so every path gives the
+// same sums, hence the same scores and choices.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
 #define AGENTKV_SCORE_CLONES __attribute__((target_clones("avx2", "default")))
+#define AGENTKV_SCORE_VNNI 1
 #else
 #define AGENTKV_SCORE_CLONES
 #endif
 
-// out[h] = max over the group's tokens t of sum_j q[h][j] * keys[j][t] for `per` queries at
-// once (keys: int8 [rank][tokens] of one KV head). Plain loops the compiler vectorizes; each
-// row of keys is converted once for every query.
-AGENTKV_SCORE_CLONES void group_maxima(const int8_t* keys, int64_t tokens, int rank, const float* q,
-                                       int per, int64_t first, int group, float* out) {
-  constexpr int kMaxPer = 8, kMaxGroup = 64;
-  float acc[kMaxPer][kMaxGroup];
+constexpr int kMaxPer = 8;  // query heads per KV head the scoring handles
+
+// out[h] = max over the group's tokens t of sum_r q[h][r] * (key[r][t] + 128) for `per`
+// queries at once. `keys`: one KV head's [rank / 4][block_tokens][4] biased keys, `q`:
+// [per][rank] int8.
+AGENTKV_SCORE_CLONES void group_maxima(const uint8_t* keys, int64_t tokens, int rank,
+                                       const int8_t* q, int per, int64_t first, int group,
+                                       int32_t* out) {
+  constexpr int kMaxGroup = 64;
+  int32_t acc[kMaxPer][kMaxGroup];
   for (int h = 0; h < per; ++h) {
-    std::fill_n(acc[h], group, 0.0f);
+    std::fill_n(acc[h], group, 0);
   }
-  float kf[kMaxGroup];
-  for (int j = 0; j < rank; ++j) {
-    const int8_t* k = keys + j * tokens + first;
-    for (int t = 0; t < group; ++t) {
-      kf[t] = static_cast<float>(k[t]);
-    }
+  for (int r4 = 0; r4 < rank / 4; ++r4) {
+    const uint8_t* k = keys + (r4 * tokens + first) * 4;
     for (int h = 0; h < per; ++h) {
-      const float c = q[h * rank + j];
-      float* a = acc[h];
+      const int8_t* c = q + h * rank + r4 * 4;
+      int32_t* a = acc[h];
       for (int t = 0; t < group; ++t) {
-        a[t] += c * kf[t];
+        a[t] += k[4 * t] * c[0] + k[4 * t + 1] * c[1] + k[4 * t + 2] * c[2] + k[4 * t + 3] * c[3];
       }
     }
   }
   for (int h = 0; h < per; ++h) {
-    float m[8];
-    std::copy_n(acc[h], 8, m);
-    for (int t = 8; t < group; t += 8) {
-      for (int l = 0; l < 8; ++l) {
-        m[l] = std::max(m[l], acc[h][t + l]);
+    out[h] = *std::max_element(acc[h], acc[h] + group);
+  }
+}
+
+#ifdef AGENTKV_SCORE_VNNI
+// The same sums, 16 tokens x 4 ranks per vpdpbusd (u8 keys x s8 queries -> s32).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void group_maxima_vnni(
+    const uint8_t* keys, int64_t tokens, int rank, const int8_t* q, int per, int64_t first,
+    int group, int32_t* out) {
+  for (int h0 = 0; h0 < per; h0 += 4) {
+    const int n = std::min(4, per - h0);
+    __m512i acc[4][4];
+    for (int h = 0; h < 4; ++h) {
+      for (int v = 0; v < 4; ++v) {
+        acc[h][v] = _mm512_setzero_si512();
       }
     }
-    out[h] = *std::max_element(m, m + 8);
+    for (int r4 = 0; r4 < rank / 4; ++r4) {
+      const uint8_t* k = keys + (r4 * tokens + first) * 4;
+      __m512i kv[4];
+      for (int v = 0; v < group / 16; ++v) {
+        kv[v] = _mm512_loadu_si512(k + 64 * v);
+      }
+      for (int h = 0; h < n; ++h) {
+        int32_t word;
+        std::memcpy(&word, q + (h0 + h) * rank + r4 * 4, 4);
+        const __m512i c = _mm512_set1_epi32(word);
+        for (int v = 0; v < group / 16; ++v) {
+          acc[h][v] = _mm512_dpbusd_epi32(acc[h][v], kv[v], c);
+        }
+      }
+    }
+    for (int h = 0; h < n; ++h) {
+      __m512i m = acc[h][0];
+      for (int v = 1; v < group / 16; ++v) {
+        m = _mm512_max_epi32(m, acc[h][v]);
+      }
+      out[h0 + h] = _mm512_reduce_max_epi32(m);
+    }
   }
+}
+#endif
+
+bool use_score_vnni() {
+#ifdef AGENTKV_SCORE_VNNI
+  static const bool vnni = cpu_has_avx512_vnni() && !cpu_forced_portable();
+  return vnni;
+#else
+  return false;
+#endif
 }
 
 // The largest q . k any key inside per-channel bounds [lo, hi] can give (Quest's bound).
@@ -242,23 +311,54 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
       }
     }
   }
-  std::vector<float> maxima(per);
-  for (int block = 0; block < blocks_; ++block) {
+  // Each head's projected query in int8 (a scale per head): the keys are int8 too, so a
+  // group's sums are exact integers whichever path computes them.
+  std::vector<int8_t> q8(qt.size());
+  std::vector<float> q_scale(q_heads_);
+  std::vector<int32_t> bias(q_heads_);  // 128 * sum of the head's int8 query: the keys' bias
+  for (int h = 0; h < q_heads_; ++h) {
+    const float* v = qt.data() + static_cast<size_t>(h) * rank_;
+    float top = 0.0f;
+    for (int j = 0; j < rank_; ++j) {
+      top = std::max(top, std::fabs(v[j]));
+    }
+    q_scale[h] = top > 0.0f ? top / 127.0f : 1.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < rank_; ++j) {
+      const auto c = static_cast<int8_t>(std::lrint(v[j] / q_scale[h]));
+      q8[static_cast<size_t>(h) * rank_ + j] = c;
+      sum += c;
+    }
+    bias[h] = 128 * sum;
+  }
+  [[maybe_unused]] const bool vnni = use_score_vnni();
+  ThreadPool::shared().run(static_cast<size_t>(blocks_), [&](size_t block) {
+    int32_t maxima[kMaxPer];
     for (int g = 0; g < kv_heads_; ++g) {
-      const size_t head = static_cast<size_t>(block) * kv_heads_ + g;
-      const int8_t* keys = l.keys.data() + head * rank_ * block_tokens_;
-      const float* q_group = qt.data() + static_cast<size_t>(g) * per * rank_;
+      const size_t head = block * kv_heads_ + g;
+      const uint8_t* keys = l.keys.data() + head * rank_ * block_tokens_;
+      const int8_t* q_group = q8.data() + static_cast<size_t>(g) * per * rank_;
       for (int in_block = 0; in_block < groups_per_block_; ++in_block) {
-        group_maxima(keys, block_tokens_, rank_, q_group, per,
-                     static_cast<int64_t>(in_block) * group_, group_, maxima.data());
+        const int64_t first = static_cast<int64_t>(in_block) * group_;
+#ifdef AGENTKV_SCORE_VNNI
+        if (vnni) {
+          group_maxima_vnni(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
+        } else {
+          group_maxima(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
+        }
+#else
+        group_maxima(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
+#endif
         const float scale = l.scales[head * groups_per_block_ + in_block];
-        const int G = block * groups_per_block_ + in_block;
+        const size_t G = block * groups_per_block_ + in_block;
         for (int h = 0; h < per; ++h) {
-          best[static_cast<size_t>(g * per + h) * groups + G] = maxima[h] * scale;
+          const int qh = g * per + h;
+          best[static_cast<size_t>(qh) * groups + G] =
+              static_cast<float>(maxima[h] - bias[qh]) * q_scale[qh] * scale;
         }
       }
     }
-  }
+  });
   return softmax_sum(best, groups);
 }
 

@@ -121,8 +121,10 @@ class KVSwapSet {
  private:
   struct Layer {
     std::vector<float> projection;  // [kv_heads][head_dim][rank]
-    std::vector<int8_t> keys;       // [blocks][kv_heads][rank][block_tokens]
-    std::vector<float> scales;      // [blocks][kv_heads][groups per block]
+    // [blocks][kv_heads][rank / 4][block_tokens][4]: each token's int8 key + 128, four
+    // ranks side by side (the operand order of vpdpbusd)
+    std::vector<uint8_t> keys;
+    std::vector<float> scales;  // [blocks][kv_heads][groups per block]
     std::vector<int32_t> slot_group;
     std::vector<uint64_t> slot_used;
     std::vector<int32_t> where;  // group -> slot, or -1

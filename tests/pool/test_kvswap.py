@@ -6,12 +6,16 @@ chosen groups are the exact top groups where the projection is exact; a damaged 
 truncated block file fails that row (NaN, a clear error naming the file), never another
 row, never a wrong token."""
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import SCRIPTS
 
 from agentkv import mlx_adapter
 from agentkv.format.geometry import BLOCK_TOKENS
@@ -341,3 +345,19 @@ def test_a_swapped_table_grows_and_seals_blocks_as_it_decodes(setup, tmp_path):
     assert swap.error == "" and swap.stats()["misses"] + swap.stats()["fills"] >= before
     swap.release()
     pool.blocks.check()
+
+
+def test_every_scoring_path_ranks_the_same(tmp_path, python_env):
+    """The scoring sums are integers on every path (AVX-512 VNNI, the compiler's vector
+    loops, portable C++), so the rankings are the same bits."""
+    script = str(SCRIPTS / "kvswap_ranking.py")
+    runs = []
+    for cpu in ("native", "portable"):
+        env = {**python_env, "AGENTKV_CPU": cpu}
+        run = subprocess.run(
+            [sys.executable, script, str(tmp_path)], env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        runs.append(json.loads(run.stdout))
+    assert len(runs[0]) == 48 and runs[0] == runs[1]
+    assert len({tuple(r[:3]) for r in runs[0]}) > 10  # the queries choose different groups
