@@ -117,6 +117,30 @@ def test_a_version_2_store_loads_then_migrates_to_the_same_bits(stored):
     assert (again.agents, again.switched, again.written, again.collected) == (2, 0, 0, 0)
 
 
+def test_version_3_block_files_are_plain_safetensors_by_group(stored):
+    """Any safetensors reader opens a version-3 block file: tensor ``l001.g2.k.w`` is layer
+    1's rows 128-191 of that component."""
+    from safetensors import safe_open
+
+    store, want = stored
+    migrate(store.root)
+    manifest, _ = store.read_manifest("a")
+    comps = manifest.components()
+    per = len(comps[0])
+    for index, block in enumerate(manifest.blocks[:3]):
+        with safe_open(store.model_dir / block.segment, framework="numpy") as f:
+            assert (
+                f.get_tensor("tokens").tolist()
+                == manifest.tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS].tolist()
+            )
+            for layer in range(len(comps)):
+                for c, comp in enumerate(comps[layer]):
+                    rows = slice(index * BLOCK_TOKENS + 128, index * BLOCK_TOKENS + 192)
+                    expected = want["a"][layer * per + c][:, rows]
+                    got = f.get_tensor(f"l{layer:03d}.g2.{comp.name}")
+                    assert np.array_equal(got.view(np.uint8), expected.view(np.uint8))
+
+
 def test_a_damaged_version_2_file_leaves_its_agent_as_it_was(stored):
     store, want = stored
     manifest, _ = store.read_manifest("a")

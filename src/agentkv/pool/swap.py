@@ -150,7 +150,7 @@ class SwapState:
             spec.key_head_dim,
             BLOCK_TOKENS,
             SWAP_GROUP,
-            projections.rank if projections is not None else 1,
+            projections.rank if projections is not None else 4,  # bounds: no low-rank keys
             slots,
             demand if demand is not None else slots - 1,
             attention_scale if attention_scale is not None else spec.key_head_dim**-0.5,

@@ -435,32 +435,25 @@ def encode_segment_header(
     return _safetensors_header(SEGMENT_KIND, record, tensors), blocks
 
 
-def _add_region(tensors: dict, prefix: str, components, tokens: int, start: int) -> int:
-    """Describe one block region (layer-major from ``start``) as tensors
-    ``<prefix>l017.k.w`` [heads, tokens, width]; returns where the region ends."""
+def _add_region(
+    tensors: dict, prefix: str, components, tokens: int, start: int, *, grouped: bool = False
+) -> int:
+    """Describe one block region (layer-major from ``start``) as tensors: in planes
+    ``<prefix>l017.k.w`` [heads, tokens, width], or ``grouped`` ``<prefix>l017.g2.k.w``
+    [heads, rows, width] per 64-token group; returns where the region ends."""
     position = start
+    span = GROUP_TOKENS if grouped else tokens
     for layer, comps in enumerate(components):
-        for comp in comps:
-            size = comp.heads * tokens * comp.row_bytes
-            tensors[f"{prefix}l{layer:03d}.{comp.name}"] = {
-                "dtype": _DTYPE_CODES[comp.dtype],
-                "shape": [comp.heads, tokens, comp.width],
-                "data_offsets": [position, position + size],
-            }
-            position += size
-    return position
-
-
-def _add_grouped_region(tensors: dict, components, tokens: int) -> int:
-    """Describe one block region in the groups layout as tensors ``l017.g2.k.w``
-    [heads, rows, width]; returns where it ends."""
-    position = 0
-    for layer, comps in enumerate(components):
-        for group, first in enumerate(range(0, tokens, GROUP_TOKENS)):
-            rows = min(GROUP_TOKENS, tokens - first)
+        for group, first in enumerate(range(0, tokens, span)):
+            rows = min(span, tokens - first)
             for comp in comps:
                 size = comp.heads * rows * comp.row_bytes
-                tensors[f"l{layer:03d}.g{group}.{comp.name}"] = {
+                name = (
+                    f"{prefix}l{layer:03d}.g{group}.{comp.name}"
+                    if grouped
+                    else f"{prefix}l{layer:03d}.{comp.name}"
+                )
+                tensors[name] = {
                     "dtype": _DTYPE_CODES[comp.dtype],
                     "shape": [comp.heads, rows, comp.width],
                     "data_offsets": [position, position + size],
@@ -507,10 +500,7 @@ def encode_block_header(
     planes): the region's tensors (``l017.g2.k.w`` [heads, 64, width] or ``l017.k.w``
     [heads, 256, width]), then ``tokens`` int32 [256] (length prefix included, padded)."""
     tensors: dict = {}
-    if version >= 3:
-        end = _add_grouped_region(tensors, components, BLOCK_TOKENS)
-    else:
-        end = _add_region(tensors, "", components, BLOCK_TOKENS, 0)
+    end = _add_region(tensors, "", components, BLOCK_TOKENS, 0, grouped=version >= 3)
     assert end == length
     tensors["tokens"] = {
         "dtype": "I32",
