@@ -4,6 +4,8 @@ evicted, is saved whole (its evicted blocks named by hash) and resumes; a block 
 damaged while it decodes fails that agent's turn alone and is quarantined; agents whose
 contexts together are over the pool all decode, without a whole agent evicted."""
 
+import fcntl
+import os
 import threading
 
 import pytest
@@ -52,6 +54,46 @@ def test_an_agent_over_the_budget_decodes_is_saved_whole_and_resumes(fresh_engin
     again = eng.generate("a", prompt + first.text, max_tokens=4)
     assert again.stats.reused_tokens >= PROMPT_TOKENS  # its own tokens, none prefilled again
     assert eng.swapper.swapped == 2
+    eng.pool.blocks.check()
+
+
+def _collector_could_run(lock) -> bool:
+    """Whether the block files' collector would get its exclusive lock now."""
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_collection_waits_for_a_swapped_agents_save(fresh_engine):
+    """A swap writes block files no manifest names until the turn's save: a collection
+    meanwhile (here: another agent deleted) waits for that save instead of deleting them."""
+    eng = fresh_engine(kv_swap_budget=512)
+    eng.generate("other", "Say hello.", max_tokens=2)
+    eng.flush()
+    prompt = _prompt(eng, 2)
+    lock = eng.store.model_dir / ".blocks.lock"
+    assert _collector_could_run(lock)
+    during, text, deleter = None, "", None
+    for piece in eng.stream_generate("a", prompt, max_tokens=12):
+        text += piece
+        if deleter is None and eng.swapper.swapped == 1:  # swapped, decoding
+            during = _collector_could_run(lock)
+            deleter = threading.Thread(target=eng.delete_agent, args=("other",))
+            deleter.start()
+    assert deleter is not None, "the agent never swapped"
+    deleter.join(timeout=300)
+    assert not deleter.is_alive()
+    eng.flush()
+    assert during is False and _collector_could_run(lock)  # held until the save, then freed
+    manifest, _ = eng.store.read_manifest("a")
+    assert all((eng.store.model_dir / b.segment).exists() for b in manifest.blocks[:4])
+    again = eng.generate("a", prompt + text, max_tokens=2)
+    assert again.stats.reused_tokens >= PROMPT_TOKENS
     eng.pool.blocks.check()
 
 

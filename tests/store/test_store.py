@@ -1,5 +1,6 @@
-"""AgentStore on real files: store version 2 (shared block files + private tails),
-incremental saves, loading into the pool, store-version-1 files, validation, quarantine."""
+"""AgentStore on real files: store version 3 (shared block files + private tails),
+incremental saves, loading into the pool, store-version-1 files (version 2:
+test_migrate.py), validation, quarantine."""
 
 import dataclasses
 import json

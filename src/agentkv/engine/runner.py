@@ -193,6 +193,7 @@ class TurnRunner:
             messages=state.messages,
             evicted=state.swap.records if state.swap is not None else None,
         )
+        job.hold, state.swap_hold = state.swap_hold, None  # released once it is written
         self.writer.submit(job)
         full = state.table.length // BLOCK_TOKENS  # a partial last block is saved as the agent's
         state.saved_blocks = [state.block_hash(i) for i in range(full)]

@@ -35,6 +35,9 @@ class AgentState:
     messages: list | None = None
     last_used: float = field(default_factory=time.monotonic)
     swap: SwapState | None = None
+    # While swapped: the block files' lock, held until the save naming its new block files
+    # is written (``SharedBlocks.hold``; the save's job takes it over).
+    swap_hold: object | None = None
 
     @property
     def size(self) -> int:
@@ -82,6 +85,9 @@ class AgentState:
 
     def release(self) -> None:
         """Give the agent's blocks back to the pool (the state is unusable afterwards)."""
+        hold, self.swap_hold = self.swap_hold, None
+        if hold is not None:  # no save took it over (a failed turn): nothing names the files
+            hold.release()
         if self.swap is not None:
             self.swap.release()  # the staging blocks, and the table
             self.swap = None

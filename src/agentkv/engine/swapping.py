@@ -14,6 +14,7 @@ disk, by hash from the pool's cached blocks where they are still there.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import CacheFormatError
@@ -65,10 +66,11 @@ class Swapper:
         if self.pool.blocks.available() + SwapState.frees(self.pool, table, evicted) < staging:
             return False
         projections = self.projections()
+        hold = None
         try:
             shared = self.store.shared
-            with shared.writing():
-                files = shared.ensure_pool_blocks(self.pool, blocks)
+            hold = shared.hold()  # until the save naming the block files is written
+            files = shared.ensure_pool_blocks(self.pool, blocks)
             state.swap = SwapState.evict(
                 self.pool,
                 table,
@@ -78,10 +80,13 @@ class Swapper:
                 staging=staging,
             )
         except (OSError, RuntimeError, ValueError) as exc:
+            if hold is not None:
+                hold.release()
             log.warning(
                 "agentkv: agent %r decodes in memory: KVSwap failed: %s", state.agent_id, exc
             )
             return False
+        state.swap_hold = hold
         self.swapped += 1
         return True
 
@@ -92,7 +97,8 @@ class Swapper:
         while swap is not None and (block := swap.next_evictable()) is not None:
             try:
                 shared = self.store.shared
-                with shared.writing():
+                # under the agent's hold (``start``) the collector waits for its save
+                with nullcontext() if state.swap_hold is not None else shared.writing():
                     (file,) = shared.ensure_pool_blocks(self.pool, [block])
                 swap.evict_next(file)
                 self.filled_evicted += 1

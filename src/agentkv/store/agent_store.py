@@ -115,6 +115,9 @@ class SaveJob:
     # queued behind one that failed must not build on blocks that were never replaced.
     kept_hashes: tuple[str | None, ...] = ()
     tail: np.ndarray | None = None  # KV format 2: the keys of the channel group still filling
+    # The block files' lock a KVSwap agent took when it wrote block files no manifest names
+    # yet (``SharedBlocks.hold``): the writer releases it once this job is done.
+    hold: object | None = None
 
     @property
     def nbytes(self) -> int:

@@ -96,6 +96,11 @@ class SharedBlocks:
         """Held (shared) by a save from its first block file to its manifest switch."""
         return _locked(self.model_dir, fcntl.LOCK_SH)
 
+    def hold(self) -> BlocksHold:
+        """``writing()`` held past one call: by a KVSwap agent from the first block file its
+        swap writes until the manifest naming them is switched (the writer releases it)."""
+        return BlocksHold(self.model_dir)
+
     # -- reading ------------------------------------------------------------------------
 
     def find(self, digest: bytes, *, grouped: bool = False) -> StoredBlock | None:
@@ -277,6 +282,31 @@ class SharedBlocks:
                 except FileNotFoundError:
                     continue
         return total
+
+
+class BlocksHold:
+    """The block files' lock held shared until ``release`` (idempotent; also on garbage
+    collection): the collector waits meanwhile, so no file written under it is deleted
+    before a manifest names it."""
+
+    def __init__(self, model_dir: Path):
+        secure_mkdir(model_dir)
+        self._fd: int | None = os.open(
+            model_dir / ".blocks.lock", os.O_RDWR | os.O_CREAT, FILE_MODE
+        )
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self):
+        self.release()
 
 
 @contextmanager

@@ -116,6 +116,8 @@ class BackgroundWriter:
                     self._durable[job.agent_id] = new_state
                     self._reports.append(report)
             finally:
+                if job.hold is not None:
+                    job.hold.release()
                 with self._cond:
                     self._pending_bytes -= job.nbytes
                     self._busy = None
