@@ -192,3 +192,17 @@ def test_a_migration_killed_at_any_point_loads_and_a_rerun_finishes(stored, pyth
             assert np.array_equal(w, g)
     names = {p.name for p in store.model_dir.glob("blocks/*/*")}
     assert len(names) == 3 and all(block_file_version(n) == 3 for n in names)
+
+
+def test_cache_ls_names_version_2_files_until_migrated(stored, python_env):
+    store, _ = stored
+    command = [sys.executable, "-m", "agentkv.cli.main", "cache", "--cache-dir", str(store.root)]
+
+    def run(*args):
+        out = subprocess.run([*command, *args], env=python_env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "3 of them of store version 2" in run("ls")
+    assert "2 agents on store version 3 (2 switched now)" in run("migrate")
+    assert "store version 2" not in run("ls")

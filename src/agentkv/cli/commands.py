@@ -94,6 +94,12 @@ def _cache_ls(args, root: Path) -> int:
                 f"{model_dir.name}: {_files(count, 'shared block file')}, {human_bytes(size)} "
                 "(stored once, named by every agent whose prefix they hold)"
             )
+        old = inventory.old_block_files(model_dir)
+        if old:
+            print(
+                f"{model_dir.name}: {old} of them of store version 2 (they load as they are; "
+                "`agentkv cache migrate` moves them to version 3, which --kv-swap-budget reads)"
+            )
     return 0
 
 

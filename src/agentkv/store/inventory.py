@@ -20,6 +20,7 @@ from ..format.quant import native_layout
 from .block_files import collect_block_files
 from .format import (
     BLOCK_TOKENS,
+    GROUPS,
     MANIFEST_NAME,
     Manifest,
     decode_manifest,
@@ -142,6 +143,14 @@ def block_files(model_dir: Path) -> tuple[int, int]:
     """(count, bytes) of the shared block files of one model."""
     sizes = _file_sizes((model_dir / "blocks").glob("*/*.safetensors"))
     return len(sizes), sum(sizes.values())
+
+
+def old_block_files(model_dir: Path) -> int:
+    """How many of the model's block files are of store version 2 (``agentkv cache
+    migrate`` moves them to 3)."""
+    return sum(
+        1 for p in (model_dir / "blocks").glob("*/*.safetensors") if file_layout(p.name) != GROUPS
+    )
 
 
 @dataclass(frozen=True)
