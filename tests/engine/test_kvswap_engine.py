@@ -71,7 +71,8 @@ def _collector_could_run(lock) -> bool:
 
 def test_a_collection_waits_for_a_swapped_agents_save(fresh_engine):
     """A swap writes block files no manifest names until the turn's save: a collection
-    meanwhile (here: another agent deleted) waits for that save instead of deleting them."""
+    meanwhile (here: another agent deleted) must not delete them. The engine's own
+    collections skip while the lock is held; the agent's files are there for its save."""
     eng = fresh_engine(kv_swap_budget=512)
     eng.generate("other", "Say hello.", max_tokens=2)
     eng.flush()

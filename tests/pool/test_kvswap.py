@@ -231,6 +231,13 @@ def test_a_missing_block_file_is_refused_when_swapping(setup, tmp_path):
     pool.blocks.check()
 
 
+def test_a_rank_the_scoring_cannot_take_is_refused(setup):
+    loaded, pool, _ = setup
+    for rank in (30, 2, 65):
+        with pytest.raises(ValueError, match="multiple of 4"):
+            kvswap.projections(loaded.model, loaded.tokenizer, loaded.spec, pool.quant, rank)
+
+
 def test_the_projections_are_measured_once_and_kept(setup, monkeypatch, caplog):
     loaded, pool, _ = setup
     spec, quant = loaded.spec, pool.quant

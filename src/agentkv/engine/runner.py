@@ -194,7 +194,12 @@ class TurnRunner:
             evicted=state.swap.records if state.swap is not None else None,
         )
         job.hold, state.swap_hold = state.swap_hold, None  # released once it is written
-        self.writer.submit(job)
+        try:
+            self.writer.submit(job)
+        except BaseException:
+            if job.hold is not None:
+                job.hold.release()
+            raise
         full = state.table.length // BLOCK_TOKENS  # a partial last block is saved as the agent's
         state.saved_blocks = [state.block_hash(i) for i in range(full)]
         state.durable = state.size

@@ -45,8 +45,8 @@ def projections(model, tokenizer, spec: ModelCacheSpec, quant: KVQuant, rank: in
     """The model's KVSwap projections for keys stored in ``quant``, cut to ``rank``
     (measured once, then read back)."""
     width = spec.key_head_dim
-    if not 1 <= rank <= width:
-        raise ValueError(f"a KVSwap rank must be 1..{width}, not {rank}")
+    if not 4 <= rank <= width or rank % 4:
+        raise ValueError(f"a KVSwap rank must be a multiple of 4 in 4..{width}, not {rank}")
     key = _name(spec, quant)
     if key not in _MEMO:
         _MEMO[key] = _read(spec, quant) or _measure_and_keep(model, tokenizer, spec, quant)

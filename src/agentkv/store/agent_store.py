@@ -62,10 +62,11 @@ Signature = tuple[int, int, int] | None  # (inode, size, mtime_ns) of a manifest
 
 
 @contextmanager
-def agent_lock(directory: Path, *, exclusive: bool):
+def agent_lock(directory: Path, *, exclusive: bool, create: bool = True):
     """flock(2) on an agent directory's ``.lock``: exclusive for a save (or a migration),
-    shared for a read; a read of an agent that does not exist takes none."""
-    if exclusive:
+    shared for a read; a read of an agent that does not exist takes none. ``create=False``:
+    FileNotFoundError if the directory is gone (a migration never makes an agent)."""
+    if exclusive and create:
         secure_mkdir(directory)
     elif not directory.exists():
         yield
@@ -502,9 +503,11 @@ class AgentStore:
 
     def collect_blocks(self) -> int:
         """Delete shared block files that no manifest names (agents' and quarantined ones);
-        nothing if a manifest cannot be read (it may name files still needed)."""
+        nothing if a manifest cannot be read (it may name files still needed), nor while a
+        save or a swapped agent holds the block files' lock (a later collection gets them:
+        a server never waits on another turn for this)."""
         try:
-            return self.shared.collect()
+            return self.shared.collect(wait=False)
         except OSError as exc:
             log.warning("agentkv: not collecting unused block files this time: %s", exc)
             return 0

@@ -247,9 +247,9 @@ class SharedBlocks:
 
     # -- collecting ---------------------------------------------------------------------
 
-    def collect(self) -> int:
+    def collect(self, *, wait: bool = True) -> int:
         """Delete the block files no manifest names (see ``collect_block_files``)."""
-        return collect_block_files(self.model_dir)
+        return collect_block_files(self.model_dir, wait=wait)
 
     def quarantine(self, name: str, reason: str) -> Path | None:
         """Move a damaged block file aside (kept, never deleted)."""
@@ -284,6 +284,11 @@ class SharedBlocks:
         return total
 
 
+def blocks_writing(model_dir: Path):
+    """``SharedBlocks.writing()`` for a model directory."""
+    return _locked(Path(model_dir), fcntl.LOCK_SH)
+
+
 class BlocksHold:
     """The block files' lock held shared until ``release`` (idempotent; also on garbage
     collection): the collector waits meanwhile, so no file written under it is deleted
@@ -310,12 +315,20 @@ class BlocksHold:
 
 
 @contextmanager
-def _locked(model_dir: Path, mode: int) -> Iterator[None]:
+def _locked(model_dir: Path, mode: int, *, busy_ok: bool = False) -> Iterator[bool]:
+    """The block files' lock in ``mode``; yields whether it is held (False only with
+    ``busy_ok`` and LOCK_NB, when another holder has it)."""
     secure_mkdir(model_dir)
     fd = os.open(model_dir / ".blocks.lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
-        fcntl.flock(fd, mode)
-        yield
+        try:
+            fcntl.flock(fd, mode)
+        except BlockingIOError:
+            if not busy_ok:
+                raise
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)
 
@@ -338,16 +351,20 @@ def named_block_files(model_dir: Path) -> set[str]:
     return named
 
 
-def collect_block_files(model_dir: Path) -> int:
+def collect_block_files(model_dir: Path, *, wait: bool = True) -> int:
     """Delete every block file (and leftover temporary file) of a model that no manifest
     names; returns how many. The manifests are read under the exclusive lock, so no save
-    can name a file between the mark and the sweep."""
+    can name a file between the mark and the sweep. ``wait=False``: nothing now (0) if a
+    save (or a swapped agent) holds the lock; a later collection gets the files."""
     from .. import _ext
 
     blocks = Path(model_dir) / "blocks"
     if not blocks.exists():
         return 0
-    with _locked(Path(model_dir), fcntl.LOCK_EX):
+    mode = fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB
+    with _locked(Path(model_dir), mode, busy_ok=not wait) as held:
+        if not held:
+            return 0
         keep = named_block_files(Path(model_dir))
         dead = []
         for sub in blocks.iterdir():

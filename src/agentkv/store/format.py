@@ -157,6 +157,13 @@ class Manifest:
         return tokens * sum(c.heads * c.row_bytes for comps in self.components() for c in comps)
 
 
+def manifest_version(m: Manifest) -> int:
+    """The store version a manifest is written with: 3 if it names a block file of version
+    3 (an older agentkv must refuse it: it would read that file in the wrong layout), else
+    2, which every agentkv since the shared block files reads."""
+    return STORE_VERSION if any(file_layout(name) == GROUPS for name in m.segments) else 2
+
+
 def _crc(data) -> int:
     array = np.ascontiguousarray(data)
     return _ext.crc32c(memoryview(array.reshape(-1).view(np.uint8)) if array.size else b"")
@@ -169,7 +176,9 @@ def encode_manifest(m: Manifest) -> bytes:
     spans = np.ascontiguousarray(m.spans, dtype=np.int32).reshape(-1, 2)
     text = np.frombuffer(m.text, dtype=np.uint8)
     record = {
-        "format_version": STORE_VERSION,
+        # 2 while it names no version-3 block file: an older agentkv reads it (and its
+        # collector keeps the files it names) until the agent's blocks move to version 3
+        "format_version": manifest_version(m),
         "agent_id": m.agent_id,
         "model_fingerprint": m.model_fingerprint,
         "model_name": m.model_name,

@@ -5,15 +5,18 @@ layer, one extent per 64-token group, which KVSwap reads with one ``pread``
 (docs/kvswap.md). Version-2 block files (planes) stay readable and shareable as they are;
 ``migrate`` moves a store's agents to version-3 block files, crash-safe:
 
-1. per agent, under its lock (exclusive) and the block files' lock (shared, as a save
-   holds it): for each block its manifest names in a version-2 block file, the version-3
-   file of the same hash, found, or written from the old file's bytes once they match the
-   checksum the manifest records;
+1. per agent, under the block files' lock (shared) and then its own lock (exclusive), the
+   order a save takes them in: for each block its manifest names in a version-2 block
+   file, the version-3 file of the same hash, found, or written from the old file's bytes
+   once they match the checksum the manifest records (a damaged old file is quarantined
+   and the agent left as it was);
 2. the manifest is switched (written, fsynced, renamed) to name the new files;
 3. after every agent, the block files no manifest names (the old ones) are collected.
 
 A crash anywhere leaves each agent its old manifest or its new one, each naming files that
-exist; a file a killed run wrote is reused by the next run, or collected.
+exist; a file a killed run wrote is reused by the next run, or collected. Run it while no
+server uses the cache directory: a server that later saves a migrated agent it holds finds
+its manifest changed and refuses to overwrite it until it reloads the agent.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..errors import CacheFormatError
 from ..format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 from ..paths import atomic_write_bytes
 from .agent_store import agent_lock
-from .block_files import SharedBlocks, collect_block_files
+from .block_files import SharedBlocks, blocks_writing, collect_block_files
 from .format import (
     GROUPS,
     MANIFEST_NAME,
@@ -69,16 +72,23 @@ def migrate(root: Path, *, progress: Callable[[str], None] | None = None) -> Mig
     report = Migration()
     for model_dir in model_dirs(Path(root)):
         for agent_dir in sorted(p for p in (model_dir / "agents").iterdir() if p.is_dir()):
+            if not (agent_dir / MANIFEST_NAME).exists():
+                continue  # nothing stored (yet, or any more)
             try:
                 switched = rewrite_agent(model_dir, agent_dir.name, STORE_VERSION, report)
-            except (OSError, CacheFormatError) as exc:
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except (OSError, CacheFormatError, ValueError) as exc:
                 report.problems.append(f"{model_dir.name}/{agent_dir.name}: {exc}")
                 continue
             report.agents += 1
             report.switched += switched
             if progress is not None and switched:
                 progress(f"migrated {model_dir.name}/{agent_dir.name}")
-        report.collected += collect_block_files(model_dir)
+        try:
+            report.collected += collect_block_files(model_dir)
+        except OSError as exc:
+            report.problems.append(f"{model_dir.name}: old block files not collected: {exc}")
     return report
 
 
@@ -87,7 +97,8 @@ def rewrite_agent(model_dir: Path, agent_id: str, version: int, report: Migratio
     a store back into what version 2 wrote, for tests); False if it named no other."""
     agent_dir = model_dir / "agents" / agent_id
     path = agent_dir / MANIFEST_NAME
-    with agent_lock(agent_dir, exclusive=True):
+    # The block files' lock first, then the agent's: the order a save takes them in.
+    with blocks_writing(model_dir), agent_lock(agent_dir, exclusive=True, create=False):
         manifest = decode_manifest(path.read_bytes(), path)
         if manifest.agent_id != agent_id:
             raise CacheFormatError(path, f"manifest belongs to agent {manifest.agent_id!r}")
@@ -99,17 +110,16 @@ def rewrite_agent(model_dir: Path, agent_id: str, version: int, report: Migratio
         if not moving:
             return False
         shared = SharedBlocks.of_manifest(model_dir, manifest)
-        with shared.writing():
-            moved = {id(b): _block_file(shared, manifest, b, version, report) for b in moving}
-            blocks = [b if id(b) not in moved else _named(b, moved[id(b)]) for b in manifest.blocks]
-            segments = dict(manifest.segments)
-            segments.update({s.name: SegmentRecord(s.size, s.header_crc) for s in moved.values()})
-            used = {b.segment for b in blocks}
-            segments = {name: r for name, r in segments.items() if name in used}
-            shared.sync_dirs([s.name for s in moved.values()])
-            switched = dataclasses.replace(manifest, blocks=blocks, segments=segments)
-            atomic_write_bytes(path, encode_manifest(switched), label="manifest")
-            crash_point("manifest-migrated")
+        moved = {id(b): _block_file(shared, manifest, b, version, report) for b in moving}
+        blocks = [b if id(b) not in moved else _named(b, moved[id(b)]) for b in manifest.blocks]
+        segments = dict(manifest.segments)
+        segments.update({s.name: SegmentRecord(s.size, s.header_crc) for s in moved.values()})
+        used = {b.segment for b in blocks}
+        segments = {name: r for name, r in segments.items() if name in used}
+        shared.sync_dirs([s.name for s in moved.values()])
+        switched = dataclasses.replace(manifest, blocks=blocks, segments=segments)
+        atomic_write_bytes(path, encode_manifest(switched), label="manifest")
+        crash_point("manifest-migrated")
     return True
 
 
