@@ -366,15 +366,17 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
 // summed over the heads.
 std::vector<float> KVSwapSet::softmax_sum(const std::vector<float>& best, int groups) const {
   std::vector<float> scores(groups, 0.0f);
+  std::vector<double> e(groups);
   for (int h = 0; h < q_heads_; ++h) {
     const float* b = best.data() + static_cast<size_t>(h) * groups;
     const float top = *std::max_element(b + 1, b + groups);
     double total = 0.0;
     for (int G = 1; G < groups; ++G) {
-      total += std::exp(static_cast<double>(b[G] - top));
+      e[G] = std::exp(static_cast<double>(b[G] - top));
+      total += e[G];
     }
     for (int G = 1; G < groups; ++G) {
-      scores[G] += static_cast<float>(std::exp(static_cast<double>(b[G] - top)) / total);
+      scores[G] += static_cast<float>(e[G] / total);
     }
   }
   return scores;
