@@ -251,15 +251,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void group_maxima_vnni(
 }
 #endif
 
-bool use_score_vnni() {
+using GroupMaxima = void (*)(const uint8_t*, int64_t, int, const int8_t*, int, int64_t, int,
+                             int32_t*);
+
+// The scoring path this CPU runs (AGENTKV_CPU=portable: the plain loops).
+GroupMaxima group_maxima_kernel() {
 #ifdef AGENTKV_SCORE_VNNI
-  static const bool vnni = cpu_has_avx512_vnni() && !cpu_forced_portable();
-  return vnni;
+  static const GroupMaxima kernel =
+      cpu_has_avx512_vnni() && !cpu_forced_portable() ? &group_maxima_vnni : &group_maxima;
+  return kernel;
 #else
-  return false;
+  return &group_maxima;
 #endif
 }
-
 // The largest q . k any key inside per-channel bounds [lo, hi] can give (Quest's bound).
 AGENTKV_SCORE_CLONES float bound_score(const float* q, const float* lo, const float* hi, int dim) {
   float acc[8] = {};
@@ -331,7 +335,7 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
     }
     bias[h] = 128 * sum;
   }
-  [[maybe_unused]] const bool vnni = use_score_vnni();
+  const GroupMaxima maxima_of = group_maxima_kernel();
   ThreadPool::shared().run(static_cast<size_t>(blocks_), [&](size_t block) {
     int32_t maxima[kMaxPer];
     for (int g = 0; g < kv_heads_; ++g) {
@@ -340,15 +344,7 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
       const int8_t* q_group = q8.data() + static_cast<size_t>(g) * per * rank_;
       for (int in_block = 0; in_block < groups_per_block_; ++in_block) {
         const int64_t first = static_cast<int64_t>(in_block) * group_;
-#ifdef AGENTKV_SCORE_VNNI
-        if (vnni) {
-          group_maxima_vnni(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
-        } else {
-          group_maxima(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
-        }
-#else
-        group_maxima(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
-#endif
+        maxima_of(keys, block_tokens_, rank_, q_group, per, first, group_, maxima);
         const float scale = l.scales[head * groups_per_block_ + in_block];
         const size_t G = block * groups_per_block_ + in_block;
         for (int h = 0; h < per; ++h) {

@@ -198,7 +198,7 @@ class TurnRunner:
             self.writer.submit(job)
         except BaseException:
             if job.hold is not None:
-                job.hold.release()
+                job.hold.close()
             raise
         full = state.table.length // BLOCK_TOKENS  # a partial last block is saved as the agent's
         state.saved_blocks = [state.block_hash(i) for i in range(full)]

@@ -87,7 +87,7 @@ class AgentState:
         """Give the agent's blocks back to the pool (the state is unusable afterwards)."""
         hold, self.swap_hold = self.swap_hold, None
         if hold is not None:  # no save took it over (a failed turn): nothing names the files
-            hold.release()
+            hold.close()
         if self.swap is not None:
             self.swap.release()  # the staging blocks, and the table
             self.swap = None

@@ -14,7 +14,6 @@ disk, by hash from the pool's cached blocks where they are still there.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import CacheFormatError
@@ -81,7 +80,7 @@ class Swapper:
             )
         except (OSError, RuntimeError, ValueError) as exc:
             if hold is not None:
-                hold.release()
+                hold.close()
             log.warning(
                 "agentkv: agent %r decodes in memory: KVSwap failed: %s", state.agent_id, exc
             )
@@ -96,10 +95,8 @@ class Swapper:
         swap = state.swap
         while swap is not None and (block := swap.next_evictable()) is not None:
             try:
-                shared = self.store.shared
-                # under the agent's hold (``start``) the collector waits for its save
-                with nullcontext() if state.swap_hold is not None else shared.writing():
-                    (file,) = shared.ensure_pool_blocks(self.pool, [block])
+                # under the hold ``start`` took: no collection until the turn's save
+                (file,) = self.store.shared.ensure_pool_blocks(self.pool, [block])
                 swap.evict_next(file)
                 self.filled_evicted += 1
             except (OSError, RuntimeError, ValueError) as exc:

@@ -23,7 +23,7 @@ import fcntl
 import logging
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -94,12 +94,15 @@ class SharedBlocks:
 
     def writing(self):
         """Held (shared) by a save from its first block file to its manifest switch."""
-        return _locked(self.model_dir, fcntl.LOCK_SH)
+        return blocks_writing(self.model_dir)
 
-    def hold(self) -> BlocksHold:
-        """``writing()`` held past one call: by a KVSwap agent from the first block file its
-        swap writes until the manifest naming them is switched (the writer releases it)."""
-        return BlocksHold(self.model_dir)
+    def hold(self) -> ExitStack:
+        """``writing()`` held past one call, until ``close()`` (or garbage collection): by a
+        KVSwap agent from the first block file its swap writes until the manifest naming
+        them is switched (the writer closes it)."""
+        held = ExitStack()
+        held.enter_context(self.writing())
+        return held
 
     # -- reading ------------------------------------------------------------------------
 
@@ -287,31 +290,6 @@ class SharedBlocks:
 def blocks_writing(model_dir: Path):
     """``SharedBlocks.writing()`` for a model directory."""
     return _locked(Path(model_dir), fcntl.LOCK_SH)
-
-
-class BlocksHold:
-    """The block files' lock held shared until ``release`` (idempotent; also on garbage
-    collection): the collector waits meanwhile, so no file written under it is deleted
-    before a manifest names it."""
-
-    def __init__(self, model_dir: Path):
-        secure_mkdir(model_dir)
-        self._fd: int | None = os.open(
-            model_dir / ".blocks.lock", os.O_RDWR | os.O_CREAT, FILE_MODE
-        )
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
-        except BaseException:
-            self.release()
-            raise
-
-    def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self):
-        self.release()
 
 
 @contextmanager

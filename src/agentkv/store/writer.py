@@ -117,7 +117,7 @@ class BackgroundWriter:
                     self._reports.append(report)
             finally:
                 if job.hold is not None:
-                    job.hold.release()
+                    job.hold.close()
                 with self._cond:
                     self._pending_bytes -= job.nbytes
                     self._busy = None
