@@ -80,11 +80,12 @@ def run(
             ids = loaded.tokenizer.encode(text)[: context + 1]
             if len(ids) < context + 1:
                 raise SystemExit(f"agentkv: error: {name} has fewer than {context + 1} tokens")
-            arms = [("swap", rank, None)]
+            arms = [("swap", rank, None, True), ("swap, own queries only", rank, None, False)]
             if tune and i == 0:
-                arms = [(f"rank {r}", r, None) for r in TUNE_RANKS]
-                arms += [(f"rank {rank}, demand {d}", rank, d) for d in TUNE_DEMANDS]
-                arms += [("bounds", 0, None)]
+                arms = [(f"rank {r}", r, None, True) for r in TUNE_RANKS]
+                arms += [(f"rank {rank}, demand {d}", rank, d, True) for d in TUNE_DEMANDS]
+                arms += [(f"rank {rank}, own queries only", rank, None, False)]
+                arms += [("bounds", 0, None, False)]
             progress(f"kvswap: {name}: prefilling {context - decode} tokens, then decoding...")
             rows += setup.text_rows(
                 name, ids, Path(tmp) / f"t{i}", arms, budget, decode, cold=i == 0
@@ -117,14 +118,19 @@ class _Setup:
         per_block = self.spec.bytes_per_token(self.quant) * BLOCK_TOKENS
         return KVPool(self.spec, self.quant, pool_bytes=per_block * blocks)
 
-    def projections(self, rank: int):
-        from agentkv.model.kvswap import projections
+    def projections(self, rank: int, predict: bool = True):
+        import dataclasses
+
+        from agentkv.model.kvswap import PREDICT_FROM, projections
 
         if not rank:
             return None
-        return projections(self.loaded.model, self.loaded.tokenizer, self.spec, self.quant, rank)
+        out = projections(self.loaded.model, self.loaded.tokenizer, self.spec, self.quant, rank)
+        return dataclasses.replace(out, predict_from=PREDICT_FROM if predict else None)
 
-    def swap(self, pool, table, directory: Path, budget: int, rank: int, demand=None):
+    def swap(
+        self, pool, table, directory: Path, budget: int, rank: int, demand=None, predict=True
+    ):
         """Write ``table``'s complete blocks as block files and evict all but its last."""
         from agentkv.pool.swap import SwapState, plan_blocks
         from agentkv.store.block_files import SharedBlocks
@@ -140,7 +146,7 @@ class _Setup:
             pool,
             table,
             files,
-            self.projections(rank),
+            self.projections(rank, predict),
             query_heads=self.loaded.query_heads,
             staging=staging,
             demand=demand,
@@ -181,10 +187,12 @@ class _Setup:
         base = pool.new_table(pool.seed(f"kvswap-{name}"))
         _prefill(self.loaded.model, self.spec, pool, base, ids[:prefix])
         tables, swaps = [base], [None]
-        for a, (_, rank, demand) in enumerate(arms):
+        for a, (_, rank, demand, predict) in enumerate(arms):
             fork = base.fork()
             tables.append(fork)
-            swaps.append(self.swap(pool, fork, directory / f"arm{a}", budget, rank, demand))
+            swaps.append(
+                self.swap(pool, fork, directory / f"arm{a}", budget, rank, demand, predict)
+            )
         nll = np.zeros(len(tables))
         top1 = np.zeros(len(tables))
         seconds = np.zeros(len(tables))
@@ -202,7 +210,7 @@ class _Setup:
                 top1[a] += choice == best
         rows = []
         for a in range(1, len(tables)):
-            label, rank, _ = arms[a - 1]
+            label, rank, _, _ = arms[a - 1]
             rows.append(
                 self._row(
                     name,
@@ -219,7 +227,7 @@ class _Setup:
             )
         if cold:
             tokens = ids[prefix + decode : prefix + decode + extra]
-            rows.append(self._cold_row(name, pool, tables[:2], swaps[:2], tokens))
+            rows += self._cold_rows(name, pool, tables, swaps, arms, tokens)
         for swap in swaps[1:]:
             swap.release()
         base.release()
@@ -244,10 +252,8 @@ class _Setup:
             "low_rank_mb": round(swap.swapset.resident_bytes / 1e6, 2),
             "read_kb_per_token": round(stats["bytes_read"] / steps / 1e3, 1),
             "hit_pct": round(100 * stats["hits"] / max(demanded, 1), 1),
-            "read_ms_per_token": round(stats["read_ns"] / steps / 1e6, 2),
             "select_ms_per_token": round(stats["select_ns"] / steps / 1e6, 2),
-            # reads run in the layer's operation, none behind compute: their share of the step
-            "read_share_pct": round(100 * stats["read_ns"] / 1e9 / swap_s, 1),
+            **_read_figures(stats, steps, swap_s),
         }
 
     def _resident_bytes(self, swap) -> int:
@@ -257,29 +263,37 @@ class _Setup:
     def _all_bytes(self, swap) -> int:
         return swap.table.length * self.spec.bytes_per_token(self.quant)
 
-    def _cold_row(self, name, pool, tables, swaps, tokens):
-        swap = swaps[1]
-        before = swap.stats()
-        seconds = [0.0, 0.0]
+    def _cold_rows(self, name, pool, tables, swaps, arms, tokens):
+        """Each swapped arm with its block files dropped from the page cache before every
+        step, the arms and the in-memory table in turn."""
+        before = [s.stats() if s is not None else None for s in swaps]
+        seconds = [0.0] * len(tables)
         for token in tokens:
-            _drop_page_cache(swap.files)
-            for a in range(2):
+            for swap in swaps[1:]:
+                _drop_page_cache(swap.files)
+            for a in range(len(tables)):
                 begin = time.perf_counter()
                 self.step(pool, [tables[a]], [swaps[a]], [token])
                 seconds[a] += time.perf_counter() - begin
-        after = swap.stats()
         n = max(len(tokens), 1)
-        return {
-            "test": name,
-            "arm": "swap, cold page cache",
-            "rank": None,
-            "ram_tps": round(n / max(seconds[0], 1e-9), 1),
-            "swap_tps": round(n / max(seconds[1], 1e-9), 1),
-            "speed_ratio": round(seconds[0] / max(seconds[1], 1e-9), 3),
-            "read_kb_per_token": round((after["bytes_read"] - before["bytes_read"]) / n / 1e3, 1),
-            "read_ms_per_token": round((after["read_ns"] - before["read_ns"]) / n / 1e6, 2),
-            "steps": len(tokens),
-        }
+        rows = []
+        for a in range(1, len(tables)):
+            after = swaps[a].stats()
+            stats = {k: after[k] - before[a][k] for k in after}
+            rows.append(
+                {
+                    "test": name,
+                    "arm": f"{arms[a - 1][0]}, cold page cache",
+                    "rank": arms[a - 1][1],
+                    "ram_tps": round(n / max(seconds[0], 1e-9), 1),
+                    "swap_tps": round(n / max(seconds[a], 1e-9), 1),
+                    "speed_ratio": round(seconds[0] / max(seconds[a], 1e-9), 3),
+                    "read_kb_per_token": round(stats["bytes_read"] / n / 1e3, 1),
+                    **_read_figures(stats, n, seconds[a]),
+                    "steps": len(tokens),
+                }
+            )
+        return rows
 
     def agents_row(self, directory, count, context, budget, rank, steps):
         import mlx.core as mx
@@ -332,6 +346,19 @@ class _Setup:
             "steps": steps,
             "whole_agent_evictions": 0,
         }
+
+
+def _read_figures(stats: dict, steps: int, seconds: float) -> dict:
+    """Reads per token: their time (on either thread), the share of it hidden behind
+    compute (read ahead while the layer before computed), the model thread's wait as a
+    share of the step, and the share of layer steps whose groups were read ahead."""
+    read, wait = stats["read_ns"], stats["wait_ns"]
+    return {
+        "read_ms_per_token": round(read / steps / 1e6, 2),
+        "read_hidden_pct": round(100 * (read - wait) / read, 1) if read else None,
+        "read_share_pct": round(100 * wait / 1e9 / seconds, 1),
+        "read_ahead_pct": round(100 * stats["predicted"] / max(stats["steps"], 1), 1),
+    }
 
 
 def _prefill(model, spec, pool, table, ids, chunk: int = 512) -> None:

@@ -485,7 +485,11 @@ nb::dict kvswap_stats(const agentkv::KVSwapSet& s) {
   d["fills"] = st.fills;
   d["bytes_read"] = st.bytes_read;
   d["read_ns"] = st.read_ns;
+  d["wait_ns"] = st.wait_ns;
   d["select_ns"] = st.select_ns;
+  d["predicted"] = st.predicted;
+  d["read_ahead"] = st.read_ahead;
+  d["ahead_used"] = st.ahead_used;
   return d;
 }
 
@@ -554,9 +558,36 @@ void bind_kvswap(nb::module_& m) {
           "ranked",
           [](const KVSwapSet& s, int layer, const mx::array& q) {
             const auto v = evaluated_vector<float>(q, mx::float32, "q: float32 [Hq, D]");
+            if (!s.query_size_ok(v.size())) {
+              throw nb::value_error("q must be float32 [Hq, D]");
+            }
             return s.ranked(layer, v.data());
           },
           "layer"_a, "q"_a)
+      .def(
+          "predict",
+          [](KVSwapSet& s, int layer, const mx::array& q) {
+            const auto v = evaluated_vector<float>(q, mx::float32, "q: float32 [Hq, D]");
+            if (!s.query_size_ok(v.size())) {
+              throw nb::value_error("q must be float32 [Hq, D]");
+            }
+            return s.predict(layer, v.data());
+          },
+          "layer"_a, "q"_a,
+          "Read ahead for the layer: choose its groups from a predicted query q [Hq, D] and "
+          "start reading the missing ones (the I/O thread reads those not in the page "
+          "cache); the next stage of that layer, still choosing from its own query, takes "
+          "those it chose. False where nothing started (below predict_from, or failed).")
+      .def_prop_rw(
+          "predict_from", &KVSwapSet::predict_from,
+          [](KVSwapSet& s, int layer) {
+            if (layer < 1) {
+              throw nb::value_error("predict_from: layer 0 cannot be predicted (>= 1)");
+            }
+            s.set_predict_from(layer);
+          },
+          "The first layer read ahead from a query predicted in the layer before (the "
+          "number of layers: none); steps read ahead only while reads go to disk.")
       .def_prop_ro("stats", &kvswap_stats)
       .def_prop_ro("error", &KVSwapSet::error)
       .def_prop_ro("failed_block", &KVSwapSet::failed_block)
@@ -623,6 +654,8 @@ NB_MODULE(_ext, m) {
         "block_tokens"_a, "window"_a, "rotate"_a, "linear_biases"_a, "qk_norms"_a, "qk_eps"_a,
         "positions"_a = nb::none(), "swaps"_a = std::vector<std::shared_ptr<agentkv::KVSwapSet>>{},
         "swap_rows"_a = std::vector<int>{}, "layer"_a = -1,
+        "predict"_a = std::vector<std::optional<mx::array>>{}, "predict_bits"_a = 0,
+        "predict_group"_a = 0,
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
         "csrc/ops.h.");

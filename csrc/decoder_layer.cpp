@@ -43,7 +43,8 @@ enum Input : int {
   kRows,                            // [B * Hkv * L] value rows of the new tokens
   kTailRows,                        // [B * Hkv * L] tail rows of the new keys
   kFreqs,  // optional: rope periods; then each linear's bias, if any; then the q, k norms;
-           // then, under KVSwap, each row's positions' end (lengths is then the table's)
+           // then, under KVSwap, each row's positions' end (lengths is then the table's);
+           // then the next layer's query weights (LayerParams::predict_at)
 };
 
 struct LayerParams {
@@ -61,8 +62,13 @@ struct LayerParams {
   bool periods = false;                   // the rope periods are an input (kFreqs)
   bool qk_norms = false;                  // Qwen3: RMSNorm of each q and k head before RoPE
   float qk_eps = 0.0f;
-  bool positions = false;  // RoPE positions end at the last input, not at the lengths
-  SwapStep swap;           // rows whose KV is partly on disk (KVSwap)
+  int qk_norms_at = -1;  // inputs: the q norm, then the k norm
+  int positions_at = -1;  // RoPE positions end here, not at the lengths (KVSwap)
+  SwapStep swap;          // rows whose KV is partly on disk (KVSwap)
+  // KVSwap reading ahead: the next layer's input norm, then its q words, scales, biases,
+  // then its q bias and q norm where it has them
+  int predict_at = -1, predict_bits = 0, predict_group = 0;
+  int predict_bias_at = -1, predict_q_norm_at = -1;
   bool operator==(const LayerParams&) const = default;
 };
 
@@ -179,6 +185,65 @@ void view(agentkv::KVView& v, const std::vector<mx::array>& in, int first, int b
   v.dim = dim;
 }
 
+// KVSwap reading ahead (docs/kvswap.md): each swapped row whose set predicts the next layer
+// gets that layer's query predicted from this layer's input (the next layer's norm and query
+// projection, RoPE at the row's position, the pool's rotation) and starts its reads, which
+// run while this layer computes.
+void predict_next(const LayerParams& p, const std::vector<mx::array>& in, const float* xs,
+                  const int32_t* ends) {
+  const int next = p.swap.layer + 1;
+  std::vector<size_t> which;
+  for (size_t i = 0; i < p.swap.swaps.size(); ++i) {
+    if (p.swap.swaps[i]->predicts(next)) {
+      which.push_back(i);
+    }
+  }
+  if (which.empty()) {
+    return;
+  }
+  const int n = static_cast<int>(which.size()), H = p.heads;
+  const int64_t D = in[kX].shape(2), hd = p.head_dim;
+  std::vector<float> x(n * D), normed(n * D), q(n * H * hd), qh(n * H * hd);
+  std::vector<int32_t> at(n);
+  for (int i = 0; i < n; ++i) {
+    const int b = p.swap.rows[which[i]];  // one new token a swapped row
+    std::memcpy(x.data() + i * D, xs + b * D, D * sizeof(float));
+    at[i] = ends[b];
+  }
+  agentkv::rms_norm_rows(x.data(), in[p.predict_at].data<float>(), normed.data(), n, D, p.eps);
+  const mx::array& w = in[p.predict_at + 1];
+  const QuantizedWeights weights = {w.data<uint32_t>(),
+                                    in[p.predict_at + 2].data<void>(),
+                                    in[p.predict_at + 3].data<void>(),
+                                    scale_type(in[p.predict_at + 2]),
+                                    p.predict_bits,
+                                    p.predict_group,
+                                    w.shape(0),
+                                    static_cast<int64_t>(w.shape(1)) * 32 / p.predict_bits};
+  float* outs[1] = {q.data()};
+  agentkv::quantized_matmuls(normed.data(), &weights, outs, 1, n);
+  if (p.predict_bias_at >= 0) {
+    const float* bias = in[p.predict_bias_at].data<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < H * hd; ++j) {
+        q[r * H * hd + j] += bias[j];
+      }
+    }
+  }
+  if (p.predict_q_norm_at >= 0) {
+    agentkv::rms_norm_rows(q.data(), in[p.predict_q_norm_at].data<float>(), q.data(), n * H, hd,
+                           p.qk_eps);
+  }
+  rotary(p, q.data(), qh.data(), n, 1, H, at.data());
+  if (p.rotate) {
+    agentkv::hadamard_rows(qh.data(), n * H, hd,
+                           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))));
+  }
+  for (int i = 0; i < n; ++i) {
+    p.swap.swaps[which[i]]->predict(next, qh.data() + i * H * hd);
+  }
+}
+
 void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   const mx::array& x = in[kX];
   const int batch = x.shape(0), length = x.shape(1);
@@ -237,12 +302,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   agentkv::rms_norm_rows(xs, in[kInputNorm].data<float>(), normed.data(), rows, model_dim, p.eps);
   matmuls(p, in, 0, normed.data(), {q.data(), k.data(), v.data()}, rows);
   if (p.qk_norms) {  // per head, in place (each row is read whole before it is written)
-    const mx::array& q_norm = in[in.size() - 2];
-    const mx::array& k_norm = in[in.size() - 1];
+    const mx::array& q_norm = in[p.qk_norms_at];
+    const mx::array& k_norm = in[p.qk_norms_at + 1];
     agentkv::rms_norm_rows(q.data(), q_norm.data<float>(), q.data(), rows * H, hd, p.qk_eps);
     agentkv::rms_norm_rows(k.data(), k_norm.data<float>(), k.data(), rows * Hkv, hd, p.qk_eps);
   }
-  const int32_t* ends = p.positions ? in.back().data<int32_t>() : lengths;
+  const int32_t* ends = p.positions_at >= 0 ? in[p.positions_at].data<int32_t>() : lengths;
   rotary(p, q.data(), qh.data(), batch, length, H, ends);
   rotary(p, k.data(), kh.data(), batch, length, Hkv, ends);
   swap_axes(v.data(), vh.data(), batch, length, Hkv, hd);
@@ -285,6 +350,9 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
       parts.push_back(&in[kKeys + i]);
     }
     failed = stage_swapped_rows(p.swap, qh.data(), H, hd, parts, a.tables, a.table_stride);
+    if (p.predict_at >= 0) {
+      predict_next(p, in, xs, ends);
+    }
   }
 
   // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd].
@@ -363,7 +431,9 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
                         const std::optional<mx::array>& positions,
                         const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
-                        const std::vector<int>& swap_rows, int layer) {
+                        const std::vector<int>& swap_rows, int layer,
+                        const std::vector<std::optional<mx::array>>& predict, int predict_bits,
+                        int predict_group) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -464,6 +534,33 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     require(swaps[i] && swap_rows[i] >= 0 && swap_rows[i] < batch, "a swapped row is bad");
   }
 
+  require(predict.empty() || predict.size() == 6, "predict: the next layer's input norm, q "
+          "words, scales, biases, q bias or None, q norm or None");
+  if (!predict.empty()) {
+    require(!swaps.empty(), "predict: only with swapped rows");
+    require(predict[0] && predict[1] && predict[2] && predict[3], "predict: norm and q weights");
+    require(predict[0]->dtype() == mx::float32 && predict[0]->shape() == mx::Shape{dim},
+            "predict: the norm must be float32 [D]");
+    const mx::array& w = *predict[1];
+    require((predict_bits == 4 || predict_bits == 8) &&
+                (predict_group == 32 || predict_group == 64 || predict_group == 128) &&
+                w.dtype() == mx::uint32 && w.ndim() == 2 && w.shape(0) == heads * head_dim &&
+                static_cast<int64_t>(w.shape(1)) * 32 / predict_bits == dim,
+            "predict: q must be 4/8-bit words [heads * head dim, D] in groups of 32/64/128");
+    const mx::Shape scale_shape = {w.shape(0), dim / predict_group};
+    const mx::Dtype sdt = predict[2]->dtype();
+    require(predict[2]->shape() == scale_shape && predict[3]->shape() == scale_shape &&
+                predict[3]->dtype() == sdt &&
+                (sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
+            "predict: q's scales and biases must be float [N, D / group]");
+    require(!predict[4] || (predict[4]->dtype() == mx::float32 &&
+                            predict[4]->shape() == mx::Shape{heads * head_dim}),
+            "predict: q's bias must be float32 [heads * head dim]");
+    require(!predict[5] || (predict[5]->dtype() == mx::float32 &&
+                            predict[5]->shape() == mx::Shape{head_dim} && qk_norms),
+            "predict: the q norm must be float32 [head dim], in a model with q and k norms");
+  }
+
   LayerParams p;
   p.swap = SwapStep{swaps, swap_rows, layer};
   p.heads = heads;
@@ -514,12 +611,29 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   if (qk_norms) {
     p.qk_norms = true;
     p.qk_eps = qk_eps;
+    p.qk_norms_at = static_cast<int>(in.size());
     in.push_back(packed((*qk_norms)[0], stream));
     in.push_back(packed((*qk_norms)[1], stream));
   }
   if (positions) {
-    p.positions = true;
+    p.positions_at = static_cast<int>(in.size());
     in.push_back(packed(*positions, stream));
+  }
+  if (!predict.empty()) {
+    p.predict_at = static_cast<int>(in.size());
+    p.predict_bits = predict_bits;
+    p.predict_group = predict_group;
+    for (int i = 0; i < 4; ++i) {
+      in.push_back(packed(*predict[i], stream));
+    }
+    if (predict[4]) {
+      p.predict_bias_at = static_cast<int>(in.size());
+      in.push_back(packed(*predict[4], stream));
+    }
+    if (predict[5]) {
+      p.predict_q_norm_at = static_cast<int>(in.size());
+      in.push_back(packed(*predict[5], stream));
+    }
   }
   return mx::array({batch, length, dim}, mx::float32,
                    std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));

@@ -84,7 +84,10 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 // lengths[b] - L, or at positions[b] - L where given (KVSwap: the tables and lengths then
 // describe what attention reads, csrc/kvswap_ops.h); each swapped row (swap_rows[i], one
 // new token) stages its groups through swaps[i] before its attention, and a row whose
-// reads failed gets NaN. CPU only.
+// reads failed gets NaN. `predict` (KVSwap reading ahead: the next layer's input norm, its q
+// words, scales and biases of predict_bits in groups of predict_group, its q bias or None,
+// its q norm or None): each swapped row whose set predicts layer + 1 starts that layer's
+// reads from a query predicted from this layer's input. CPU only.
 mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms, float eps,
                         const std::vector<mx::array>& linears, const std::vector<int>& bits,
                         const std::vector<int>& groups, int heads, int kv_heads,
@@ -100,6 +103,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
                         const std::optional<mx::array>& positions,
                         const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
-                        const std::vector<int>& swap_rows, int layer);
+                        const std::vector<int>& swap_rows, int layer,
+                        const std::vector<std::optional<mx::array>>& predict, int predict_bits,
+                        int predict_group);
 
 }  // namespace agentkv::ops

@@ -1,16 +1,21 @@
 #include "kvswap.h"
 
 #include <fcntl.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 
 #include "block_io.h"
 #include "checksum.h"
@@ -46,6 +51,59 @@ uint64_t now_ns() {
 
 }  // namespace
 
+// One thread that runs the set's reads ahead, one job at a time.
+class IoThread {
+ public:
+  IoThread() : thread_([this] { loop(); }) {}
+  ~IoThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  IoThread(const IoThread&) = delete;
+  IoThread& operator=(const IoThread&) = delete;
+
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = std::move(job);
+      busy_ = true;
+    }
+    wake_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return !busy_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [this] { return stop_ || job_; });
+      if (stop_) {
+        return;
+      }
+      std::function<void()> job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      job();
+      lock.lock();
+      busy_ = false;
+      done_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, done_;
+  std::function<void()> job_;
+  bool busy_ = false, stop_ = false;
+  std::thread thread_;  // last: it starts once the rest is built
+};
+
 KVSwapSet::KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int block_tokens,
                      int group, int rank, int slots, int demand, float attention_scale,
                      const std::vector<std::string>& paths, std::vector<int64_t> offsets,
@@ -66,7 +124,8 @@ KVSwapSet::KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int bl
       paths_(paths),
       offsets_(std::move(offsets)),
       row_bytes_(std::move(row_bytes)),
-      crcs_(std::move(crcs)) {
+      crcs_(std::move(crcs)),
+      predict_from_(layers) {
   if (layers < 1 || kv_heads < 1 || q_heads < kv_heads || q_heads % kv_heads || head_dim < 8 ||
       head_dim % 8 || group != static_cast<int>(kGroupTokens) || block_tokens % group || rank < 4 ||
       rank % 4 || comps < 1 || q_heads / kv_heads > 8 || slots < 2 || slots % groups_per_block_) {
@@ -98,12 +157,15 @@ KVSwapSet::KVSwapSet(int layers, int kv_heads, int q_heads, int head_dim, int bl
 }
 
 KVSwapSet::~KVSwapSet() {
+  settle();
+  io_.reset();
   for (int fd : fds_) {
     ::close(fd);
   }
 }
 
 void KVSwapSet::set_demand(int demand) {
+  settle();
   demand_ = std::max(1, std::min(demand, slots_ - 1));
 }
 
@@ -112,6 +174,7 @@ void KVSwapSet::set_layer(int layer, const float* query_projection, const int8_t
   if (layer < 0 || layer >= layers_) {
     throw std::out_of_range("kvswap: no such layer");
   }
+  settle();
   auto& l = layer_state_[layer];
   const size_t tokens = static_cast<size_t>(blocks_) * block_tokens_;
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
@@ -133,6 +196,7 @@ void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& o
       keys.size() != static_cast<size_t>(layers_) || scales.size() != keys.size()) {
     throw std::invalid_argument("kvswap: a block's offsets, checksums or keys have bad sizes");
   }
+  settle();
   for (const auto& l : layer_state_) {
     if (l.keys.empty()) {
       throw std::invalid_argument("kvswap: blocks join only a set with low-rank keys");
@@ -382,6 +446,7 @@ void KVSwapSet::set_bounds(int layer, const float* lo, const float* hi) {
   if (layer < 0 || layer >= layers_) {
     throw std::out_of_range("kvswap: no such layer");
   }
+  settle();
   auto& l = layer_state_[layer];
   const size_t n = static_cast<size_t>(kv_heads_) * blocks_ * groups_per_block_ * head_dim_;
   l.lo.assign(lo, lo + n);
@@ -397,53 +462,81 @@ std::vector<int32_t> KVSwapSet::ranked(int layer, const float* q) const {
   return order;
 }
 
-bool KVSwapSet::read_group(int layer, int group, int slot, const SwapArena& arena,
-                           const int32_t* staging) {
+// The group is one extent of its block file (store version 3, groups layout): every
+// component's rows of this group, head by head, in the order the checksum covers them.
+KVSwapSet::Extent KVSwapSet::extent_of(int layer, int group) const {
+  const int block = group / groups_per_block_, in_block = group % groups_per_block_;
+  Extent e;
+  for (int c = 0; c < comps_; ++c) {
+    e.size += static_cast<int64_t>(kv_heads_) * group_ *
+              row_bytes_[static_cast<size_t>(layer) * comps_ + c];
+  }
+  e.block = block;
+  e.fd = fds_[block];
+  e.offset = offsets_[static_cast<size_t>(block) * layers_ + layer] + in_block * e.size;
+  e.crc = crcs_[(static_cast<size_t>(block) * layers_ + layer) * groups_per_block_ + in_block];
+  return e;
+}
+
+// pread and check one extent into `out` (either thread: it touches nothing of the set):
+// kReadOk when it matches its checksum, else kShort, kChecksum or errno.
+int KVSwapSet::read_extent(const Extent& e, uint8_t* out) {
+  int64_t done = 0;
+  while (done < e.size) {
+    const ssize_t n = ::pread(e.fd, out + done, e.size - done, e.offset + done);
+    if (n <= 0) {
+      return n == 0 ? kShort : (errno > 0 ? errno : EIO);
+    }
+    done += n;
+  }
+  return crc32c(out, static_cast<size_t>(e.size)) == e.crc ? kReadOk : kChecksum;
+}
+
+// As read_extent where the whole extent is in the page cache (Linux: preadv2 with
+// RWF_NOWAIT), else kNotCached and nothing read.
+int KVSwapSet::read_cached(const Extent& e, uint8_t* out) {
+#if defined(__linux__) && defined(RWF_NOWAIT)
+  iovec io = {out, static_cast<size_t>(e.size)};
+  const ssize_t n = ::preadv2(e.fd, &io, 1, e.offset, RWF_NOWAIT);
+  if (n == e.size) {
+    return crc32c(out, static_cast<size_t>(e.size)) == e.crc ? kReadOk : kChecksum;
+  }
+  if (n < 0 && errno != EAGAIN && errno != EOPNOTSUPP && errno != EINVAL && errno != ENOSYS) {
+    return errno;
+  }
+#else
+  (void)e;
+  (void)out;
+#endif
+  return kNotCached;
+}
+
+void KVSwapSet::fail_read(int layer, int group, int how) {
+  const int block = group / groups_per_block_, in_block = group % groups_per_block_;
+  failed_block_ = block;
+  error_ = "block file " + paths_[block] + ": ";
+  if (how == kChecksum) {
+    error_ += "layer " + std::to_string(layer) + ", tokens " + std::to_string(in_block * group_) +
+              "-" + std::to_string((in_block + 1) * group_) + " do not match their checksum";
+  } else {
+    error_ += how == kShort ? std::string("file is shorter than its layout") : std::strerror(how);
+  }
+}
+
+// Copy a group's extent (as read) into its slot's staging rows.
+bool KVSwapSet::place(int layer, int group, int slot, const uint8_t* src, const SwapArena& arena,
+                      const int32_t* staging) {
   auto& l = layer_state_[layer];
   if (l.slot_group[slot] >= 0) {
     l.where[l.slot_group[slot]] = -1;
     l.slot_group[slot] = -1;
   }
-  const int block = group / groups_per_block_, in_block = group % groups_per_block_;
   const int64_t staged = staging[slot / groups_per_block_];
   const int64_t first = static_cast<int64_t>(slot % groups_per_block_) * group_;
   if (staged < 0) {
     error_ = "kvswap: a staging block lies outside the pool";
     return false;
   }
-  // The group is one extent of its block file (store version 3, groups layout): every
-  // component's rows of this group, head by head, in the order the checksum covers them.
-  int64_t extent = 0;
-  for (int c = 0; c < comps_; ++c) {
-    extent += static_cast<int64_t>(kv_heads_) * group_ *
-              row_bytes_[static_cast<size_t>(layer) * comps_ + c];
-  }
-  const uint64_t start = now_ns();
-  extent_.resize(static_cast<size_t>(extent));
-  const int64_t offset = offsets_[static_cast<size_t>(block) * layers_ + layer] + in_block * extent;
-  int64_t done = 0;
-  while (done < extent) {
-    const ssize_t n = ::pread(fds_[block], extent_.data() + done, extent - done, offset + done);
-    if (n <= 0) {
-      failed_block_ = block;
-      error_ = "block file " + paths_[block] + ": " +
-               (n == 0 ? std::string("file is shorter than its layout")
-                       : std::string(std::strerror(errno)));
-      return false;
-    }
-    done += n;
-  }
-  stats_.bytes_read += extent;
-  const uint32_t crc = crc32c(extent_.data(), extent_.size());
-  if (crc != crcs_[(static_cast<size_t>(block) * layers_ + layer) * groups_per_block_ + in_block]) {
-    stats_.read_ns += now_ns() - start;
-    failed_block_ = block;
-    error_ = "block file " + paths_[block] + ": layer " + std::to_string(layer) + ", tokens " +
-             std::to_string(in_block * group_) + "-" + std::to_string((in_block + 1) * group_) +
-             " do not match their checksum";
-    return false;
-  }
-  const uint8_t* src = extent_.data();
   for (int c = 0; c < comps_; ++c) {
     const int64_t rb = row_bytes_[static_cast<size_t>(layer) * comps_ + c];
     for (int h = 0; h < kv_heads_; ++h) {
@@ -456,10 +549,40 @@ bool KVSwapSet::read_group(int layer, int group, int slot, const SwapArena& aren
       src += group_ * rb;
     }
   }
-  stats_.read_ns += now_ns() - start;
   l.slot_group[slot] = group;
   l.where[group] = slot;
   return true;
+}
+
+// The demanded groups missing, and while slots are empty (the first step) the next best
+// groups too, since attention reads every slot; in group order, so a buffer that holds
+// every evicted group holds them as the table did.
+KVSwapSet::Plan KVSwapSet::plan(int layer, const float* q) {
+  const auto& l = layer_state_[layer];
+  const uint64_t start = now_ns();
+  Plan p;
+  p.order = ranked(layer, q);
+  stats_.select_ns += now_ns() - start;
+  p.sink = l.slot_group[0] != 0;
+  const size_t want = std::min(static_cast<size_t>(demand_), p.order.size());
+  for (size_t i = 0; i < want; ++i) {
+    if (l.where[p.order[i]] < 0) {
+      p.load.push_back(p.order[i]);
+    }
+  }
+  p.misses = p.load.size();
+  const size_t empty = static_cast<size_t>(
+      std::count(l.slot_group.begin() + 1, l.slot_group.end(), static_cast<int32_t>(-1)));
+  for (size_t i = want; i < p.order.size() && p.load.size() < empty; ++i) {
+    if (l.where[p.order[i]] < 0) {
+      p.load.push_back(p.order[i]);
+    }
+  }
+  std::sort(p.load.begin(), p.load.end());
+  if (p.sink) {
+    p.load.insert(p.load.begin(), 0);
+  }
+  return p;
 }
 
 bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const int32_t* staging) {
@@ -467,69 +590,99 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
     return false;
   }
   if (layer < 0 || layer >= layers_ || arena.base.size() != static_cast<size_t>(comps_)) {
+    settle();
     error_ = "kvswap: bad layer or arena";
     return false;
   }
+  std::unique_ptr<Ahead> ahead;
+  if (ahead_ && ahead_->layer == layer) {
+    ahead = std::move(ahead_);
+  } else {
+    settle();  // a prediction this layer does not take (a step that stopped early)
+  }
+  // The layer's own query chooses (the same groups whether or not reads ran ahead), while
+  // the reads ahead finish.
+  const Plan p = plan(layer, q);
+  if (ahead) {
+    const uint64_t start = now_ns();
+    if (io_) {
+      io_->wait();
+    }
+    stats_.wait_ns += now_ns() - start;
+    stats_.read_ns += ahead->read_ns;
+    stats_.read_ahead += ahead->plan.load.size();
+    stats_.bytes_read += ahead->bytes.size();
+    ++stats_.predicted;
+  }
   auto& l = layer_state_[layer];
-  const uint64_t start = now_ns();
-  const std::vector<int32_t> order = ranked(layer, q);
-  stats_.select_ns += now_ns() - start;
   ++stats_.steps;
   const uint64_t tick = ++tick_;
-  if (l.slot_group[0] != 0) {
-    if (!read_group(layer, 0, 0, arena, staging)) {
-      return false;
-    }
-    ++stats_.fills;
-  }
-  l.slot_used[0] = tick;
-  const size_t want = std::min(static_cast<size_t>(demand_), order.size());
+  const uint64_t start = now_ns();
+  const size_t want = std::min(static_cast<size_t>(demand_), p.order.size());
   for (size_t i = 0; i < want; ++i) {
-    const int32_t at = l.where[order[i]];
+    const int32_t at = l.where[p.order[i]];
     if (at >= 0) {
       l.slot_used[at] = tick;
       ++stats_.hits;
     }
   }
-  // What to read: the demanded groups missing, and while slots are empty (the first step)
-  // the next best groups too, since attention reads every slot. In group order, so a
-  // buffer that holds every evicted group holds them as the table did.
-  std::vector<int32_t> load;
-  for (size_t i = 0; i < want; ++i) {
-    if (l.where[order[i]] < 0) {
-      load.push_back(order[i]);
-    }
-  }
-  const size_t misses = load.size();
-  const size_t empty = static_cast<size_t>(
-      std::count(l.slot_group.begin() + 1, l.slot_group.end(), static_cast<int32_t>(-1)));
-  for (size_t i = want; i < order.size() && load.size() < empty; ++i) {
-    if (l.where[order[i]] < 0) {
-      load.push_back(order[i]);
-    }
-  }
-  std::sort(load.begin(), load.end());
-  for (int32_t g : load) {
-    int victim = -1;  // an empty slot, else the least recently demanded one
-    for (int s = 1; s < slots_; ++s) {
-      if (l.slot_group[s] < 0) {
-        victim = s;
-        break;
-      }
-      if (l.slot_used[s] != tick && (victim < 0 || l.slot_used[s] < l.slot_used[victim])) {
-        victim = s;
+  l.slot_used[0] = tick;
+  for (size_t i = 0; i < p.load.size(); ++i) {
+    const int32_t g = p.load[i];
+    const uint8_t* src = nullptr;
+    int got = kNotCached;
+    if (ahead) {  // read ahead? (both lists are in group order, the sinks' group first)
+      const auto& read = ahead->plan.load;
+      const auto it = std::find(read.begin(), read.end(), g);
+      if (it != read.end()) {
+        const size_t k = static_cast<size_t>(it - read.begin());
+        got = ahead->status[k];
+        src = ahead->bytes.data() + k * static_cast<size_t>(ahead->extents[0].size);
+        stats_.ahead_used += got == kReadOk;
       }
     }
-    if (victim < 0 || !read_group(layer, g, victim, arena, staging)) {
-      if (error_.empty()) {
-        error_ = "kvswap: no slot to read a group into";
+    if (got == kNotCached) {
+      const Extent e = extent_of(layer, g);
+      extent_.resize(static_cast<size_t>(e.size));
+      got = read_cached(e, extent_.data());
+      if (got == kNotCached) {
+        got = read_extent(e, extent_.data());
+        last_disk_tick_ = tick;
       }
+      stats_.bytes_read += e.size;
+      src = extent_.data();
+    }
+    if (got != kReadOk) {
+      fail_read(layer, g, got);
+      return false;
+    }
+    int victim = 0;  // the sinks' slot, else an empty slot or the least recently demanded
+    if (g != 0 || !p.sink || i != 0) {
+      victim = -1;
+      for (int s = 1; s < slots_; ++s) {
+        if (l.slot_group[s] < 0) {
+          victim = s;
+          break;
+        }
+        if (l.slot_used[s] != tick && (victim < 0 || l.slot_used[s] < l.slot_used[victim])) {
+          victim = s;
+        }
+      }
+    }
+    if (victim < 0) {
+      error_ = "kvswap: no slot to read a group into";
+      return false;
+    }
+    if (!place(layer, g, victim, src, arena, staging)) {
       return false;
     }
     l.slot_used[victim] = tick;
   }
-  stats_.misses += misses;
-  stats_.fills += load.size() - misses;
+  const uint64_t spent = now_ns() - start;
+  stats_.read_ns += spent;
+  stats_.wait_ns += spent;
+  stats_.misses += p.misses;
+  stats_.fills += p.load.size() - p.misses;
   for (int s = 0; s < slots_; ++s) {
     if (l.slot_group[s] < 0) {
       error_ = "kvswap: fewer evicted groups than staging slots";
@@ -537,6 +690,76 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
     }
   }
   return true;
+}
+
+bool KVSwapSet::predicts(int layer) const {
+  // only while reads go to disk: from the page cache, reading costs less than predicting
+  return error_.empty() && layer >= predict_from_ && layer < layers_ && last_disk_tick_ > 0 &&
+         tick_ < last_disk_tick_ + static_cast<uint64_t>(kAheadSteps) * layers_;
+}
+
+bool KVSwapSet::predict(int layer, const float* q) {
+  if (!error_.empty() || layer < predict_from_ || layer >= layers_) {
+    return false;
+  }
+  settle();
+  auto ahead = std::make_unique<Ahead>();
+  ahead->layer = layer;
+  ahead->plan = plan(layer, q);
+  const size_t n = ahead->plan.load.size();
+  ahead->status.assign(n, kNotCached);
+  if (n > 0) {
+    for (int32_t g : ahead->plan.load) {
+      ahead->extents.push_back(extent_of(layer, g));
+    }
+    const size_t size = static_cast<size_t>(ahead->extents[0].size);
+    ahead->bytes.resize(n * size);
+    // Extents already in the page cache are copied here and now (a hand-off to the I/O
+    // thread would cost more than the copy); the others are read on the I/O thread.
+    std::vector<size_t> later;
+    const uint64_t start = now_ns();
+    for (size_t i = 0; i < n; ++i) {
+      ahead->status[i] = read_cached(ahead->extents[i], ahead->bytes.data() + i * size);
+      if (ahead->status[i] == kNotCached) {
+        later.push_back(i);
+      }
+    }
+    const uint64_t spent = now_ns() - start;
+    stats_.read_ns += spent;
+    stats_.wait_ns += spent;
+    if (!later.empty()) {
+      last_disk_tick_ = tick_;
+      if (!io_) {
+        io_ = std::make_unique<IoThread>();
+      }
+      io_->submit([a = ahead.get(), later = std::move(later), size] {
+        const uint64_t begin = now_ns();
+        for (size_t i : later) {
+          a->status[i] = read_extent(a->extents[i], a->bytes.data() + i * size);
+        }
+        a->read_ns = now_ns() - begin;
+      });
+    }
+  }
+  ahead_ = std::move(ahead);
+  return true;
+}
+
+void KVSwapSet::settle() {
+  if (ahead_) {
+    if (io_) {
+      io_->wait();
+    }
+    ahead_.reset();
+  }
+}
+
+void KVSwapSet::set_predict_from(int layer) {
+  if (layer < 1) {
+    throw std::invalid_argument("kvswap: layer 0 has no layer before it to predict it");
+  }
+  settle();
+  predict_from_ = std::min(layer, layers_);
 }
 
 }  // namespace agentkv

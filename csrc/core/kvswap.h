@@ -14,10 +14,17 @@
 // resident blocks, as one ordinary block table (every slot is a whole channel group, and
 // positions live in the stored keys).
 //
-// Plain C++: no Python, no MLX. Not thread-safe: one step at a time (the model thread).
+// Reading ahead: `predict(layer, q)` chooses a layer's groups one layer early, from a
+// predicted query (the seed: the previous layer's input through this layer's norm and query
+// projection), and reads the missing ones on the set's own I/O thread while the previous
+// layer computes; the next `stage` of that layer places them instead of ranking its query.
+//
+// Plain C++: no Python, no MLX. Not thread-safe: one step at a time (the model thread);
+// the I/O thread only reads files into a buffer the set hands it.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,9 +43,16 @@ struct SwapStats {
   uint64_t misses = 0;      // demanded groups read from disk
   uint64_t fills = 0;       // groups read to fill empty slots (the first step)
   uint64_t bytes_read = 0;  // bytes pread from the block files
-  uint64_t read_ns = 0;     // time in pread and checking
+  uint64_t read_ns = 0;     // time in pread, checking and placing (on either thread)
+  uint64_t wait_ns = 0;     // of it, the model thread's: its own reads, waiting for and
+                            // placing those read ahead (read_ns - wait_ns was hidden)
   uint64_t select_ns = 0;   // time scoring and choosing groups
+  uint64_t predicted = 0;   // stage calls that found reads ahead for their layer
+  uint64_t read_ahead = 0;  // groups read ahead (chosen from a predicted query)
+  uint64_t ahead_used = 0;  // of them, groups the layer's own query chose
 };
+
+class IoThread;
 
 class KVSwapSet {
  public:
@@ -52,7 +66,7 @@ class KVSwapSet {
             const std::vector<std::string>& paths, std::vector<int64_t> offsets,
             std::vector<int64_t> row_bytes, int comps, std::vector<uint32_t> crcs);
   ~KVSwapSet();
-  KVSwapSet(const KVSwapSet&) = delete;
+  KVSwapSet(const KVSwapSet&) = delete;  // (the I/O thread holds `this`)
   KVSwapSet& operator=(const KVSwapSet&) = delete;
 
   // A layer's query projection per KV head, B [kv_heads][head_dim][rank], and its evicted
@@ -77,6 +91,23 @@ class KVSwapSet {
   // not match its checksum; the row's attention must not run on it.
   bool stage(int layer, const float* q, const SwapArena& arena, const int32_t* staging);
 
+  // Read ahead for `layer`: choose its groups now from a predicted query `q` (as stage's)
+  // and start reading the missing ones (those in the page cache are copied at once, the
+  // others read on the I/O thread). The next stage() call, if it is for `layer`, still
+  // chooses from its own query, and takes the groups read ahead that it chose. False
+  // (nothing started) below predict_from or after a failure.
+  bool predict(int layer, const float* q);
+  // Whether a step should read ahead for `layer`: at or above predict_from, and while
+  // reads go to disk (a read in the last kAheadSteps steps missed the page cache): from the
+  // page cache, reading costs less than predicting.
+  bool predicts(int layer) const;
+  static constexpr int kAheadSteps = 4;
+  // The first layer read ahead (layers_: none, the default).
+  int predict_from() const {
+    return predict_from_;
+  }
+  void set_predict_from(int layer);
+
   // Which evicted group each of a layer's slots holds (-1: empty).
   const std::vector<int32_t>& slot_groups(int layer) const {
     return layer_state_[layer].slot_group;
@@ -99,6 +130,9 @@ class KVSwapSet {
   bool block_sizes_ok(size_t keys, size_t scales) const {
     return keys == static_cast<size_t>(kv_heads_) * rank_ * block_tokens_ &&
            scales == static_cast<size_t>(kv_heads_) * groups_per_block_;
+  }
+  bool query_size_ok(size_t n) const {
+    return n == static_cast<size_t>(q_heads_) * head_dim_;
   }
   bool bounds_size_ok(size_t n) const {
     return n == static_cast<size_t>(kv_heads_) * blocks_ * groups_per_block_ * head_dim_;
@@ -130,9 +164,45 @@ class KVSwapSet {
     std::vector<int32_t> where;  // group -> slot, or -1
     std::vector<float> lo, hi;   // [kv_heads][groups][head_dim]
   };
+  // A step's choice for a layer: the demanded groups (best first) and those to read (the
+  // sinks' group 0 first if its slot lost it, then in group order).
+  struct Plan {
+    std::vector<int32_t> order, load;
+    size_t misses = 0;  // of `load`, demanded groups (the rest fill empty slots)
+    bool sink = false;
+  };
+  // One group's extent in its block file.
+  struct Extent {
+    int block = 0, fd = -1;
+    int64_t offset = 0, size = 0;
+    uint32_t crc = 0;
+  };
+  // Reads ahead for a layer: the groups of a predicted plan (`plan.load`), read into
+  // `bytes` one extent after the other, each with how its read ended (read_extent's codes);
+  // the I/O thread writes those not in the page cache, and the model thread reads them
+  // only after wait().
+  struct Ahead {
+    int layer = -1;
+    Plan plan;
+    std::vector<Extent> extents;
+    std::vector<uint8_t> bytes;
+    std::vector<int> status;
+    uint64_t read_ns = 0;  // on the I/O thread
+  };
+
   std::vector<float> group_scores(int layer, const float* q) const;
   std::vector<float> softmax_sum(const std::vector<float>& best, int groups) const;
-  bool read_group(int layer, int group, int slot, const SwapArena& arena, const int32_t* staging);
+  Plan plan(int layer, const float* q);
+  Extent extent_of(int layer, int group) const;
+  // How a read ended: kReadOk, kShort (the file ends first), kChecksum, kNotCached, or an
+  // errno (> 0).
+  static constexpr int kReadOk = 0, kShort = -1, kChecksum = -2, kNotCached = -3;
+  static int read_extent(const Extent& e, uint8_t* out);
+  static int read_cached(const Extent& e, uint8_t* out);
+  void fail_read(int layer, int group, int how);
+  bool place(int layer, int group, int slot, const uint8_t* src, const SwapArena& arena,
+             const int32_t* staging);
+  void settle();  // wait for a read ahead and drop it (before anything changes the set)
 
   int layers_, kv_heads_, q_heads_, head_dim_, block_tokens_, group_, rank_, slots_, demand_;
   float attention_scale_;
@@ -143,6 +213,10 @@ class KVSwapSet {
   std::vector<uint8_t> extent_;  // one group as read, before it goes to its rows
   std::vector<uint32_t> crcs_;
   std::vector<Layer> layer_state_;
+  int predict_from_;
+  uint64_t last_disk_tick_ = 0;  // the last stage call (tick) whose reads missed the page cache
+  std::unique_ptr<Ahead> ahead_;
+  std::unique_ptr<IoThread> io_;
   uint64_t tick_ = 0;
   SwapStats stats_;
   std::string error_;

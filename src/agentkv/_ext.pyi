@@ -25,6 +25,20 @@ class KVSwapSet:
 
     def ranked(self, layer: int, q: mlx.core.array) -> list[int]: ...
 
+    def predict(self, layer: int, q: mlx.core.array) -> bool:
+        """
+        Read ahead for the layer: choose its groups from a predicted query q [Hq, D] and start reading the missing ones (the I/O thread reads those not in the page cache); the next stage of that layer, still choosing from its own query, takes those it chose. False where nothing started (below predict_from, or failed).
+        """
+
+    @property
+    def predict_from(self) -> int:
+        """
+        The first layer read ahead from a query predicted in the layer before (the number of layers: none); steps read ahead only while reads go to disk.
+        """
+
+    @predict_from.setter
+    def predict_from(self, arg: int, /) -> None: ...
+
     @property
     def stats(self) -> dict: ...
 
@@ -81,7 +95,7 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, integer dot products (AVX2 or portable), every output reduced in one fixed order whatever the batch.
     """
 
-def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1) -> mlx.core.array:
+def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0) -> mlx.core.array:
     """
     One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h.
     """

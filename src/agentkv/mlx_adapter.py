@@ -188,9 +188,22 @@ def use_cpu_swiglu(model: nn.Module) -> int:
 @dataclasses.dataclass(frozen=True)
 class FusedLayer:
     """A Llama-family block's weights and shape as ``_ext.decoder_layer`` takes them
-    (``arguments``: every keyword but the input and the KV cache's)."""
+    (``arguments``: every keyword but the input and the KV cache's; ``predict``: the next
+    block's query weights, for KVSwap's reading ahead, where that block is fused too)."""
 
     arguments: dict
+    predict: dict | None = None
+
+    def next_query(self) -> dict:
+        """This block's input norm and query projection as ``decoder_layer``'s ``predict``
+        arguments (the block before it predicts its query with them)."""
+        a = self.arguments
+        return {
+            "predict": [*a["norms"][:1], *a["linears"][:3], a["linear_biases"][0]]
+            + [a["qk_norms"][0] if a["qk_norms"] is not None else None],
+            "predict_bits": a["bits"][0],
+            "predict_group": a["groups"][0],
+        }
 
 
 # mlx-lm modules whose TransformerBlock is the Llama block (Qwen2's adds q/k/v biases,
@@ -290,6 +303,14 @@ def use_fused_layers(model: nn.Module) -> int:
                 module.__class__ = fused_class
                 object.__setattr__(module, "agentkv_fused", fused)
                 switched += 1
+    for _, module in model.named_modules():  # each fused block learns the next one's query
+        blocks = getattr(module, "layers", None)
+        if isinstance(blocks, list):
+            for block, after in zip(blocks, blocks[1:]):
+                here, there = (getattr(b, "agentkv_fused", None) for b in (block, after))
+                if here is not None and there is not None:
+                    predict = there.next_query()
+                    object.__setattr__(block, "agentkv_fused", FusedLayer(here.arguments, predict))
     return switched
 
 

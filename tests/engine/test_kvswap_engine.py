@@ -32,6 +32,11 @@ def test_the_budget_is_checked():
         with pytest.raises(InvalidRequestError, match="kv_swap_budget"):
             EngineConfig(kv_swap_budget=bad)
     assert EngineConfig(kv_swap_budget=512).kv_swap_budget == 512
+    with pytest.raises(InvalidRequestError, match="kv_swap_read_ahead needs"):
+        EngineConfig(kv_swap_read_ahead=True)
+    with pytest.raises(InvalidRequestError, match="True or False"):
+        EngineConfig(kv_swap_budget=512, kv_swap_read_ahead="yes")
+    assert EngineConfig(kv_swap_budget=512, kv_swap_read_ahead=True).kv_swap_read_ahead
 
 
 def test_a_budget_the_context_fits_in_gives_todays_tokens(engine, fresh_engine):

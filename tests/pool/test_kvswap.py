@@ -6,8 +6,10 @@ chosen groups are the exact top groups where the projection is exact; a damaged 
 truncated block file fails that row (NaN, a clear error naming the file), never another
 row, never a wrong token."""
 
+import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,12 +95,18 @@ def test_plan_blocks_swaps_only_what_the_budget_cannot_hold():
     assert plan_blocks(2000, 512) == (7, 1)
 
 
-def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(setup, tmp_path):
+@pytest.mark.parametrize("predict_from", [None, 1])
+def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(
+    setup, tmp_path, predict_from
+):
     """Four blocks evicted into four staging blocks: every group comes back in its place,
     so attention reads the same tokens in the same order (fused steps, and the step that
-    completes a channel group, which runs the separate operations)."""
-    _, pool, base = setup
-    swap = _swapped(setup, tmp_path, evict=4, staging=4)
+    completes a channel group, which runs the separate operations), whether each layer's
+    groups are chosen by its own query or read ahead from the layer before's prediction."""
+    loaded, pool, base = setup
+    projections = dataclasses.replace(_identity(loaded.spec), predict_from=predict_from)
+    swap = _swapped(setup, tmp_path, evict=4, staging=4, projections=projections)
+    _drop_page_cache(swap.files)  # reads go to disk: the steps read ahead where they may
     plain = base.fork()
     tokens = [17]
     for _ in range(3):
@@ -111,6 +119,9 @@ def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(setup, tm
     assert stats["misses"] + stats["fills"] == pool.spec.num_layers * 4 * GROUPS_PER_BLOCK
     assert stats["bytes_read"] > 0
     assert all(swap.swapset.slot_groups(layer) == list(range(16)) for layer in range(30))
+    # the fused steps read layers 1.. ahead once a read went to disk (the channel group's
+    # step runs the separate operations, which predict nothing)
+    assert (stats["predicted"] > 0) == (predict_from is not None)
     swap.release()
     plain.release()
     pool.blocks.check()
@@ -136,6 +147,30 @@ def test_a_swapped_row_gives_the_same_bits_alone_or_batched(setup, tmp_path):
         s.release()
     for t in resident:
         t.release()
+    pool.blocks.check()
+
+
+def test_reading_ahead_gives_the_same_bits(setup, tmp_path):
+    """A swapped agent reading ahead (every layer from 1, its block files' pages dropped
+    before each step, so reads go to disk and run on the I/O thread) against a twin that
+    reads nothing ahead: the same logits, step by step, with groups chosen by the queries
+    (1 staging block for 4 evicted ones)."""
+    loaded, pool, _ = setup
+    projections = dataclasses.replace(_identity(loaded.spec), predict_from=1)
+    ahead = _swapped(setup, tmp_path / "ahead", evict=4, staging=1, projections=projections)
+    inline = _swapped(setup, tmp_path / "inline", evict=4, staging=1)
+    tokens = [51]
+    for _ in range(4):
+        _drop_page_cache(ahead.files)
+        a = _step(setup, [ahead.table], [ahead], tokens)
+        b = _step(setup, [inline.table], [inline], tokens)
+        np.testing.assert_array_equal(a, b)
+        tokens = [int(a[0].argmax())]
+    stats = ahead.stats()
+    assert ahead.error == "" and stats["predicted"] > 0 and stats["ahead_used"] > 0
+    assert stats["wait_ns"] < stats["read_ns"]  # some of the reads ran behind compute
+    ahead.release()
+    inline.release()
     pool.blocks.check()
 
 
@@ -180,6 +215,109 @@ def test_the_chosen_groups_are_the_exact_top_groups(setup, tmp_path):
             assert set(got[:3]) == set(order[:3].tolist())
             checked += 1
     assert checked >= 6
+    swap.release()
+
+
+def _drop_page_cache(files) -> None:
+    for f in files:
+        fd = os.open(f.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _stage(setup, swap, layer: int, q: np.ndarray) -> np.ndarray:
+    """Stage ``swap``'s groups for ``layer`` alone (``_ext.kvswap_stage``, as a step does
+    before the paged attention); returns the queries it hands on (NaN: the reads failed)."""
+    from agentkv import _ext
+
+    _, pool, _ = setup
+    arena = pool.arena
+    out = _ext.kvswap_stage(
+        mx.array(q[None, :, None, :]),
+        list(arena.keys(layer)),
+        list(arena.values(layer)),
+        mx.array([swap.attention_row()], dtype=mx.int32),
+        [swap.swapset],
+        [0],
+        layer,
+    )
+    mx.eval(out)
+    return np.array(out)
+
+
+def _staged_rows(setup, swap, layer: int) -> list[np.ndarray]:
+    """The bytes of ``layer``'s staging blocks, each component's rows of each slot in slot
+    order."""
+    loaded, pool, _ = setup
+    heads = loaded.spec.kv_heads
+    out = []
+    for part in (*pool.arena.keys(layer), *pool.arena.values(layer)):
+        rows = np.array(part).reshape(-1, heads, BLOCK_TOKENS, part.shape[-1])
+        out.append(rows[swap.staging])
+    return out
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_reading_ahead_never_changes_what_a_layer_stages(setup, tmp_path, cold):
+    """A layer's groups read ahead from a predicted query, then staged with the layer's own
+    query: the same slots and the same bytes as a twin that reads nothing ahead, whether the
+    prediction was right (the same query: every group read ahead is used) or wrong (another
+    query: the layer reads what it lacks itself). With the block files' pages dropped
+    first, the reads ahead run on the I/O thread; else they are copied at once."""
+    loaded, _, _ = setup
+    spec = loaded.spec
+    ahead = _swapped(setup, tmp_path / "ahead", evict=4, staging=1)
+    ahead.swapset.predict_from = 1
+    inline = _swapped(setup, tmp_path / "inline", evict=4, staging=1)
+    rng = np.random.default_rng(3)
+    for layer in (2, 7, 19):
+        for trial in range(4):
+            q = rng.normal(0, 1, (loaded.query_heads, spec.key_head_dim)).astype(np.float32)
+            predicted = q if trial % 2 else rng.normal(0, 1, q.shape).astype(np.float32)
+            if cold:
+                _drop_page_cache(ahead.files)
+            assert ahead.swapset.predict(layer, mx.array(predicted))
+            assert np.array_equal(_stage(setup, ahead, layer, q), q[None, :, None, :])
+            assert np.array_equal(_stage(setup, inline, layer, q), q[None, :, None, :])
+            assert ahead.swapset.slot_groups(layer) == inline.swapset.slot_groups(layer)
+            for a, b in zip(_staged_rows(setup, ahead, layer), _staged_rows(setup, inline, layer)):
+                np.testing.assert_array_equal(a, b)
+    stats, alone = ahead.swapset.stats, inline.swapset.stats
+    assert stats["predicted"] == 12 and alone["predicted"] == 0
+    assert 0 < stats["ahead_used"] < stats["read_ahead"]  # right and wrong predictions
+    for key in ("hits", "misses", "fills"):
+        assert stats[key] == alone[key]
+    assert not ahead.swapset.predict(0, mx.array(q))  # below predict_from: nothing started
+    with pytest.raises(ValueError, match="Hq, D"):
+        ahead.swapset.predict(3, mx.array(q[:2]))
+    ahead.release()
+    inline.release()
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_damaged_group_read_ahead_fails_its_row_when_staged(setup, tmp_path, cold):
+    """A block file damaged after the swap, read ahead (warm: at once; cold: on the I/O
+    thread): nothing fails at the prediction; the stage that takes the reads fails the row
+    (NaN) with an error naming the file, and the set stays failed."""
+    loaded, _, _ = setup
+    swap = _swapped(setup, tmp_path, evict=4, staging=1)
+    swap.swapset.predict_from = 1
+    for f in swap.files:
+        with open(f.path, "r+b") as fh:
+            fh.seek(f.offset)
+            data = bytearray(fh.read(f.length))
+            fh.seek(f.offset)
+            fh.write(bytes(b ^ 0x5A for b in data))
+    if cold:
+        _drop_page_cache(swap.files)
+    q = np.ones((loaded.query_heads, loaded.spec.key_head_dim), dtype=np.float32)
+    assert swap.swapset.predict(5, mx.array(q))
+    assert np.isnan(_stage(setup, swap, 5, q)).all()
+    assert "do not match their checksum" in swap.error
+    assert any(f.path in swap.error for f in swap.files)
+    assert not swap.swapset.predict(6, mx.array(q))  # a failed set starts nothing more
     swap.release()
 
 

@@ -140,6 +140,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         "back each step (docs/kvswap.md). Default: none, all KV in memory, exact attention",
     )
     serve.add_argument(
+        "--kv-swap-read-ahead",
+        action="store_true",
+        help="with --kv-swap-budget: start each layer's reads during the layer before, from "
+        "a predicted query, while reads go to disk (for slow disks; the same tokens either "
+        "way)",
+    )
+    serve.add_argument(
         "--schedule",
         choices=("interleave", "fcfs"),
         default="interleave",

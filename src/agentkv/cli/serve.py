@@ -101,6 +101,7 @@ def _engine_factory(args):
         "key_bits": args.key_bits,
         "pool_bytes": args.pool_memory,
         "kv_swap_budget": args.kv_swap_budget,
+        "kv_swap_read_ahead": args.kv_swap_read_ahead,
         "max_batch": args.max_batch,
         "max_queue": args.max_queue,
         "schedule": args.schedule,

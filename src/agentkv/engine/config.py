@@ -46,6 +46,9 @@ class EngineConfig:
     memory while it decodes (at least 512); the rest of its context stays in its block files
     and the groups each step's attention needs are read back. Prefill stays exact. None
     (the default): every agent's KV stays in memory and attention is exact.
+    ``kv_swap_read_ahead``: with a swap budget, start each layer's reads during the layer
+    before, from a predicted query, while reads go to disk (for slow disks; the same tokens
+    either way; off by default: on this project's machines it costs more than it hides).
     """
 
     model: str | os.PathLike | None = None
@@ -65,6 +68,7 @@ class EngineConfig:
     kv_format: int = 2
     kv_wide_layers: Sequence[int] | None = None
     kv_swap_budget: int | None = None
+    kv_swap_read_ahead: bool = False
 
     def __post_init__(self):
         if self.weights is not None and self.weights not in WEIGHTS:
@@ -91,6 +95,10 @@ class EngineConfig:
                 f"kv_swap_budget must be at least {MIN_SWAP_BUDGET} tokens (a staging block and "
                 f"the agent's last block), or None; not {budget!r}"
             )
+        if not isinstance(self.kv_swap_read_ahead, bool):
+            raise InvalidRequestError("kv_swap_read_ahead must be True or False")
+        if self.kv_swap_read_ahead and budget is None:
+            raise InvalidRequestError("kv_swap_read_ahead needs a kv_swap_budget")
         if self.kv_wide_layers is not None:  # the indices now; against the model's layers later
             wide = KVQuant(wide_layers=self.kv_wide_layers).wide_layers
             object.__setattr__(self, "kv_wide_layers", wide)

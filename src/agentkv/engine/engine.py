@@ -130,6 +130,7 @@ class Engine:
         kv_wide_layers: Sequence[int] | None = None,
         weights: str | None = None,
         kv_swap_budget: int | None = None,
+        kv_swap_read_ahead: bool = False,
     ):
         options = EngineConfig(
             model=model,
@@ -149,6 +150,7 @@ class Engine:
             kv_format=kv_format,
             kv_wide_layers=kv_wide_layers,
             kv_swap_budget=kv_swap_budget,
+            kv_swap_read_ahead=kv_swap_read_ahead,
         )
         self.config = _one_config(config, options)
         # Not a bound method: the runner holds it, and a method would tie the runner back to
@@ -203,7 +205,11 @@ class Engine:
         self.swapper = None
         if config.kv_swap_budget is not None:
             self.swapper = Swapper(
-                pool=self.pool, store=self.store, loaded=loaded, budget=config.kv_swap_budget
+                pool=self.pool,
+                store=self.store,
+                loaded=loaded,
+                budget=config.kv_swap_budget,
+                read_ahead=config.kv_swap_read_ahead,
             )
             self.swapper.projections()  # measured once per model and format (~15 s), then read
         self.runner = TurnRunner(

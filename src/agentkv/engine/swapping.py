@@ -13,6 +13,7 @@ disk, by hash from the pool's cached blocks where they are still there.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -25,11 +26,14 @@ log = logging.getLogger("agentkv.engine")
 
 
 class Swapper:
-    def __init__(self, *, pool: KVPool, store, loaded, budget: int | None):
+    def __init__(
+        self, *, pool: KVPool, store, loaded, budget: int | None, read_ahead: bool = False
+    ):
         self.pool = pool
         self.store = store
         self.loaded = loaded
         self.budget = budget
+        self.read_ahead = read_ahead
         self._projections = None
         self.swapped = 0  # agents swapped since the engine started
         self.filled_evicted = 0  # blocks agents filled while decoding, evicted since
@@ -37,14 +41,17 @@ class Swapper:
     def projections(self):
         """The model's low-rank key projections (measured once per model and KV format)."""
         if self._projections is None:
-            from ..model.kvswap import DEFAULT_RANK, projections
+            from ..model.kvswap import DEFAULT_RANK, PREDICT_FROM, projections
 
-            self._projections = projections(
+            measured = projections(
                 self.loaded.model,
                 self.loaded.tokenizer,
                 self.loaded.spec,
                 self.pool.quant,
                 DEFAULT_RANK,
+            )
+            self._projections = dataclasses.replace(
+                measured, predict_from=PREDICT_FROM if self.read_ahead else None
             )
         return self._projections
 

@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 CALIBRATION_TOKENS = 4096
 CHUNK = 512
 DEFAULT_RANK = 32  # measured: docs/kvswap.md, "Choosing the rank"
+# Reading ahead (``Engine(kv_swap_read_ahead=True)``): layers from this one on start their
+# reads during the layer before, from a query predicted there (its input through this
+# layer's norm and query projection); below it the prediction is poor (docs/kvswap.md,
+# "Reading ahead").
+PREDICT_FROM = 3
 VERSION = "kvswap-projections-v3"
 _MEMO: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 

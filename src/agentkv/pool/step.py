@@ -176,6 +176,8 @@ class PagedLayerCache(CacheBase):
         if not step.fused:
             return None
         arena, quant, plan = step.arena, self.quant, step.plan
+        # KVSwap: the next layer's query, predicted here, starts that layer's reads
+        predict = layer.predict if step.swapped and layer.predict is not None else {}
         out = _ext.decoder_layer(
             x,
             **layer.arguments,
@@ -198,6 +200,7 @@ class PagedLayerCache(CacheBase):
             swaps=[s.swapset for _, s in step.swapped],
             swap_rows=[b for b, _ in step.swapped],
             layer=self.layer,
+            **predict,
         )
         arena.written_by(out)
         count_fused_attention()

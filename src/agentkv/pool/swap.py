@@ -60,6 +60,9 @@ class Projections:
     queries: tuple[
         mx.array, ...
     ]  # B [kv_heads, head_dim, rank]: q scores k as (q B).((k - mean) A)
+    # the first layer whose groups are chosen a layer early, from a query predicted from
+    # the layer before (read while it computes); None: every layer ranks its own query
+    predict_from: int | None = None
 
     @property
     def rank(self) -> int:
@@ -160,6 +163,8 @@ class SwapState:
             len(arena.components[0]),
             crcs,
         )
+        if projections is not None and projections.predict_from is not None:
+            swapset.predict_from = projections.predict_from
         for layer in range(spec.num_layers):
             if projections is None:
                 swapset.set_bounds(layer, *key_bounds(pool, layer, blocks))
