@@ -4,26 +4,28 @@ The embedded model, KV format 2 as ``Engine()`` stores it (q4.v2 with its wide l
 block pool; docs/kvswap.md describes the mechanism.
 
 * **decode and quality** (each ``bench quality`` text): the text's first
-  ``context - decode`` tokens are prefilled once into a table; a fork of it is swapped
-  (its complete blocks written as block files, all but the last evicted, ``budget`` tokens
-  of KV resident per layer: staging blocks plus the last block). Then both decode the text's
-  next ``decode`` tokens one step at a time (teacher-forced), alternating step by step:
+  ``context - decode`` tokens are prefilled once into a table; two forks of it are swapped
+  (their complete blocks written as block files, all but the last evicted, ``budget``
+  tokens of KV resident per layer: staging blocks plus the last block), one as the engine
+  swaps by default, one reading ahead (``Engine(kv_swap_read_ahead=True)``: each layer's
+  reads start during the layer before, while reads go to disk). Then all three decode the
+  text's next ``decode`` tokens one step at a time (teacher-forced), in turn step by step:
   tokens/s of each, perplexity of each, their ratio, top-1 agreement of the swapped
-  next-token choice with the in-memory one, and what the swap held and read: resident KV
-  bytes, bytes read and reuse hit rate per token, time reading and choosing (reads run
-  inside the layer's operation, so none is hidden behind compute: ``read_share_pct`` is
-  their share of the swapped step). ``cold``
-  (first text): ``cold_steps`` more steps with the swapped agent's block files dropped from
-  the page cache (``posix_fadvise(DONTNEED)``) before every step, so each miss is a disk
-  read.
+  next-token choice with the in-memory one, and what each swap held and read: resident KV
+  bytes, bytes read and reuse hit rate per token, time reading (on either thread) and
+  choosing, the share of the read time hidden behind compute (``read_hidden_pct``), the
+  model thread's wait for reads as a share of the step (``read_share_pct``) and the share
+  of layer steps that found reads ahead (``read_ahead_pct``). ``cold`` (first text):
+  ``cold_steps`` more steps with the swapped agents' block files dropped from the page
+  cache (``posix_fadvise(DONTNEED)``) before every step, so each miss is a disk read.
 * **agents**: ``agents`` agents of ``context`` tokens (random KV written through the
   forward pass's scatters, as ``bench save``) in a pool that holds 2 of them in full.
   Swapped: all decode together in one batch, ``agent_decode`` steps. Evict and reload
   (today without a swap budget): two at a time, each pair's blocks read back from their
   block files into the pool, decoded together, given back. Aggregate tokens/s of each.
 * ``--tune``: the first text at every rank of ``TUNE_RANKS``, the chosen rank demanding
-  only ``TUNE_DEMANDS`` groups a step (the other slots keep what they held), and the
-  predictor without low-rank keys (``bounds``: each group's per-channel key ranges), side
+  only ``TUNE_DEMANDS`` groups a step (the other slots keep what they held), reading ahead,
+  and the predictor without low-rank keys (``bounds``: each group's per-channel key ranges), side
   by side with the in-memory arm: perplexity ratio, top-1 agreement, tokens/s, bytes read
   and resident bytes each.
 """
@@ -80,11 +82,12 @@ def run(
             ids = loaded.tokenizer.encode(text)[: context + 1]
             if len(ids) < context + 1:
                 raise SystemExit(f"agentkv: error: {name} has fewer than {context + 1} tokens")
-            arms = [("swap", rank, None, True), ("swap, own queries only", rank, None, False)]
+            # (label, rank, demand, reading ahead)
+            arms = [("swap", rank, None, False), ("swap, reading ahead", rank, None, True)]
             if tune and i == 0:
-                arms = [(f"rank {r}", r, None, True) for r in TUNE_RANKS]
-                arms += [(f"rank {rank}, demand {d}", rank, d, True) for d in TUNE_DEMANDS]
-                arms += [(f"rank {rank}, own queries only", rank, None, False)]
+                arms = [(f"rank {r}", r, None, False) for r in TUNE_RANKS]
+                arms += [(f"rank {rank}, demand {d}", rank, d, False) for d in TUNE_DEMANDS]
+                arms += [(f"rank {rank}, reading ahead", rank, None, True)]
                 arms += [("bounds", 0, None, False)]
             progress(f"kvswap: {name}: prefilling {context - decode} tokens, then decoding...")
             rows += setup.text_rows(
@@ -118,7 +121,7 @@ class _Setup:
         per_block = self.spec.bytes_per_token(self.quant) * BLOCK_TOKENS
         return KVPool(self.spec, self.quant, pool_bytes=per_block * blocks)
 
-    def projections(self, rank: int, predict: bool = True):
+    def projections(self, rank: int, predict: bool = False):
         import dataclasses
 
         from agentkv.model.kvswap import PREDICT_FROM, projections
@@ -129,7 +132,7 @@ class _Setup:
         return dataclasses.replace(out, predict_from=PREDICT_FROM if predict else None)
 
     def swap(
-        self, pool, table, directory: Path, budget: int, rank: int, demand=None, predict=True
+        self, pool, table, directory: Path, budget: int, rank: int, demand=None, predict=False
     ):
         """Write ``table``'s complete blocks as block files and evict all but its last."""
         from agentkv.pool.swap import SwapState, plan_blocks

@@ -588,6 +588,10 @@ void bind_kvswap(nb::module_& m) {
           },
           "The first layer read ahead from a query predicted in the layer before (the "
           "number of layers: none); steps read ahead only while reads go to disk.")
+      .def_prop_ro(
+          "reading_ahead", [](const KVSwapSet& s) { return s.predicts(s.predict_from()); },
+          "Whether the next steps should read ahead (predict_from is set and a read went to "
+          "disk lately).")
       .def_prop_ro("stats", &kvswap_stats)
       .def_prop_ro("error", &KVSwapSet::error)
       .def_prop_ro("failed_block", &KVSwapSet::failed_block)

@@ -62,7 +62,7 @@ struct LayerParams {
   bool periods = false;                   // the rope periods are an input (kFreqs)
   bool qk_norms = false;                  // Qwen3: RMSNorm of each q and k head before RoPE
   float qk_eps = 0.0f;
-  int qk_norms_at = -1;  // inputs: the q norm, then the k norm
+  int qk_norms_at = -1;   // inputs: the q norm, then the k norm
   int positions_at = -1;  // RoPE positions end here, not at the lengths (KVSwap)
   SwapStep swap;          // rows whose KV is partly on disk (KVSwap)
   // KVSwap reading ahead: the next layer's input norm, then its q words, scales, biases,
@@ -534,7 +534,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     require(swaps[i] && swap_rows[i] >= 0 && swap_rows[i] < batch, "a swapped row is bad");
   }
 
-  require(predict.empty() || predict.size() == 6, "predict: the next layer's input norm, q "
+  require(predict.empty() || predict.size() == 6,
+          "predict: the next layer's input norm, q "
           "words, scales, biases, q bias or None, q norm or None");
   if (!predict.empty()) {
     require(!swaps.empty(), "predict: only with swapped rows");

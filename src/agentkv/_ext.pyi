@@ -40,6 +40,12 @@ class KVSwapSet:
     def predict_from(self, arg: int, /) -> None: ...
 
     @property
+    def reading_ahead(self) -> bool:
+        """
+        Whether the next steps should read ahead (predict_from is set and a read went to disk lately).
+        """
+
+    @property
     def stats(self) -> dict: ...
 
     @property

@@ -505,3 +505,79 @@ def test_a_model_that_computes_attention_itself_is_refused_at_load(tmp_path):
     model = build_model_dir(tmp_path / "gemma2", config, gain=1.0)
     with pytest.raises(ModelImportError, match="model 'gemma2' does not run on agentkv's KV"):
         Engine(model=str(model), cache_dir=tmp_path / "kv", warmup=False)
+
+
+def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident_one(
+    quantized_arch, tmp_path
+):
+    """KVSwap in the fused block (RoPE at the row's true positions; Qwen3's q and k norms
+    beside them): a row whose leading blocks are evicted to their block files, with a reuse
+    buffer that holds all of them, decodes the logits of the same row all in memory; so
+    does one reading ahead (its block files' pages dropped before each step, so its reads
+    go to disk and the steps after the first read ahead)."""
+    import dataclasses
+    import os
+
+    from agentkv.format.geometry import BLOCK_TOKENS
+    from agentkv.pool.step import PagedStep
+    from agentkv.pool.swap import Projections, SwapState
+    from agentkv.store.block_files import SharedBlocks
+
+    name, model = quantized_arch
+    if name not in ("llama", "qwen3"):  # qwen2's head dim (32) has no 64-token channel groups
+        return
+    with engine_on(model, tmp_path / "kv") as eng:
+        runner, pool = eng.runner, eng.pool
+        spec = runner.loaded.spec
+        ids = eng.loaded.tokenizer.encode(log_prompt("swap", 48)[0]["content"])
+        assert len(ids) > 2 * BLOCK_TOKENS
+        eye = mx.broadcast_to(mx.eye(spec.key_head_dim), (spec.kv_heads, *[spec.key_head_dim] * 2))
+        zero = mx.zeros((spec.kv_heads, spec.key_head_dim))
+        layers = spec.num_layers
+        exact = Projections((eye,) * layers, (zero,) * layers, (eye,) * layers)
+        logits = {}
+        for arm in ("resident", "swapped", "read ahead"):
+            table = pool.new_table(pool.seed(f"swap-{name}-{arm}"))
+            reservation = pool.reserve(4)
+            runner.forward([table], [ids], reservations=[reservation], logits=False)
+            swap = None
+            if arm != "resident":
+                shared = SharedBlocks(tmp_path / arm, spec, pool.quant)
+                with shared.writing():
+                    files = shared.ensure_pool_blocks(pool, table.blocks[:2])
+                projections = dataclasses.replace(
+                    exact, predict_from=1 if arm == "read ahead" else None
+                )
+                swap = SwapState.evict(
+                    pool,
+                    table,
+                    files,
+                    projections,
+                    query_heads=runner.loaded.query_heads,
+                    staging=2,
+                )
+            token, steps = 11, []
+            for _ in range(3):
+                for f in files if arm == "read ahead" else ():
+                    fd = os.open(f.path, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                table.grow(1, pool.arena.copy_rows, reservation)
+                step = PagedStep(pool.arena, spec, [table], 1, swaps=[swap])
+                out = runner.model(mx.array([[token]]), cache=step.caches)[:, -1, :]
+                mx.eval(out)
+                pool.arena.settle()
+                table.written([token])
+                steps.append(np.array(out))
+                token = int(out.argmax())
+            logits[arm] = steps
+            if swap is not None:
+                assert swap.error == ""
+                assert (swap.stats()["predicted"] > 0) == (arm == "read ahead")
+                swap.release()
+            else:
+                table.release()
+            reservation.close()
+        for arm in ("swapped", "read ahead"):
+            for a, b in zip(logits["resident"], logits[arm]):
+                np.testing.assert_array_equal(a, b)

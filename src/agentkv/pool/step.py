@@ -75,6 +75,9 @@ class PagedStep:
             )
         )
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
+        # KVSwap's reading ahead, while some swapped row's reads go to disk (the layers
+        # then take the next one's query weights, which costs even where nothing is read)
+        self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
         self.positions = mx.array(ends) if self.swapped else None
         self.plan = WritePlan(arena, list(tables), starts, count)
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
@@ -177,7 +180,7 @@ class PagedLayerCache(CacheBase):
             return None
         arena, quant, plan = step.arena, self.quant, step.plan
         # KVSwap: the next layer's query, predicted here, starts that layer's reads
-        predict = layer.predict if step.swapped and layer.predict is not None else {}
+        predict = layer.predict if step.reading_ahead and layer.predict is not None else {}
         out = _ext.decoder_layer(
             x,
             **layer.arguments,
