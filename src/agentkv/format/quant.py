@@ -246,18 +246,10 @@ class KVQuant:
         self, layers: int, heads: int, key_dim: int, value_dim: int
     ) -> list[list[Component]]:
         """Every layer's components (``components`` of ``layer(i)``)."""
-        if self.wide_layers and self.wide_layers[-1] >= layers:
-            raise InvalidRequestError(
-                f"wide layer {self.wide_layers[-1]} is past the model's {layers} layers"
-            )
-        return [self.layer(i).components(heads, key_dim, value_dim) for i in range(layers)]
+        return [list(c) for c in _layer_components(self, layers, heads, key_dim, value_dim)]
 
     def bytes_per_token(self, layers: int, heads: int, key_dim: int, value_dim: int) -> int:
-        return sum(
-            c.heads * c.row_bytes
-            for comps in self.layer_components(layers, heads, key_dim, value_dim)
-            for c in comps
-        )
+        return _bytes_per_token(self, layers, heads, key_dim, value_dim)
 
     def quantize(self, x: mx.array, bits: int) -> tuple[mx.array, ...]:
         """Store ``x`` [B, heads, tokens, dim] as this format's per-token components of one
@@ -294,6 +286,30 @@ class KVQuant:
             "channel_tokens": self.channel_tokens,
             **({"wide_layers": list(self.wide_layers)} if self.wide_layers else {}),
         }
+
+
+@lru_cache(maxsize=64)
+def _layer_components(
+    quant: KVQuant, layers: int, heads: int, key_dim: int, value_dim: int
+) -> tuple[tuple[Component, ...], ...]:
+    """``KVQuant.layer_components``, computed once per format and geometry (every manifest
+    read checks its blocks against it)."""
+    if quant.wide_layers and quant.wide_layers[-1] >= layers:
+        raise InvalidRequestError(
+            f"wide layer {quant.wide_layers[-1]} is past the model's {layers} layers"
+        )
+    return tuple(
+        tuple(quant.layer(i).components(heads, key_dim, value_dim)) for i in range(layers)
+    )
+
+
+@lru_cache(maxsize=64)
+def _bytes_per_token(quant: KVQuant, layers: int, heads: int, key_dim: int, value_dim: int) -> int:
+    return sum(
+        c.heads * c.row_bytes
+        for comps in _layer_components(quant, layers, heads, key_dim, value_dim)
+        for c in comps
+    )
 
 
 @lru_cache(maxsize=256)

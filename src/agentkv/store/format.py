@@ -154,7 +154,10 @@ class Manifest:
         )
 
     def block_bytes(self, tokens: int) -> int:
-        return tokens * sum(c.heads * c.row_bytes for comps in self.components() for c in comps)
+        g = self.geometry
+        return tokens * self.quant.bytes_per_token(
+            int(g["num_layers"]), g["kv_heads"], g["key_head_dim"], g["value_head_dim"]
+        )
 
 
 def manifest_version(m: Manifest) -> int:
