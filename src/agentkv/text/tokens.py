@@ -17,7 +17,6 @@ Two strategies, chosen once per tokenizer:
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -82,19 +81,23 @@ class ByteLevelText(TokenText):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
-        config = json.loads(backend.to_str())
-        decoder = config.get("decoder") or {}
-        if decoder.get("type") != "ByteLevel" or config.get("normalizer"):
+        if type(backend.decoder).__name__ != "ByteLevel" or backend.normalizer is not None:
             return None
+        # Each byte-level character to the character of its byte (then Latin-1 gives the
+        # bytes); a character outside the table (a special token's own text) to one above
+        # 0xFF, so such tokens are kept as their UTF-8 text.
         to_byte = _unicode_to_byte()
+        to_char = {c: "\uffff" for c in range(256) if chr(c) not in to_byte}
+        to_char.update({ord(ch): chr(b) for ch, b in to_byte.items()})
         special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         vocab = tokenizer.get_vocab()
         table = [b""] * (max(vocab.values()) + 1)
         for token, index in vocab.items():
-            if token in special or any(ch not in to_byte for ch in token):
+            mapped = token.translate(to_char)
+            if token in special or (mapped and max(mapped) > "\xff"):
                 table[index] = token.encode("utf-8")
             else:
-                table[index] = bytes(to_byte[ch] for ch in token)
+                table[index] = mapped.encode("latin-1")
         text_probe = "Hé said: 12 naïve 🙂 words\n\t<|probe|>"
         probe = cls(tokenizer, table)
         if b"".join(probe.table[i] for i in probe._ids(text_probe)) != text_probe.encode():
