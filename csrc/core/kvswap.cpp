@@ -484,6 +484,9 @@ int KVSwapSet::read_extent(const Extent& e, uint8_t* out) {
   int64_t done = 0;
   while (done < e.size) {
     const ssize_t n = ::pread(e.fd, out + done, e.size - done, e.offset + done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
     if (n <= 0) {
       return n == 0 ? kShort : (errno > 0 ? errno : EIO);
     }
@@ -594,20 +597,19 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
     error_ = "kvswap: bad layer or arena";
     return false;
   }
-  std::unique_ptr<Ahead> ahead;
-  if (ahead_ && ahead_->layer == layer) {
-    ahead = std::move(ahead_);
-  } else {
+  if (ahead_ && ahead_->layer != layer) {
     settle();  // a prediction this layer does not take (a step that stopped early)
   }
   // The layer's own query chooses (the same groups whether or not reads ran ahead), while
-  // the reads ahead finish.
+  // the reads ahead finish; they stay the set's (`settle` waits for them) until then.
   const Plan p = plan(layer, q);
-  if (ahead) {
+  std::unique_ptr<Ahead> ahead;
+  if (ahead_) {
     const uint64_t start = now_ns();
     if (io_) {
       io_->wait();
     }
+    ahead = std::move(ahead_);
     stats_.wait_ns += now_ns() - start;
     stats_.read_ns += ahead->read_ns;
     stats_.read_ahead += ahead->plan.load.size();

@@ -75,8 +75,8 @@ class PagedStep:
             )
         )
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
-        # KVSwap's reading ahead, while some swapped row's reads go to disk (the layers
-        # then take the next one's query weights, which costs even where nothing is read)
+        # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers
+        # then take the next one's query weights, to predict its query)
         self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
         self.positions = mx.array(ends) if self.swapped else None
         self.plan = WritePlan(arena, list(tables), starts, count)
