@@ -298,9 +298,7 @@ def _layer_components(
         raise InvalidRequestError(
             f"wide layer {quant.wide_layers[-1]} is past the model's {layers} layers"
         )
-    return tuple(
-        tuple(quant.layer(i).components(heads, key_dim, value_dim)) for i in range(layers)
-    )
+    return tuple(tuple(quant.layer(i).components(heads, key_dim, value_dim)) for i in range(layers))
 
 
 @lru_cache(maxsize=64)
