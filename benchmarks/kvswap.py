@@ -273,7 +273,7 @@ class _Setup:
         seconds = [0.0] * len(tables)
         for token in tokens:
             for swap in swaps[1:]:
-                _drop_page_cache(swap.files)
+                drop_page_cache(swap.files)
             for a in range(len(tables)):
                 begin = time.perf_counter()
                 self.step(pool, [tables[a]], [swaps[a]], [token])
@@ -393,7 +393,8 @@ def _reload(pool, files, seed: int):
     return table
 
 
-def _drop_page_cache(files) -> None:
+def drop_page_cache(files) -> None:
+    """Drop each block file (``.path``) from the page cache, so its next reads go to disk."""
     for f in files:
         fd = os.open(f.path, os.O_RDONLY)
         try:

@@ -516,8 +516,8 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
     does one reading ahead (its block files' pages dropped before each step, so its reads
     go to disk and the steps after the first read ahead)."""
     import dataclasses
-    import os
 
+    from agentkv.benchmarks.kvswap import drop_page_cache
     from agentkv.format.geometry import BLOCK_TOKENS
     from agentkv.pool.step import PagedStep
     from agentkv.pool.swap import Projections, SwapState
@@ -558,10 +558,8 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
                 )
             token, steps = 11, []
             for _ in range(3):
-                for f in files if arm == "read ahead" else ():
-                    fd = os.open(f.path, os.O_RDONLY)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    os.close(fd)
+                if arm == "read ahead":
+                    drop_page_cache(files)
                 table.grow(1, pool.arena.copy_rows, reservation)
                 step = PagedStep(pool.arena, spec, [table], 1, swaps=[swap])
                 out = runner.model(mx.array([[token]]), cache=step.caches)[:, -1, :]

@@ -9,7 +9,6 @@ row, never a wrong token."""
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from helpers import SCRIPTS
 
 from agentkv import mlx_adapter
+from agentkv.benchmarks.kvswap import drop_page_cache
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.model import kvswap
 from agentkv.pool import KVPool
@@ -106,7 +106,7 @@ def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(
     loaded, pool, base = setup
     projections = dataclasses.replace(_identity(loaded.spec), predict_from=predict_from)
     swap = _swapped(setup, tmp_path, evict=4, staging=4, projections=projections)
-    _drop_page_cache(swap.files)  # reads go to disk: the steps read ahead where they may
+    drop_page_cache(swap.files)  # reads go to disk: the steps read ahead where they may
     plain = base.fork()
     tokens = [17]
     for _ in range(3):
@@ -161,7 +161,7 @@ def test_reading_ahead_gives_the_same_bits(setup, tmp_path):
     inline = _swapped(setup, tmp_path / "inline", evict=4, staging=1)
     tokens = [51]
     for _ in range(4):
-        _drop_page_cache(ahead.files)
+        drop_page_cache(ahead.files)
         a = _step(setup, [ahead.table], [ahead], tokens)
         b = _step(setup, [inline.table], [inline], tokens)
         np.testing.assert_array_equal(a, b)
@@ -218,13 +218,14 @@ def test_the_chosen_groups_are_the_exact_top_groups(setup, tmp_path):
     swap.release()
 
 
-def _drop_page_cache(files) -> None:
+def _flip_bytes(files) -> None:
+    """Damage each block file's region (every byte flipped), as the disk might."""
     for f in files:
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        with open(f.path, "r+b") as fh:
+            fh.seek(f.offset)
+            data = bytearray(fh.read(f.length))
+            fh.seek(f.offset)
+            fh.write(bytes(b ^ 0x5A for b in data))
 
 
 def _stage(setup, swap, layer: int, q: np.ndarray) -> np.ndarray:
@@ -277,7 +278,7 @@ def test_reading_ahead_never_changes_what_a_layer_stages(setup, tmp_path, cold):
             q = rng.normal(0, 1, (loaded.query_heads, spec.key_head_dim)).astype(np.float32)
             predicted = q if trial % 2 else rng.normal(0, 1, q.shape).astype(np.float32)
             if cold:
-                _drop_page_cache(ahead.files)
+                drop_page_cache(ahead.files)
             assert ahead.swapset.predict(layer, mx.array(predicted))
             assert np.array_equal(_stage(setup, ahead, layer, q), q[None, :, None, :])
             assert np.array_equal(_stage(setup, inline, layer, q), q[None, :, None, :])
@@ -304,14 +305,9 @@ def test_a_damaged_group_read_ahead_fails_its_row_when_staged(setup, tmp_path, c
     loaded, _, _ = setup
     swap = _swapped(setup, tmp_path, evict=4, staging=1)
     swap.swapset.predict_from = 1
-    for f in swap.files:
-        with open(f.path, "r+b") as fh:
-            fh.seek(f.offset)
-            data = bytearray(fh.read(f.length))
-            fh.seek(f.offset)
-            fh.write(bytes(b ^ 0x5A for b in data))
+    _flip_bytes(swap.files)
     if cold:
-        _drop_page_cache(swap.files)
+        drop_page_cache(swap.files)
     q = np.ones((loaded.query_heads, loaded.spec.key_head_dim), dtype=np.float32)
     assert swap.swapset.predict(5, mx.array(q))
     assert np.isnan(_stage(setup, swap, 5, q)).all()
@@ -330,12 +326,7 @@ def test_a_damaged_block_file_fails_only_its_row(setup, tmp_path):
     short = _swapped(setup, tmp_path / "s", evict=4, staging=1)
     sound = _swapped(setup, tmp_path / "ok", evict=4, staging=1)
     sound_alone = _swapped(setup, tmp_path / "ok2", evict=4, staging=1)
-    for f in damaged.files:
-        with open(f.path, "r+b") as fh:
-            fh.seek(f.offset)
-            data = bytearray(fh.read(f.length))
-            fh.seek(f.offset)
-            fh.write(bytes(b ^ 0x5A for b in data))
+    _flip_bytes(damaged.files)
     for f in short.files:
         with open(f.path, "r+b") as fh:
             fh.truncate(f.offset + 100)
