@@ -358,7 +358,7 @@ def _read_figures(stats: dict, steps: int, seconds: float) -> dict:
     read, wait = stats["read_ns"], stats["wait_ns"]
     return {
         "read_ms_per_token": round(read / steps / 1e6, 2),
-        "read_hidden_pct": round(100 * (read - wait) / read, 1) if read else None,
+        "read_hidden_pct": round(max(0.0, 100 * (read - wait) / read), 1) if read else None,
         "read_share_pct": round(100 * wait / 1e9 / seconds, 1),
         "read_ahead_pct": round(100 * stats["predicted"] / max(stats["steps"], 1), 1),
     }
@@ -394,7 +394,8 @@ def _reload(pool, files, seed: int):
 
 
 def drop_page_cache(files) -> None:
-    """Drop each block file (``.path``) from the page cache, so its next reads go to disk."""
+    """Drop each block file (``.path``) from the page cache, so its next reads go to disk
+    (clean pages only: a file written without fsync keeps its dirty ones)."""
     for f in files:
         fd = os.open(f.path, os.O_RDONLY)
         try:

@@ -545,7 +545,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     const mx::array& w = *predict[1];
     require((predict_bits == 4 || predict_bits == 8) &&
                 (predict_group == 32 || predict_group == 64 || predict_group == 128) &&
-                w.dtype() == mx::uint32 && w.ndim() == 2 && w.shape(0) == heads * head_dim &&
+                dim % predict_group == 0 && w.dtype() == mx::uint32 && w.ndim() == 2 &&
+                w.shape(0) == heads * head_dim &&
                 static_cast<int64_t>(w.shape(1)) * 32 / predict_bits == dim,
             "predict: q must be 4/8-bit words [heads * head dim, D] in groups of 32/64/128");
     const mx::Shape scale_shape = {w.shape(0), dim / predict_group};
@@ -557,9 +558,11 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     require(!predict[4] || (predict[4]->dtype() == mx::float32 &&
                             predict[4]->shape() == mx::Shape{heads * head_dim}),
             "predict: q's bias must be float32 [heads * head dim]");
-    require(!predict[5] || (predict[5]->dtype() == mx::float32 &&
-                            predict[5]->shape() == mx::Shape{head_dim} && qk_norms),
-            "predict: the q norm must be float32 [head dim], in a model with q and k norms");
+    require(predict[5].has_value() == qk_norms.has_value() &&
+                (!predict[5] || (predict[5]->dtype() == mx::float32 &&
+                                 predict[5]->shape() == mx::Shape{head_dim})),
+            "predict: the q norm must be float32 [head dim], given where the model has q and "
+            "k norms and only there");
   }
 
   LayerParams p;

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from agentkv import _ext
 from agentkv.format.geometry import BLOCK_TOKENS
@@ -271,3 +273,23 @@ def save_agent(root: Path, pool, table, agent_id: str = "a"):
     )  # fmt: skip
     store.write(job, DurableState())
     return store
+
+
+def disk_reads(files) -> None:
+    """Drop the files from the page cache, or skip where this filesystem keeps them (the
+    test needs its reads to go to disk)."""
+    from agentkv.benchmarks.kvswap import drop_page_cache
+
+    drop_page_cache(files)
+    fd = os.open(files[0].path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], files[0].offset, os.RWF_NOWAIT)
+        cached = True
+    except BlockingIOError:
+        cached = False
+    except OSError:  # no RWF_NOWAIT here: every read counts as one from disk
+        cached = False
+    finally:
+        os.close(fd)
+    if cached:
+        pytest.skip("this filesystem keeps the block files in the page cache")

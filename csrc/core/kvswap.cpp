@@ -752,6 +752,10 @@ void KVSwapSet::settle() {
     if (io_) {
       io_->wait();
     }
+    // read, though no stage took them: they count as read
+    stats_.read_ns += ahead_->read_ns;
+    stats_.read_ahead += ahead_->plan.load.size();
+    stats_.bytes_read += ahead_->bytes.size();
     ahead_.reset();
   }
 }

@@ -517,7 +517,8 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
     go to disk and the steps after the first read ahead)."""
     import dataclasses
 
-    from agentkv.benchmarks.kvswap import drop_page_cache
+    from helpers import disk_reads
+
     from agentkv.format.geometry import BLOCK_TOKENS
     from agentkv.pool.step import PagedStep
     from agentkv.pool.swap import Projections, SwapState
@@ -529,6 +530,14 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
     with engine_on(model, tmp_path / "kv") as eng:
         runner, pool = eng.runner, eng.pool
         spec = runner.loaded.spec
+        blocks = runner.model.model.layers
+        for block, after in zip(blocks, blocks[1:]):  # each predicts the next one's query
+            given, theirs = block.agentkv_fused.predict["predict"], after.agentkv_fused.arguments
+            assert given[0] is theirs["norms"][0]
+            assert all(a is b for a, b in zip(given[1:4], theirs["linears"][:3]))
+            assert given[4] is theirs["linear_biases"][0]
+            assert given[5] is (theirs["qk_norms"][0] if theirs["qk_norms"] else None)
+        assert blocks[-1].agentkv_fused.predict is None
         ids = eng.loaded.tokenizer.encode(log_prompt("swap", 48)[0]["content"])
         assert len(ids) > 2 * BLOCK_TOKENS
         eye = mx.broadcast_to(mx.eye(spec.key_head_dim), (spec.kv_heads, *[spec.key_head_dim] * 2))
@@ -559,7 +568,7 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
             token, steps = 11, []
             for _ in range(3):
                 if arm == "read ahead":
-                    drop_page_cache(files)
+                    disk_reads(files)
                 table.grow(1, pool.arena.copy_rows, reservation)
                 step = PagedStep(pool.arena, spec, [table], 1, swaps=[swap])
                 out = runner.model(mx.array([[token]]), cache=step.caches)[:, -1, :]

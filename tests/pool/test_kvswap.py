@@ -9,6 +9,7 @@ row, never a wrong token."""
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +17,21 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import SCRIPTS
+from helpers import SCRIPTS, disk_reads
 
 from agentkv import mlx_adapter
-from agentkv.benchmarks.kvswap import drop_page_cache
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.model import kvswap
 from agentkv.pool import KVPool
 from agentkv.pool.step import PagedStep
-from agentkv.pool.swap import GROUPS_PER_BLOCK, Projections, SwapState, plan_blocks, stored_keys
+from agentkv.pool.swap import (
+    GROUPS_PER_BLOCK,
+    Projections,
+    SwapState,
+    _layer_offsets,
+    plan_blocks,
+    stored_keys,
+)
 from agentkv.store.block_files import SharedBlocks
 
 PREFIX = 1086  # 4 full blocks + 62 tokens: the second decode step completes a channel group
@@ -106,7 +113,8 @@ def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(
     loaded, pool, base = setup
     projections = dataclasses.replace(_identity(loaded.spec), predict_from=predict_from)
     swap = _swapped(setup, tmp_path, evict=4, staging=4, projections=projections)
-    drop_page_cache(swap.files)  # reads go to disk: the steps read ahead where they may
+    if predict_from is not None:
+        disk_reads(swap.files)  # reads go to disk: the steps read ahead
     plain = base.fork()
     tokens = [17]
     for _ in range(3):
@@ -161,14 +169,13 @@ def test_reading_ahead_gives_the_same_bits(setup, tmp_path):
     inline = _swapped(setup, tmp_path / "inline", evict=4, staging=1)
     tokens = [51]
     for _ in range(4):
-        drop_page_cache(ahead.files)
+        disk_reads(ahead.files)
         a = _step(setup, [ahead.table], [ahead], tokens)
         b = _step(setup, [inline.table], [inline], tokens)
         np.testing.assert_array_equal(a, b)
         tokens = [int(a[0].argmax())]
     stats = ahead.stats()
     assert ahead.error == "" and stats["predicted"] > 0 and stats["ahead_used"] > 0
-    assert stats["wait_ns"] < stats["read_ns"]  # some of the reads ran behind compute
     ahead.release()
     inline.release()
     pool.blocks.check()
@@ -218,14 +225,16 @@ def test_the_chosen_groups_are_the_exact_top_groups(setup, tmp_path):
     swap.release()
 
 
-def _flip_bytes(files) -> None:
-    """Damage each block file's region (every byte flipped), as the disk might."""
-    for f in files:
-        with open(f.path, "r+b") as fh:
-            fh.seek(f.offset)
-            data = bytearray(fh.read(f.length))
-            fh.seek(f.offset)
-            fh.write(bytes(b ^ 0x5A for b in data))
+def _flip_bytes(path, offset: int, length: int) -> None:
+    """Damage ``length`` bytes of a file (every byte flipped), as the disk might; written
+    through (fsync), so the page cache can drop them."""
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        data = bytearray(fh.read(length))
+        fh.seek(offset)
+        fh.write(bytes(b ^ 0x5A for b in data))
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _stage(setup, swap, layer: int, q: np.ndarray) -> np.ndarray:
@@ -278,7 +287,7 @@ def test_reading_ahead_never_changes_what_a_layer_stages(setup, tmp_path, cold):
             q = rng.normal(0, 1, (loaded.query_heads, spec.key_head_dim)).astype(np.float32)
             predicted = q if trial % 2 else rng.normal(0, 1, q.shape).astype(np.float32)
             if cold:
-                drop_page_cache(ahead.files)
+                disk_reads(ahead.files)
             assert ahead.swapset.predict(layer, mx.array(predicted))
             assert np.array_equal(_stage(setup, ahead, layer, q), q[None, :, None, :])
             assert np.array_equal(_stage(setup, inline, layer, q), q[None, :, None, :])
@@ -305,15 +314,49 @@ def test_a_damaged_group_read_ahead_fails_its_row_when_staged(setup, tmp_path, c
     loaded, _, _ = setup
     swap = _swapped(setup, tmp_path, evict=4, staging=1)
     swap.swapset.predict_from = 1
-    _flip_bytes(swap.files)
+    for f in swap.files:
+        _flip_bytes(f.path, f.offset, f.length)
     if cold:
-        drop_page_cache(swap.files)
+        disk_reads(swap.files)
     q = np.ones((loaded.query_heads, loaded.spec.key_head_dim), dtype=np.float32)
     assert swap.swapset.predict(5, mx.array(q))
     assert np.isnan(_stage(setup, swap, 5, q)).all()
     assert "do not match their checksum" in swap.error
     assert any(f.path in swap.error for f in swap.files)
     assert not swap.swapset.predict(6, mx.array(q))  # a failed set starts nothing more
+    swap.release()
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_damaged_group_read_ahead_but_not_chosen_fails_nothing(setup, tmp_path, cold):
+    """One group's extent damaged, a group the predicted query reads ahead and the layer's
+    own query does not choose: the stage succeeds (the bad bytes are never used); staging
+    a query that chooses that group then fails the row, naming the file."""
+    loaded, pool, _ = setup
+    spec = loaded.spec
+    swap = _swapped(setup, tmp_path, evict=4, staging=1)  # the sinks' slot and 3 more
+    swap.swapset.predict_from = 1
+    layer, rng = 5, np.random.default_rng(11)
+    shape = (loaded.query_heads, spec.key_head_dim)
+    for _ in range(100):  # a predicted query whose 3 best groups differ from the real one's
+        q_pred, q_real = (rng.normal(0, 1, shape).astype(np.float32) for _ in range(2))
+        pred = swap.swapset.ranked(layer, mx.array(q_pred))[:3]
+        real = swap.swapset.ranked(layer, mx.array(q_real))[:3]
+        only = sorted(set(pred) - set(real))
+        if only:
+            break
+    block, in_block = divmod(only[0], GROUPS_PER_BLOCK)
+    extent = sum(c.heads * 64 * c.row_bytes for c in pool.arena.components[layer])
+    first = _layer_offsets(pool.arena.components, [swap.files[block]])[layer]
+    _flip_bytes(swap.files[block].path, first + in_block * extent, extent)
+    if cold:
+        disk_reads(swap.files)
+    assert swap.swapset.predict(layer, mx.array(q_pred))
+    assert np.array_equal(_stage(setup, swap, layer, q_real), q_real[None, :, None, :])
+    stats = swap.swapset.stats
+    assert swap.error == "" and stats["ahead_used"] < stats["read_ahead"]
+    assert np.isnan(_stage(setup, swap, layer, q_pred)).all()
+    assert "do not match their checksum" in swap.error and swap.files[block].path in swap.error
     swap.release()
 
 
@@ -326,7 +369,8 @@ def test_a_damaged_block_file_fails_only_its_row(setup, tmp_path):
     short = _swapped(setup, tmp_path / "s", evict=4, staging=1)
     sound = _swapped(setup, tmp_path / "ok", evict=4, staging=1)
     sound_alone = _swapped(setup, tmp_path / "ok2", evict=4, staging=1)
-    _flip_bytes(damaged.files)
+    for f in damaged.files:
+        _flip_bytes(f.path, f.offset, f.length)
     for f in short.files:
         with open(f.path, "r+b") as fh:
             fh.truncate(f.offset + 100)
