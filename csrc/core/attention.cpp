@@ -186,6 +186,47 @@ using Ops = Avx2;
 
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx2,fma,f16c")
+
+// AVX-512: the AVX2 operations, and a value row's 4-bit codes unpacked 16 at a time (the
+// same floats).
+struct Avx512 : Avx2 {
+  // Codes d .. d + 15 of a row (two words of eight nibbles) -> 16 floats at out.
+  static void unpack_row16(const uint32_t* words, float* out) {
+    const __m512i both = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(words))));
+    const __m512i shifts =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(both, shifts), _mm512_set1_epi32(0xF));
+    _mm512_storeu_ps(out, _mm512_cvtepi32_ps(codes));
+  }
+  // 16 rows' 4-bit codes from their columns (`columns` of rows 0-7 and of rows 8-15) ->
+  // out[d * stride + j], j = 0..15: what `unpack` gives 8 rows at a time.
+  static void unpack_columns16(const uint32_t* first, const uint32_t* second, int words, float* out,
+                               int stride) {
+    const __m512i mask = _mm512_set1_epi32(0xF);
+    for (int w = 0; w < words; ++w) {
+      const __m512i both = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + w * 8))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + w * 8)), 1);
+      for (int e = 0; e < 8; ++e) {
+        const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(both, 4 * e), mask);
+        _mm512_storeu_ps(out + (w * 8 + e) * stride, _mm512_cvtepi32_ps(codes));
+      }
+    }
+  }
+};
+
+namespace avx512 {
+using Ops = Avx512;
+#include "attention_impl.inc"
+}  // namespace avx512
+
+#pragma GCC pop_options
+
 #endif
 
 #if defined(__aarch64__)
@@ -230,6 +271,12 @@ bool portable_only() {
 
 bool use_avx2() {
   static const bool ok = cpu_has_avx2_fma_f16c() && !portable_only();
+  return ok;
+}
+
+// AGENTKV_ATTENTION_IMPL=avx2 keeps the AVX2 path where AVX-512 is there.
+bool use_avx512() {
+  static const bool ok = use_avx2() && forced() != "avx2" && cpu_has_avx512f();
   return ok;
 }
 
@@ -285,6 +332,17 @@ void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
 void quantized_attention(const AttentionArgs& a) {
   const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
 #if defined(AGENTKV_ATTENTION_X86)
+  if (use_avx512()) {
+    run_split(
+        a, blocks,
+        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
+          avx512::task(a, b, kvh, i0, i1, c0, c1, partial);
+        },
+        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
+          avx512::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
+        });
+    return;
+  }
   if (use_avx2()) {
     run_split(
         a, blocks,
@@ -324,7 +382,7 @@ const char* attention_implementation() {
 #if defined(__aarch64__)
   return portable_only() ? "portable" : "neon";
 #endif
-  return use_avx2() ? "avx2-fma-f16c" : "portable";
+  return use_avx512() ? "avx512" : use_avx2() ? "avx2-fma-f16c" : "portable";
 }
 
 }  // namespace agentkv

@@ -41,6 +41,17 @@ inline bool cpu_has_avx512_vnni() {
 #endif
 }
 
+// AVX-512 F and VL (on top of AVX2 + FMA + F16C): the fused attention's 16-code unpacking.
+inline bool cpu_has_avx512f() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool ok = cpu_has_avx2_fma_f16c() && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512vl");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // AVX2 + FMA: the batch-invariant float32 GEMM.
 inline bool cpu_has_avx2_fma() {
 #if defined(__x86_64__) || defined(_M_X64)

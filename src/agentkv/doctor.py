@@ -98,7 +98,11 @@ def measure_attention(tokens: int = 4096, repeats: int = 5) -> dict:
     after = attention.paths_used()
     path = max(after, key=lambda k: after[k] - before[k])
     kv_bytes = sum(p.nbytes for p in parts) * tokens // (blocks * BLOCK_TOKENS)
-    return {"path": path, "kv_gbps": round(kv_bytes / seconds / 1e9, 2)}
+    return {
+        "path": path,
+        "implementation": _ext.build_info()["attention"],  # the CPU kernel's lanes
+        "kv_gbps": round(kv_bytes / seconds / 1e9, 2),
+    }
 
 
 def _backend() -> dict:

@@ -172,10 +172,14 @@ print(_ext.build_info()["attention"])
 
 
 def test_every_attention_implementation_gives_the_same_bits(tmp_path):
-    """AVX2 and the portable lanes: the same bits on formats 1 and 2, 1-17 queries, 1-3 query
-    heads per KV head, windows and sinks."""
+    """AVX-512 (where the CPU has it), AVX2 and the portable lanes: the same bits on formats 1
+    and 2, 1-17 queries, 1-3 query heads per KV head, windows and sinks."""
     results = {}
-    envs = {"default": {}, "portable": {"AGENTKV_ATTENTION_IMPL": "portable"}}
+    envs = {
+        "default": {},
+        "avx2": {"AGENTKV_ATTENTION_IMPL": "avx2"},
+        "portable": {"AGENTKV_ATTENTION_IMPL": "portable"},
+    }
     tests_dir = str(Path(__file__).resolve().parents[1])
     for name, env in envs.items():
         path = tmp_path / f"{name}.npy"
@@ -190,6 +194,8 @@ def test_every_attention_implementation_gives_the_same_bits(tmp_path):
         assert run.returncode == 0, run.stderr
         results[name] = (run.stdout.strip(), np.load(path))
     assert results["portable"][0] == "portable"
-    assert results["default"][0] in ("avx2-fma-f16c", "portable")
+    assert results["default"][0] in ("avx512", "avx2-fma-f16c", "portable")
+    assert results["avx2"][0] in ("avx2-fma-f16c", "portable")
     assert np.isfinite(results["portable"][1]).all()
     np.testing.assert_array_equal(results["default"][1], results["portable"][1])
+    np.testing.assert_array_equal(results["avx2"][1], results["portable"][1])

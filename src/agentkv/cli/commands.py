@@ -35,7 +35,8 @@ def run_doctor(args) -> int:
     qmm, attention = info["kernels"]["quantized_matmul"], info["kernels"]["attention"]
     print(
         f"kernels: 4-bit weights on {qmm['implementation']} ({qmm['weight_gbps']} GB/s of "
-        f"weights); decode attention on {attention['path']} ({attention['kv_gbps']} GB/s of KV)"
+        f"weights); decode attention on {attention['path']} ({attention['implementation']}, "
+        f"{attention['kv_gbps']} GB/s of KV)"
     )
     writable = "writable" if info["home"]["writable"] else "NOT writable"
     print(f"home: {info['home']['path']} ({writable})")
