@@ -195,3 +195,27 @@ def test_cache_ls_names_version_2_files_until_migrated(stored, python_env):
     assert "3 of them of store version 2" in run("ls")
     assert "2 agents on store version 3 (2 switched now)" in run("migrate")
     assert "store version 2" not in run("ls")
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_written_block_file_reads_back_as_write_returned_it(tmp_path, version):
+    """``SharedBlocks.write`` describes the file it wrote without reading it back: what a
+    later ``find_file`` reads from the file (header checksum, sizes, tokens, parent) is the
+    same, in both store versions."""
+    store = AgentStore(tmp_path / "kv", synthetic_spec(layers=3, heads=2), "synthetic")
+    store.ensure_layout()
+    pool = pool_for(store.spec, blocks=4)
+    table = fill_table(pool, 300, positional=True)
+    table.seal_full()
+    record = pool.blocks.records[table.blocks[0]]
+    assert record.hash is not None
+    layout = GROUPS if version == 3 else PLANES
+    packed, regions = pool.arena.pack([table.blocks[0]], [BLOCK_TOKENS], [layout])
+    _, offset, length, checksum, _ = regions[0]
+    region = memoryview(packed)[offset : offset + length]
+    with store.shared.writing():
+        written = store.shared.write(
+            record.hash, record.parent, record.tokens, region, checksum, version
+        )
+    assert block_file_version(written.name) == version
+    assert store.shared.find_file(written.name, record.hash) == written

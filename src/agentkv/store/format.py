@@ -35,6 +35,7 @@ segments, no hashes) and store-version-2 manifests (block files in planes) are s
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -456,31 +457,50 @@ def _add_region(
     position = start
     span = GROUP_TOKENS if grouped else tokens
     for layer, comps in enumerate(components):
+        parts = [
+            (c.name, _DTYPE_CODES[c.dtype], c.heads, c.width, c.heads * c.row_bytes) for c in comps
+        ]
         for group, first in enumerate(range(0, tokens, span)):
             rows = min(span, tokens - first)
-            for comp in comps:
-                size = comp.heads * rows * comp.row_bytes
-                name = (
-                    f"{prefix}l{layer:03d}.g{group}.{comp.name}"
-                    if grouped
-                    else f"{prefix}l{layer:03d}.{comp.name}"
-                )
-                tensors[name] = {
-                    "dtype": _DTYPE_CODES[comp.dtype],
-                    "shape": [comp.heads, rows, comp.width],
+            stem = f"{prefix}l{layer:03d}.g{group}." if grouped else f"{prefix}l{layer:03d}."
+            for name, dtype, heads, width, row_bytes in parts:
+                size = rows * row_bytes
+                tensors[stem + name] = {
+                    "dtype": dtype,
+                    "shape": [heads, rows, width],
                     "data_offsets": [position, position + size],
                 }
                 position += size
     return position
 
 
-def _safetensors_header(kind: str, record: dict, tensors: dict) -> bytes:
+def _safetensors_header(kind: str, record: dict, tensors: dict | str) -> bytes:
     """A safetensors header (length prefix included, padded to 8 bytes) whose metadata
-    names the file's ``kind`` and holds agentkv's JSON ``record``."""
+    names the file's ``kind`` and holds agentkv's JSON ``record``; ``tensors`` as a dict, or
+    as its JSON members already written (``_block_tensors``: the same bytes)."""
     metadata = {"format": kind, "agentkv": json.dumps(record, separators=(",", ":"))}
-    body = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":")).encode()
+    if isinstance(tensors, str):
+        head = json.dumps({"__metadata__": metadata}, separators=(",", ":"))
+        body = (head[:-1] + "," + tensors + "}").encode()
+    else:
+        body = json.dumps({"__metadata__": metadata, **tensors}, separators=(",", ":")).encode()
     body += b" " * (-(8 + len(body)) % 8)
     return struct.pack("<Q", len(body)) + body
+
+
+@functools.lru_cache(maxsize=16)
+def _block_tensors(components: tuple[tuple[Component, ...], ...], version: int) -> str:
+    """A block file's tensors (its region, then ``tokens``) as JSON object members, written
+    once per format and store version: the same for every full block (a version-3 file
+    names ~720 of them)."""
+    tensors: dict = {}
+    length = _add_region(tensors, "", components, BLOCK_TOKENS, 0, grouped=version >= 3)
+    tensors["tokens"] = {
+        "dtype": "I32",
+        "shape": [BLOCK_TOKENS],
+        "data_offsets": [length, length + 4 * BLOCK_TOKENS],
+    }
+    return json.dumps(tensors, separators=(",", ":"))[1:-1]
 
 
 @dataclass(frozen=True)
@@ -511,14 +531,8 @@ def encode_block_header(
     """The safetensors header of a shared block file of store ``version`` (3: groups, 2:
     planes): the region's tensors (``l017.g2.k.w`` [heads, 64, width] or ``l017.k.w``
     [heads, 256, width]), then ``tokens`` int32 [256] (length prefix included, padded)."""
-    tensors: dict = {}
-    end = _add_region(tensors, "", components, BLOCK_TOKENS, 0, grouped=version >= 3)
-    assert end == length
-    tensors["tokens"] = {
-        "dtype": "I32",
-        "shape": [BLOCK_TOKENS],
-        "data_offsets": [length, length + 4 * BLOCK_TOKENS],
-    }
+    tensors = _block_tensors(tuple(tuple(c) for c in components), version)
+    assert f'"data_offsets":[{length},{length + 4 * BLOCK_TOKENS}]' in tensors[-60:]
     record = {
         "format_version": version,
         "model_fingerprint": fingerprint,
