@@ -327,55 +327,40 @@ void run_split(const AttentionArgs& a, int blocks, Task task, Finish finish) {
   pool.run(tasks, merge);
 }
 
+// One implementation's task and merge (its namespace's `task` and `finish_partials`) over
+// the split.
+using TaskFn = void (*)(const AttentionArgs&, int, int, int, int, int, int, float*);
+using FinishFn = void (*)(const AttentionArgs&, int, int, int, int, int, const float*, size_t);
+
+void run_kernel(const AttentionArgs& a, int blocks, TaskFn task, FinishFn finish) {
+  run_split(
+      a, blocks,
+      [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
+        task(a, b, kvh, i0, i1, c0, c1, partial);
+      },
+      [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
+        finish(a, b, kvh, i0, i1, chunks, p, stride);
+      });
+}
+
 }  // namespace
 
 void quantized_attention(const AttentionArgs& a) {
   const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
 #if defined(AGENTKV_ATTENTION_X86)
   if (use_avx512()) {
-    run_split(
-        a, blocks,
-        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
-          avx512::task(a, b, kvh, i0, i1, c0, c1, partial);
-        },
-        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
-          avx512::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
-        });
-    return;
+    return run_kernel(a, blocks, &avx512::task, &avx512::finish_partials);
   }
   if (use_avx2()) {
-    run_split(
-        a, blocks,
-        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
-          avx2::task(a, b, kvh, i0, i1, c0, c1, partial);
-        },
-        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
-          avx2::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
-        });
-    return;
+    return run_kernel(a, blocks, &avx2::task, &avx2::finish_partials);
   }
 #endif
 #if defined(__aarch64__)
   if (!portable_only()) {
-    run_split(
-        a, blocks,
-        [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
-          neon::task(a, b, kvh, i0, i1, c0, c1, partial);
-        },
-        [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
-          neon::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
-        });
-    return;
+    return run_kernel(a, blocks, &neon::task, &neon::finish_partials);
   }
 #endif
-  run_split(
-      a, blocks,
-      [&](int b, int kvh, int i0, int i1, int c0, int c1, float* partial) {
-        portable::task(a, b, kvh, i0, i1, c0, c1, partial);
-      },
-      [&](int b, int kvh, int i0, int i1, int chunks, const float* p, size_t stride) {
-        portable::finish_partials(a, b, kvh, i0, i1, chunks, p, stride);
-      });
+  run_kernel(a, blocks, &portable::task, &portable::finish_partials);
 }
 
 const char* attention_implementation() {
