@@ -122,14 +122,14 @@ class _Setup:
         return KVPool(self.spec, self.quant, pool_bytes=per_block * blocks)
 
     def projections(self, rank: int, predict: bool = False):
-        import dataclasses
-
-        from agentkv.model.kvswap import PREDICT_FROM, projections
+        from agentkv.model.kvswap import projections
 
         if not rank:
             return None
-        out = projections(self.loaded.model, self.loaded.tokenizer, self.spec, self.quant, rank)
-        return dataclasses.replace(out, predict_from=PREDICT_FROM if predict else None)
+        loaded = self.loaded
+        return projections(
+            loaded.model, loaded.tokenizer, self.spec, self.quant, rank, read_ahead=predict
+        )
 
     def swap(
         self, pool, table, directory: Path, budget: int, rank: int, demand=None, predict=False

@@ -14,10 +14,11 @@
 // resident blocks, as one ordinary block table (every slot is a whole channel group, and
 // positions live in the stored keys).
 //
-// Reading ahead: `predict(layer, q)` chooses a layer's groups one layer early, from a
-// predicted query (the seed: the previous layer's input through this layer's norm and query
-// projection), and reads the missing ones on the set's own I/O thread while the previous
-// layer computes; the next `stage` of that layer places them instead of ranking its query.
+// Reading ahead: `predict(layer, q)` ranks a layer's groups one layer early, from a predicted
+// query (the seed: the previous layer's input through this layer's norm and query
+// projection), and reads the missing ones (on the set's own I/O thread where the page cache
+// lacks them) while the previous layer computes; the next `stage` of that layer still ranks
+// its own query and takes the groups it chose from what was read ahead.
 //
 // Plain C++: no Python, no MLX. Not thread-safe: one step at a time (the model thread);
 // the I/O thread only reads files into a buffer the set hands it.

@@ -13,7 +13,6 @@ disk, by hash from the pool's cached blocks where they are still there.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -41,17 +40,15 @@ class Swapper:
     def projections(self):
         """The model's low-rank key projections (measured once per model and KV format)."""
         if self._projections is None:
-            from ..model.kvswap import DEFAULT_RANK, PREDICT_FROM, projections
+            from ..model.kvswap import DEFAULT_RANK, projections
 
-            measured = projections(
+            self._projections = projections(
                 self.loaded.model,
                 self.loaded.tokenizer,
                 self.loaded.spec,
                 self.pool.quant,
                 DEFAULT_RANK,
-            )
-            self._projections = dataclasses.replace(
-                measured, predict_from=PREDICT_FROM if self.read_ahead else None
+                read_ahead=self.read_ahead,
             )
         return self._projections
 

@@ -46,9 +46,12 @@ VERSION = "kvswap-projections-v3"
 _MEMO: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def projections(model, tokenizer, spec: ModelCacheSpec, quant: KVQuant, rank: int) -> Projections:
+def projections(
+    model, tokenizer, spec: ModelCacheSpec, quant: KVQuant, rank: int, *, read_ahead: bool = False
+) -> Projections:
     """The model's KVSwap projections for keys stored in ``quant``, cut to ``rank``
-    (measured once, then read back)."""
+    (measured once, then read back); ``read_ahead``: layers from ``PREDICT_FROM`` on read
+    ahead."""
     width = spec.key_head_dim
     if not 4 <= rank <= width or rank % 4:
         raise ValueError(f"a KVSwap rank must be a multiple of 4 in 4..{width}, not {rank}")
@@ -60,6 +63,7 @@ def projections(model, tokenizer, spec: ModelCacheSpec, quant: KVQuant, rank: in
         tuple(mx.array(np.ascontiguousarray(v[..., :rank])) for v in keys),
         tuple(mx.array(m) for m in means),
         tuple(mx.array(np.ascontiguousarray(v[..., :rank])) for v in queries),
+        predict_from=PREDICT_FROM if read_ahead else None,
     )
 
 

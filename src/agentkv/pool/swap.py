@@ -60,8 +60,8 @@ class Projections:
     queries: tuple[
         mx.array, ...
     ]  # B [kv_heads, head_dim, rank]: q scores k as (q B).((k - mean) A)
-    # the first layer whose groups are chosen a layer early, from a query predicted from
-    # the layer before (read while it computes); None: every layer ranks its own query
+    # the first layer whose reads start during the layer before, from a query predicted
+    # there (KVSwapSet.predict_from); None: no reading ahead
     predict_from: int | None = None
 
     @property
