@@ -32,8 +32,136 @@ constexpr int kQueryBlock = 32;
 // agent decoding: one task per KV head).
 constexpr int kChunk = 512;
 
+// A query's integer codes for scoring 4-bit per-channel keys (format 2, a tile inside one
+// channel group, whose scales are already folded into the query): fq_d ~ dq * xq_d with
+// xq_d = round(fq_d / dq) in [-kCodeMax, kCodeMax]. The score of a key row with codes c is
+// fma(float(sum_d (c_d - 8) xq_d), dq, score0), the 8 s_d of the centred codes in score0
+// (its biases b_d + 8 s_d): centred, the codes' rounding errors largely cancel. The dot is
+// exact in int32 (64 channels * 15 * 32512 < 2^31), so every path gives the same bits. Each code
+// splits as xq = 256 hi + lo with hi, lo signed bytes, for dot products of unsigned bytes (the key
+// codes) by signed bytes (vpdpbusd, vpmaddubsw): `quads[w]` holds, for word w of a key row
+// (channels 8w .. 8w + 7, lowest nibble first), the bytes of channels 8w + {0, 2, 4, 6}
+// (the words' low nibbles) and 8w + {1, 3, 5, 7} (their high nibbles), hi then lo.
+constexpr int kCodeMax = 32512;  // 127 * 256: hi stays within a signed byte
+struct QueryCodes {
+  float dq = 0.0f;
+  int32_t centre = 0;  // 8 * sum_d xq_d: the codes are taken centred, c - 8
+  alignas(64) int16_t xq[kMaxDim];
+  alignas(64) uint32_t quads[kMaxDim / 8][4];  // even hi, odd hi, even lo, odd lo
+};
+
+// xq's hi/lo bytes into `quads` (every path, the same integers).
+inline int32_t centre_of(const QueryCodes& c, int dim) {
+  int32_t sum = 0;
+  for (int d = 0; d < dim; ++d) {
+    sum += c.xq[d];
+  }
+  return 8 * sum;
+}
+
+inline void split_codes(QueryCodes& c, int dim) {
+  for (int w = 0; w < dim / 8; ++w) {
+    uint32_t q[4] = {0, 0, 0, 0};
+    for (int b = 0; b < 4; ++b) {
+      for (int odd = 0; odd < 2; ++odd) {
+        const int x = c.xq[8 * w + 2 * b + odd];
+        const int lo = static_cast<int8_t>(static_cast<uint8_t>(x & 0xFF));
+        const int hi = (x - lo) / 256;
+        q[odd] |= static_cast<uint32_t>(static_cast<uint8_t>(hi)) << (8 * b);
+        q[2 + odd] |= static_cast<uint32_t>(static_cast<uint8_t>(lo)) << (8 * b);
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      c.quads[w][i] = q[i];
+    }
+  }
+}
+
+// dq from the query's largest magnitude `amax`; NaN where it is not finite (every score of
+// the query then NaN, as the float path gives), 0 where the query is all zeros.
+inline float code_step(float amax, float& inv) {
+  if (!(amax <= std::numeric_limits<float>::max())) {  // NaN or Inf
+    inv = 0.0f;
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  if (amax == 0.0f) {
+    inv = 0.0f;
+    return 0.0f;
+  }
+  inv = static_cast<float>(kCodeMax) / amax;
+  return amax / static_cast<float>(kCodeMax);
+}
+
 // The fused attention's own lane operations on top of lanes.h's: unpacking quantized words.
 struct Portable : lanes::Portable {
+  // fq[0 .. dim) -> c (QueryCodes): round half to even, as the vector conversions do.
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+    float amax = 0.0f;
+    for (int d = 0; d < dim; ++d) {
+      amax = std::isnan(fq[d]) ? fq[d] : std::max(amax, std::fabs(fq[d]));
+    }
+    float inv;
+    c.dq = code_step(amax, inv);
+    for (int d = 0; d < dim; ++d) {
+      c.xq[d] = inv == 0.0f ? 0 : static_cast<int16_t>(std::nearbyint(fq[d] * inv));
+    }
+    split_codes(c, dim);
+    c.centre = centre_of(c, dim);
+  }
+  // scores[r][j] = fma(float(dot), dq, score0[r]) for the 4-bit key rows j < rows (row j's
+  // words / 8 words start at words + w_off[j]) and query r < count (its codes qc[r]).
+  template <int count>
+  static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
+                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    for (int j = 0; j < rows; ++j) {
+      const uint32_t* row = words + w_off[j];
+      for (int r = 0; r < count; ++r) {
+        int32_t dot = 0;
+        for (int d = 0; d < dim; ++d) {
+          dot += static_cast<int32_t>((row[d / 8] >> (4 * (d % 8))) & 0xF) * qc[r]->xq[d];
+        }
+        scores[r][j] = std::fma(static_cast<float>(dot - qc[r]->centre), qc[r]->dq, score0[r]);
+      }
+    }
+  }
+  // A query's value weights w[0 .. n) -> int16 codes wq (zeros from n to kTile), returning
+  // their step dw (w_j ~ dw * wq_j), as quantize_query.
+  static float quantize_weights(const float* w, int n, int16_t* wq) {
+    float amax = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      amax = std::isnan(w[j]) ? w[j] : std::max(amax, std::fabs(w[j]));
+    }
+    float inv;
+    const float dw = code_step(amax, inv);
+    for (int j = 0; j < kTile; ++j) {
+      wq[j] = j >= n || inv == 0.0f ? 0 : static_cast<int16_t>(std::nearbyint(w[j] * inv));
+    }
+    return dw;
+  }
+  // dots[r][d] = sum_{j < rows} wq[r][j] * (code d of value row j): the 64 4-bit codes from
+  // word `word0` of each row (row j's words start at words + w_off[j]), exact in int32.
+  template <int count>
+  static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
+                         const int16_t* const* wq, int32_t (*dots)[64]) {
+    for (int r = 0; r < count; ++r) {
+      std::fill(dots[r], dots[r] + 64, 0);
+    }
+    for (int j = 0; j < rows; ++j) {
+      const uint32_t* row = words + w_off[j] + word0;
+      for (int r = 0; r < count; ++r) {
+        for (int d = 0; d < 64; ++d) {
+          dots[r][d] += static_cast<int32_t>((row[d / 8] >> (4 * (d % 8))) & 0xF) * wq[r][j];
+        }
+      }
+    }
+  }
+  static V load_int(const int32_t* p) {
+    V v;
+    for (int i = 0; i < 8; ++i) {
+      v.x[i] = static_cast<float>(p[i]);
+    }
+    return v;
+  }
   static V unpack(const uint32_t* packed, int shift, uint32_t mask) {
     V v;
     for (int r = 0; r < 8; ++r) {
@@ -166,6 +294,189 @@ struct Avx2 : lanes::Avx2 {
       }
     }
   }
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+    __m256 amax = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps();  // lanes that met a NaN or an infinity
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 top = _mm256_set1_ps(std::numeric_limits<float>::max());
+    for (int d = 0; d < dim; d += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(fq + d), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, top, _CMP_NLE_UQ));
+      amax = _mm256_max_ps(amax, a);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float m = 0.0f;
+    for (float x : lanes) {
+      m = std::max(m, x);
+    }
+    float inv;
+    c.dq =
+        code_step(_mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : m, inv);
+    const __m256 scale = _mm256_set1_ps(inv);
+    for (int d = 0; d < dim; d += 8) {
+      const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(fq + d), scale));
+      const __m128i packed =
+          _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c.xq + d),
+                       inv == 0.0f ? _mm_setzero_si128() : packed);
+    }
+    // split_codes in lanes: lo = the sign-extended low byte, hi = (x - lo) / 256; the
+    // even channels' dwords to the low half, their lowest bytes gathered into one dword
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i low_bytes =
+        _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    for (int w = 0; w < dim / 8; ++w) {
+      const __m256i x =
+          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.xq + 8 * w)));
+      const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(x, 24), 24);
+      const __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(x, lo), 8);
+      const __m256i hb = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, order), low_bytes);
+      const __m256i lb = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, order), low_bytes);
+      c.quads[w][0] = static_cast<uint32_t>(_mm256_extract_epi32(hb, 0));
+      c.quads[w][1] = static_cast<uint32_t>(_mm256_extract_epi32(hb, 4));
+      c.quads[w][2] = static_cast<uint32_t>(_mm256_extract_epi32(lb, 0));
+      c.quads[w][3] = static_cast<uint32_t>(_mm256_extract_epi32(lb, 4));
+    }
+    c.centre = centre_of(c, dim);
+  }
+  // Portable::key_scores, 8 rows at a time: the rows' word w side by side (`columns`), its
+  // low and high nibbles as bytes, multiplied by the query's bytes in pairs (vpmaddubsw: at
+  // most 2 * 15 * 128 per pair), the pairs summed into int32 (the same exact dot).
+  template <int count>
+  static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
+                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    for (int j0 = 0; j0 < rows; j0 += 8) {
+      key_scores8<count>(words, w_off, j0, rows, dim, qc, score0, scores);
+    }
+  }
+  template <int count>
+  static void key_scores8(const uint32_t* words, const int64_t* w_off, int j0, int rows, int dim,
+                          const QueryCodes* const* qc, const float* score0,
+                          float (*scores)[kTile]) {
+    int idx[8];
+    for (int r = 0; r < 8; ++r) {
+      idx[r] = std::min(j0 + r, rows - 1);  // the tail repeats the last row (never read)
+    }
+    alignas(32) uint32_t cols[kMaxDim];
+    columns(words, w_off, idx, dim / 8, cols);
+    const __m256i nibbles = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i hi[count], lo[count];
+    for (int r = 0; r < count; ++r) {
+      hi[r] = lo[r] = _mm256_setzero_si256();
+    }
+    for (int w = 0; w < dim / 8; ++w) {
+      const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(cols + w * 8));
+      const __m256i even = _mm256_and_si256(x, nibbles);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 4), nibbles);
+      for (int r = 0; r < count; ++r) {
+        const uint32_t* q = qc[r]->quads[w];
+        const __m256i h =
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(static_cast<int>(q[0]))),
+                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(static_cast<int>(q[1]))));
+        const __m256i l =
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(static_cast<int>(q[2]))),
+                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(static_cast<int>(q[3]))));
+        hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(h, ones));
+        lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(l, ones));
+      }
+    }
+    for (int r = 0; r < count; ++r) {
+      const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(hi[r], 8), lo[r]),
+                                           _mm256_set1_epi32(qc[r]->centre));
+      _mm256_storeu_ps(scores[r] + j0,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(qc[r]->dq),
+                                       _mm256_set1_ps(score0[r])));
+    }
+  }
+  static float quantize_weights(const float* w, int n, int16_t* wq) {
+    const int padded = (n + 7) & ~7;  // w is zero from n to here (the softmax's padding)
+    __m256 amax = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256 top = _mm256_set1_ps(std::numeric_limits<float>::max());
+    for (int j = 0; j < padded; j += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(w + j), abs_mask);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, top, _CMP_NLE_UQ));
+      amax = _mm256_max_ps(amax, a);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float m = 0.0f;
+    for (float x : lanes) {
+      m = std::max(m, x);
+    }
+    float inv;
+    const float dw =
+        code_step(_mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : m, inv);
+    const __m256 scale = _mm256_set1_ps(inv);
+    int j = 0;
+    for (; j < padded && inv != 0.0f; j += 8) {
+      const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(w + j), scale));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + j),
+                       _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1)));
+    }
+    for (; j < kTile; j += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + j), _mm_setzero_si128());
+    }
+    return dw;
+  }
+  // Portable::value_dots: two rows at a time, each channel's two codes widened to an int16
+  // pair beside the rows' two weights (vpmaddwd), 32 channels a pass.
+  template <int count>
+  static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
+                         const int16_t* const* wq, int32_t (*dots)[64]) {
+    const __m128i nibbles = _mm_set1_epi8(0x0F);
+    for (int half = 0; half < 2; ++half) {
+      __m256i acc[count][4];
+      for (int r = 0; r < count; ++r) {
+        for (int i = 0; i < 4; ++i) {
+          acc[r][i] = _mm256_setzero_si256();
+        }
+      }
+      for (int j = 0; j < rows; j += 2) {
+        const int j1 = std::min(j + 1, rows - 1);  // an odd last row: itself, weight 0
+        const __m128i a =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + w_off[j] + word0 + 4 * half));
+        const __m128i b =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + w_off[j1] + word0 + 4 * half));
+        const __m128i ea = _mm_and_si128(a, nibbles), eb = _mm_and_si128(b, nibbles);
+        const __m128i oa = _mm_and_si128(_mm_srli_epi16(a, 4), nibbles);
+        const __m128i ob = _mm_and_si128(_mm_srli_epi16(b, 4), nibbles);
+        // pairs (row j, row j1) of channels 2k, 16 + 2k, 2k + 1, 17 + 2k (k < 8, this half)
+        const __m256i pairs[4] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(ea, eb)),
+                                  _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(ea, eb)),
+                                  _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(oa, ob)),
+                                  _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(oa, ob))};
+        for (int r = 0; r < count; ++r) {
+          int32_t both;
+          std::memcpy(&both, wq[r] + j, sizeof both);
+          const __m256i x = _mm256_set1_epi32(both);
+          for (int i = 0; i < 4; ++i) {
+            acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(pairs[i], x));
+          }
+        }
+      }
+      for (int r = 0; r < count; ++r) {  // back to channel order
+        alignas(32) int32_t lanes[4][8];
+        for (int i = 0; i < 4; ++i) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[i]), acc[r][i]);
+        }
+        int32_t* out = dots[r] + 32 * half;
+        for (int k = 0; k < 8; ++k) {
+          out[2 * k] = lanes[0][k];
+          out[16 + 2 * k] = lanes[1][k];
+          out[2 * k + 1] = lanes[2][k];
+          out[17 + 2 * k] = lanes[3][k];
+        }
+      }
+    }
+  }
+  static V load_int(const int32_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
     if (bits == 4) {  // eight nibbles of one word
       const __m256i w = _mm256_set1_epi32(static_cast<int>(words[d / 8]));
@@ -192,6 +503,116 @@ using Ops = Avx2;
 // AVX-512: the AVX2 operations, and a value row's 4-bit codes unpacked 16 at a time (the
 // same floats).
 struct Avx512 : Avx2 {
+  // Avx2::key_scores, 16 rows to a register with vpdpbusd (AVX-512 VNNI) where the CPU has it:
+  // the same exact dots.
+  template <int count>
+  static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
+                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    int j0 = 0;
+    if (cpu_has_avx512_vnni()) {  // (BW too: every such CPU has it)
+      for (; j0 + 16 <= rows; j0 += 16) {
+        key_scores16<count>(words, w_off, j0, dim, qc, score0, scores);
+      }
+    }
+    for (; j0 < rows; j0 += 8) {
+      key_scores8<count>(words, w_off, j0, rows, dim, qc, score0, scores);
+    }
+  }
+  template <int count>
+  static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
+                         const int16_t* const* wq, int32_t (*dots)[64]) {
+    if (cpu_has_avx512_vnni()) {
+      return value_dots64<count>(words, w_off, word0, rows, wq, dots);
+    }
+    Avx2::value_dots<count>(words, w_off, word0, rows, wq, dots);
+  }
+  // Avx2::value_dots with all 64 channels at once, 16 to a register (vpdpwssd).
+  template <int count>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
+  value_dots64(const uint32_t* words, const int64_t* w_off, int word0, int rows,
+               const int16_t* const* wq, int32_t (*dots)[64]) {
+    const __m256i nibbles = _mm256_set1_epi8(0x0F);
+    __m512i acc[count][4];
+    for (int r = 0; r < count; ++r) {
+      for (int i = 0; i < 4; ++i) {
+        acc[r][i] = _mm512_setzero_si512();
+      }
+    }
+    for (int j = 0; j < rows; j += 2) {
+      const int j1 = std::min(j + 1, rows - 1);
+      const __m256i a =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j] + word0));
+      const __m256i b =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j1] + word0));
+      const __m256i ea = _mm256_and_si256(a, nibbles), eb = _mm256_and_si256(b, nibbles);
+      const __m256i oa = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibbles);
+      const __m256i ob = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibbles);
+      // pairs of channels (k < 8) 2k | 32 + 2k, 16 + 2k | 48 + 2k, 2k + 1 | 33 + 2k,
+      // 17 + 2k | 49 + 2k (the two 128-bit halves of each unpack)
+      const __m512i pairs[4] = {_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(ea, eb)),
+                                _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(ea, eb)),
+                                _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(oa, ob)),
+                                _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(oa, ob))};
+      for (int r = 0; r < count; ++r) {
+        int32_t both;
+        std::memcpy(&both, wq[r] + j, sizeof both);
+        const __m512i x = _mm512_set1_epi32(both);
+        for (int i = 0; i < 4; ++i) {
+          acc[r][i] = _mm512_dpwssd_epi32(acc[r][i], pairs[i], x);
+        }
+      }
+    }
+    // back to channel order: even channels from pairs 0/1, odd from 2/3
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int r = 0; r < count; ++r) {
+      int32_t* out = dots[r];
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi32(acc[r][0], low, acc[r][2]));
+      _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi32(acc[r][1], low, acc[r][3]));
+      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi32(acc[r][0], high, acc[r][2]));
+      _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi32(acc[r][1], high, acc[r][3]));
+    }
+  }
+  template <int count>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
+  key_scores16(const uint32_t* words, const int64_t* w_off, int j0, int dim,
+               const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    int idx[16];
+    for (int r = 0; r < 16; ++r) {
+      idx[r] = j0 + r;
+    }
+    alignas(64) uint32_t first[kMaxDim], second[kMaxDim];
+    columns(words, w_off, idx, dim / 8, first);
+    columns(words, w_off, idx + 8, dim / 8, second);
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    __m512i hi[count], lo[count];
+    for (int r = 0; r < count; ++r) {
+      hi[r] = lo[r] = _mm512_setzero_si512();
+    }
+    for (int w = 0; w < dim / 8; ++w) {
+      const __m512i x = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(first + w * 8))),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(second + w * 8)), 1);
+      const __m512i even = _mm512_and_si512(x, nibbles);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibbles);
+      for (int r = 0; r < count; ++r) {
+        const uint32_t* q = qc[r]->quads[w];
+        hi[r] = _mm512_dpbusd_epi32(hi[r], even, _mm512_set1_epi32(static_cast<int>(q[0])));
+        hi[r] = _mm512_dpbusd_epi32(hi[r], odd, _mm512_set1_epi32(static_cast<int>(q[1])));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], even, _mm512_set1_epi32(static_cast<int>(q[2])));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], odd, _mm512_set1_epi32(static_cast<int>(q[3])));
+      }
+    }
+    for (int r = 0; r < count; ++r) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[r], 8), lo[r]),
+                                           _mm512_set1_epi32(qc[r]->centre));
+      _mm512_storeu_ps(scores[r] + j0,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qc[r]->dq),
+                                       _mm512_set1_ps(score0[r])));
+    }
+  }
   // Codes d .. d + 15 of a row (two words of eight nibbles) -> 16 floats at out.
   static void unpack_row16(const uint32_t* words, float* out) {
     const __m512i both = _mm512_permutexvar_epi32(
@@ -245,6 +666,25 @@ struct Neon : lanes::Neon {
   static V unpack_row(const uint32_t* words, int d, int per_word, int bits) {
     const Portable::V v = Portable::unpack_row(words, d, per_word, bits);
     return load(v.x);
+  }
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+    Portable::quantize_query(fq, dim, c);
+  }
+  template <int count>
+  static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
+                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    Portable::key_scores<count>(words, w_off, rows, dim, qc, score0, scores);
+  }
+  static float quantize_weights(const float* w, int n, int16_t* wq) {
+    return Portable::quantize_weights(w, n, wq);
+  }
+  template <int count>
+  static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
+                         const int16_t* const* wq, int32_t (*dots)[64]) {
+    Portable::value_dots<count>(words, w_off, word0, rows, wq, dots);
+  }
+  static V load_int(const int32_t* p) {
+    return {vcvtq_f32_s32(vld1q_s32(p)), vcvtq_f32_s32(vld1q_s32(p + 4))};
   }
 };
 

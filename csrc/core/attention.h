@@ -3,11 +3,13 @@
 // out[b, h, i] = softmax(scale * q[b, h, i] . K[b, h', j]) V[b, h', j] over the keys
 // j a query may see, where K and V are stored as MLX affine quantization (packed
 // words + float16 scale/bias per group) or float16, and h' = h / (Hq / Hkv).
-// Keys and values are unpacked tile by tile (64 tokens) into L1 and never exist
-// whole in float, so one pass reads the cache once. The integers are not dequantized
-// one by one: per-channel key scales and biases of a tile inside one channel group fold
-// into the query (q_d s_d) and the score's start (sum_d q_d b_d); a value row's scale
-// folds into its softmax weight (p_j s_j), its bias into one sum (sum_j p_j b_j).
+// Keys and values are read tile by tile (64 tokens) and never exist whole in float, so
+// one pass reads the cache once. The integers are not dequantized one by one: per-channel
+// key scales and biases of a tile inside one channel group fold into the query (q_d s_d)
+// and the score's start (sum_d q_d b_d); a value row's scale folds into its softmax weight
+// (p_j s_j), its bias into one sum (sum_j p_j b_j). Where that leaves one scale per query
+// (such key tiles; 4-bit values in groups of 64), the folded query and the weights become
+// int16 codes and the 4-bit codes enter exact integer dot products (docs/compute.md).
 //
 // A query at buffer row p = T - L + i (its row's last L rows are the queries)
 // sees keys j in [lo, p]: lo = the row's left padding, raised to p - window + 1

@@ -101,6 +101,13 @@ struct Portable : ExpConstants {
   static float half(uint16_t h) {
     return half_to_float(h);
   }
+  static V halves(const uint16_t* p) {  // eight float16 -> float, exactly
+    V v;
+    for (int i = 0; i < 8; ++i) {
+      v.x[i] = half_to_float(p[i]);
+    }
+    return v;
+  }
   static float hsum(V v) {  // the order of agentkv's GEMM lanes
     return ((v.x[0] + v.x[4]) + (v.x[2] + v.x[6])) + ((v.x[1] + v.x[5]) + (v.x[3] + v.x[7]));
   }
@@ -171,6 +178,9 @@ struct Avx2 : ExpConstants {
   }
   static float half(uint16_t h) {  // exact, as half_to_float
     return _cvtsh_ss(h);
+  }
+  static V halves(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static float hsum(V v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -246,6 +256,10 @@ struct Neon : ExpConstants {
   }
   static float half(uint16_t h) {
     return half_to_float(h);
+  }
+  static V halves(const uint16_t* p) {  // the hardware conversion: exact
+    const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(p));
+    return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
   }
   static float hsum(V v) {  // ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7))
     const float32x4_t s = vaddq_f32(v.lo, v.hi);

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import fill_table, pool_for, synthetic_spec, table_arrays
+from helpers import FUSED_ATOL, fill_table, pool_for, synthetic_spec, table_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +54,7 @@ def fused(q, paged, scale=0.125):
 
 
 def close(a, b):
-    np.testing.assert_allclose(np.array(a), np.array(b), rtol=3e-4, atol=3e-5)
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=3e-4, atol=FUSED_ATOL)
 
 
 @settings(max_examples=15, deadline=None)

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import SCRIPTS, disk_reads
+from helpers import FUSED_ATOL, SCRIPTS, disk_reads
 
 from agentkv import mlx_adapter
 from agentkv.format.geometry import BLOCK_TOKENS
@@ -478,7 +478,7 @@ def test_the_kernel_body_reads_a_swapped_row_as_the_fused_kernel_does(setup, tmp
         ours = cpu.fused_paged_attention(q, paged, scale=0.125)
         with kernels.use_backend("cpu"):
             body = kernels.paged_attention_body(q, paged, scale=0.125)
-        np.testing.assert_allclose(np.array(body), np.array(ours), rtol=3e-4, atol=3e-5)
+        np.testing.assert_allclose(np.array(body), np.array(ours), rtol=3e-4, atol=FUSED_ATOL)
     swap.release()
 
 
