@@ -203,6 +203,15 @@ void tile_rows(const AttentionArgs& a, const KVView& view, int b, int h, int t0,
     const int bt = a.block_tokens;
     int block = t0 / bt, at = t0 % bt, in_group = ct > 0 ? t0 % ct : 0;
     int64_t first = (static_cast<int64_t>(table[block]) * a.kv_heads + h) * bt;
+    if (at + (t1 - t0) <= bt && (ct == 0 || in_group + (t1 - t0) <= ct)) {
+      // inside one block (and one channel group): the same offsets, in steps
+      const int64_t row0 = first + at;
+      for (int i = 0; i < t1 - t0; ++i) {
+        w[i] = (row0 + i) * w_width;
+        s[i] = (ct > 0 ? row0 - in_group : row0 + i) * s_width;
+      }
+      return;
+    }
     for (int t = t0; t < t1; ++t) {
       const int64_t row = first + at;
       w[t - t0] = row * w_width;

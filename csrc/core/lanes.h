@@ -74,6 +74,12 @@ struct Portable : ExpConstants {
     }
     return a;
   }
+  static V max(V a, V b) {
+    for (int i = 0; i < 8; ++i) {
+      a.x[i] = std::max(a.x[i], b.x[i]);
+    }
+    return a;
+  }
   static V sub(V a, V b) {
     for (int i = 0; i < 8; ++i) {
       a.x[i] -= b.x[i];
@@ -164,6 +170,9 @@ struct Avx2 : ExpConstants {
   static V add(V a, V b) {
     return _mm256_add_ps(a, b);
   }
+  static V max(V a, V b) {
+    return _mm256_max_ps(a, b);
+  }
   static V sub(V a, V b) {
     return _mm256_sub_ps(a, b);
   }
@@ -240,6 +249,9 @@ struct Neon : ExpConstants {
   }
   static V add(V a, V b) {
     return {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)};
+  }
+  static V max(V a, V b) {
+    return {vmaxq_f32(a.lo, b.lo), vmaxq_f32(a.hi, b.hi)};
   }
   static V sub(V a, V b) {
     return {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)};
