@@ -37,44 +37,35 @@ constexpr int kChunk = 512;
 // xq_d = round(fq_d / dq) in [-kCodeMax, kCodeMax]. The score of a key row with codes c is
 // fma(float(sum_d (c_d - 8) xq_d), dq, score0), the 8 s_d of the centred codes in score0
 // (its biases b_d + 8 s_d): centred, the codes' rounding errors largely cancel. The dot is
-// exact in int32 (64 channels * 15 * 32512 < 2^31), so every path gives the same bits. Each code
-// splits as xq = 256 hi + lo with hi, lo signed bytes, for dot products of unsigned bytes (the key
-// codes) by signed bytes (vpdpbusd, vpmaddubsw): `quads[w]` holds, for word w of a key row
-// (channels 8w .. 8w + 7, lowest nibble first), the bytes of channels 8w + {0, 2, 4, 6}
-// (the words' low nibbles) and 8w + {1, 3, 5, 7} (their high nibbles), hi then lo.
+// exact in int32 (64 channels * 15 * 32512 < 2^31), so every path gives the same bits.
+// The x86 paths split each code as xq = 256 hi + lo (hi, lo signed bytes) for dot products
+// of unsigned bytes (the key codes) by signed bytes (vpdpbusd, vpmaddubsw): `hi` and `lo`
+// hold them per 16 channels, the 8 even channels then the 8 odd ones, so that for word w
+// of a key row (channels 8w .. 8w + 7, lowest nibble first) the words' low nibbles
+// (channels 8w + {0, 2, 4, 6}) meet the dword `quad(hi, w, 0)` and their high nibbles
+// (8w + {1, 3, 5, 7}) `quad(hi, w, 1)`.
 constexpr int kCodeMax = 32512;  // 127 * 256: hi stays within a signed byte
 struct QueryCodes {
   float dq = 0.0f;
   int32_t centre = 0;  // 8 * sum_d xq_d: the codes are taken centred, c - 8
   alignas(64) int16_t xq[kMaxDim];
-  alignas(64) uint32_t quads[kMaxDim / 8][4];  // even hi, odd hi, even lo, odd lo
+  alignas(64) int8_t hi[kMaxDim];  // x86: see above
+  alignas(64) int8_t lo[kMaxDim];
 };
 
-// xq's hi/lo bytes into `quads` (every path, the same integers).
+// The dword of `bytes` (QueryCodes::hi or lo) for word w's low (odd = 0) or high nibbles.
+inline int32_t quad(const int8_t* bytes, int w, int odd) {
+  int32_t q;
+  std::memcpy(&q, bytes + 16 * (w / 2) + 8 * odd + 4 * (w % 2), sizeof q);
+  return q;
+}
+
 inline int32_t centre_of(const QueryCodes& c, int dim) {
   int32_t sum = 0;
   for (int d = 0; d < dim; ++d) {
     sum += c.xq[d];
   }
   return 8 * sum;
-}
-
-inline void split_codes(QueryCodes& c, int dim) {
-  for (int w = 0; w < dim / 8; ++w) {
-    uint32_t q[4] = {0, 0, 0, 0};
-    for (int b = 0; b < 4; ++b) {
-      for (int odd = 0; odd < 2; ++odd) {
-        const int x = c.xq[8 * w + 2 * b + odd];
-        const int lo = static_cast<int8_t>(static_cast<uint8_t>(x & 0xFF));
-        const int hi = (x - lo) / 256;
-        q[odd] |= static_cast<uint32_t>(static_cast<uint8_t>(hi)) << (8 * b);
-        q[2 + odd] |= static_cast<uint32_t>(static_cast<uint8_t>(lo)) << (8 * b);
-      }
-    }
-    for (int i = 0; i < 4; ++i) {
-      c.quads[w][i] = q[i];
-    }
-  }
 }
 
 // dq from the query's largest magnitude `amax`; NaN where it is not finite (every score of
@@ -105,8 +96,7 @@ struct Portable : lanes::Portable {
     for (int d = 0; d < dim; ++d) {
       c.xq[d] = inv == 0.0f ? 0 : static_cast<int16_t>(std::nearbyint(fq[d] * inv));
     }
-    split_codes(c, dim);
-    c.centre = centre_of(c, dim);
+    c.centre = centre_of(c, dim);  // the portable dots take xq whole
   }
   // scores[r][j] = fma(float(dot), dq, score0[r]) for the 4-bit key rows j < rows (row j's
   // words / 8 words start at words + w_off[j]) and query r < count (its codes qc[r]).
@@ -330,23 +320,21 @@ struct Avx2 : lanes::Avx2 {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c.xq + d),
                        inv == 0.0f ? _mm_setzero_si128() : packed);
     }
-    // split_codes in lanes: lo = the sign-extended low byte, hi = (x - lo) / 256; the
-    // even channels' dwords to the low half, their lowest bytes gathered into one dword
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256i low_bytes =
-        _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
-                         -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    for (int w = 0; w < dim / 8; ++w) {
-      const __m256i x =
-          _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.xq + 8 * w)));
-      const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(x, 24), 24);
-      const __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(x, lo), 8);
-      const __m256i hb = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(hi, order), low_bytes);
-      const __m256i lb = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(lo, order), low_bytes);
-      c.quads[w][0] = static_cast<uint32_t>(_mm256_extract_epi32(hb, 0));
-      c.quads[w][1] = static_cast<uint32_t>(_mm256_extract_epi32(hb, 4));
-      c.quads[w][2] = static_cast<uint32_t>(_mm256_extract_epi32(lb, 0));
-      c.quads[w][3] = static_cast<uint32_t>(_mm256_extract_epi32(lb, 4));
+    // xq = 256 hi + lo: lo the sign-extended low byte, hi = (xq - lo) / 256, both packed to
+    // bytes (16 channels: hi's in the low lane, lo's in the high one) and each lane's even
+    // channels put before its odd ones
+    const __m256i evens_first =
+        _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                         12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int d = 0; d < dim; d += 16) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.xq + d));
+      const __m256i lo = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8);
+      const __m256i hi = _mm256_srai_epi16(_mm256_sub_epi16(x, lo), 8);
+      // packs: [hi 0-7, lo 0-7 | hi 8-15, lo 8-15] -> [hi 0-15 | lo 0-15]
+      const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(hi, lo), 0xD8);
+      const __m256i split = _mm256_shuffle_epi8(bytes, evens_first);
+      _mm_store_si128(reinterpret_cast<__m128i*>(c.hi + d), _mm256_castsi256_si128(split));
+      _mm_store_si128(reinterpret_cast<__m128i*>(c.lo + d), _mm256_extracti128_si256(split, 1));
     }
     c.centre = centre_of(c, dim);
   }
@@ -381,13 +369,13 @@ struct Avx2 : lanes::Avx2 {
       const __m256i even = _mm256_and_si256(x, nibbles);
       const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 4), nibbles);
       for (int r = 0; r < count; ++r) {
-        const uint32_t* q = qc[r]->quads[w];
+        const QueryCodes& q = *qc[r];
         const __m256i h =
-            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(static_cast<int>(q[0]))),
-                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(static_cast<int>(q[1]))));
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(quad(q.hi, w, 0))),
+                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(quad(q.hi, w, 1))));
         const __m256i l =
-            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(static_cast<int>(q[2]))),
-                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(static_cast<int>(q[3]))));
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_set1_epi32(quad(q.lo, w, 0))),
+                             _mm256_maddubs_epi16(odd, _mm256_set1_epi32(quad(q.lo, w, 1))));
         hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(h, ones));
         lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(l, ones));
       }
@@ -607,11 +595,11 @@ struct Avx512 : Avx2 {
       const __m512i even = _mm512_and_si512(x, nibbles);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibbles);
       for (int r = 0; r < count; ++r) {
-        const uint32_t* q = qc[r]->quads[w];
-        hi[r] = _mm512_dpbusd_epi32(hi[r], even, _mm512_set1_epi32(static_cast<int>(q[0])));
-        hi[r] = _mm512_dpbusd_epi32(hi[r], odd, _mm512_set1_epi32(static_cast<int>(q[1])));
-        lo[r] = _mm512_dpbusd_epi32(lo[r], even, _mm512_set1_epi32(static_cast<int>(q[2])));
-        lo[r] = _mm512_dpbusd_epi32(lo[r], odd, _mm512_set1_epi32(static_cast<int>(q[3])));
+        const QueryCodes& q = *qc[r];
+        hi[r] = _mm512_dpbusd_epi32(hi[r], even, _mm512_set1_epi32(quad(q.hi, w, 0)));
+        hi[r] = _mm512_dpbusd_epi32(hi[r], odd, _mm512_set1_epi32(quad(q.hi, w, 1)));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], even, _mm512_set1_epi32(quad(q.lo, w, 0)));
+        lo[r] = _mm512_dpbusd_epi32(lo[r], odd, _mm512_set1_epi32(quad(q.lo, w, 1)));
       }
     }
     for (int r = 0; r < count; ++r) {
