@@ -667,18 +667,73 @@ struct Neon : lanes::Neon {
   static void quantize_query(const float* fq, int dim, QueryCodes& c) {
     Portable::quantize_query(fq, dim, c);
   }
+  // Portable::key_scores: each row's 16 codes at a time widened to int16 in channel order
+  // and multiplied by the query's codes into int32 lanes (the same exact dot).
   template <int count>
   static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
                          const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
-    Portable::key_scores<count>(words, w_off, rows, dim, qc, score0, scores);
+    for (int j = 0; j < rows; ++j) {
+      const auto* row = reinterpret_cast<const uint8_t*>(words + w_off[j]);
+      int32x4_t acc[count];
+      for (int r = 0; r < count; ++r) {
+        acc[r] = vdupq_n_s32(0);
+      }
+      for (int d = 0; d < dim; d += 16) {
+        int16x8_t c0, c1;
+        codes16(row + d / 2, c0, c1);
+        for (int r = 0; r < count; ++r) {
+          const int16x8_t x0 = vld1q_s16(qc[r]->xq + d), x1 = vld1q_s16(qc[r]->xq + d + 8);
+          acc[r] = vmlal_s16(acc[r], vget_low_s16(c0), vget_low_s16(x0));
+          acc[r] = vmlal_high_s16(acc[r], c0, x0);
+          acc[r] = vmlal_s16(acc[r], vget_low_s16(c1), vget_low_s16(x1));
+          acc[r] = vmlal_high_s16(acc[r], c1, x1);
+        }
+      }
+      for (int r = 0; r < count; ++r) {
+        const int32_t dot = vaddvq_s32(acc[r]);
+        scores[r][j] = std::fma(static_cast<float>(dot - qc[r]->centre), qc[r]->dq, score0[r]);
+      }
+    }
+  }
+  // Codes 0-7 and 8-15 of the 8 bytes at `p` (low nibble first) as int16.
+  static void codes16(const uint8_t* p, int16x8_t& c0, int16x8_t& c1) {
+    const uint8x8_t packed = vld1_u8(p);
+    const uint8x8x2_t z = vzip_u8(vand_u8(packed, vdup_n_u8(0x0F)), vshr_n_u8(packed, 4));
+    c0 = vreinterpretq_s16_u16(vmovl_u8(z.val[0]));
+    c1 = vreinterpretq_s16_u16(vmovl_u8(z.val[1]));
   }
   static float quantize_weights(const float* w, int n, int16_t* wq) {
     return Portable::quantize_weights(w, n, wq);
   }
+  // Portable::value_dots: 16 channels a pass, each row's codes times its weight into
+  // int32 lanes (exact).
   template <int count>
   static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
                          const int16_t* const* wq, int32_t (*dots)[64]) {
-    Portable::value_dots<count>(words, w_off, word0, rows, wq, dots);
+    for (int part = 0; part < 4; ++part) {
+      int32x4_t acc[count][4];
+      for (int r = 0; r < count; ++r) {
+        for (int i = 0; i < 4; ++i) {
+          acc[r][i] = vdupq_n_s32(0);
+        }
+      }
+      for (int j = 0; j < rows; ++j) {
+        int16x8_t c0, c1;
+        codes16(reinterpret_cast<const uint8_t*>(words + w_off[j] + word0) + 8 * part, c0, c1);
+        for (int r = 0; r < count; ++r) {
+          const int16_t x = wq[r][j];
+          acc[r][0] = vmlal_n_s16(acc[r][0], vget_low_s16(c0), x);
+          acc[r][1] = vmlal_high_n_s16(acc[r][1], c0, x);
+          acc[r][2] = vmlal_n_s16(acc[r][2], vget_low_s16(c1), x);
+          acc[r][3] = vmlal_high_n_s16(acc[r][3], c1, x);
+        }
+      }
+      for (int r = 0; r < count; ++r) {
+        for (int i = 0; i < 4; ++i) {
+          vst1q_s32(dots[r] + 16 * part + 4 * i, acc[r][i]);
+        }
+      }
+    }
   }
   static V load_int(const int32_t* p) {
     return {vcvtq_f32_s32(vld1q_s32(p)), vcvtq_f32_s32(vld1q_s32(p + 4))};
