@@ -102,6 +102,23 @@ def test_a_row_gives_the_same_bits_alone_or_batched():
         assert mx.array_equal(together[b : b + 1], fused(q[b : b + 1], alone))
 
 
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (8, 4, 64), (4, 4, 32)])
+def test_a_nan_or_infinite_query_gives_nan_for_its_head_alone(fmt):
+    """Format 1 (float keys; 4-bit values in groups of 64 as integers, or of 32 as floats):
+    a NaN or an infinity in a query makes that query head's output NaN, as the reference
+    does, and leaves every other head's as it was."""
+    pool, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), [700, 90], queries=3)
+    clean = fused(q, paged)
+    bad = np.array(q)
+    bad[0, 1, 2, 7] = np.nan
+    bad[1, 3, 0, 0] = -np.inf
+    out = np.array(fused(mx.array(bad), paged))
+    hit = np.zeros(out.shape[:3], dtype=bool)
+    hit[0, 1, 2] = hit[1, 3, 0] = True
+    assert np.isnan(out[hit]).all()
+    np.testing.assert_array_equal(out[~hit], np.array(clean)[~hit])
+
+
 def test_float16_caches_take_the_reference_beside_the_fused_kernel():
     quant = KVQuant(16, 16, **V1)
     pool, _, q, paged = jagged_batch(quant, [300, 70], queries=2)

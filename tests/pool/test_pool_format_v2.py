@@ -101,6 +101,43 @@ def reference_attention(pool, tables, queries, scale):
 
 
 @pytest.mark.parametrize("count", [1, 5])
+def test_a_nan_or_infinite_query_gives_nan_for_its_head_alone_and_a_zero_query_its_average(count):
+    """The integer path (keys of whole channel groups, 4-bit values) scales each query by its
+    largest element: a NaN or an infinity in a query makes that query head's output NaN, as
+    float attention does, and nothing else; an all-zero query is the mean of what it sees."""
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec)
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 200])]
+    for t in tables:
+        t.grow(count, pool.arena.copy_rows)
+    rng = np.random.default_rng(11)
+    k_new, v_new = (
+        mx.array(rng.standard_normal((2, 2, count, 64)).astype(np.float32)) for _ in range(2)
+    )
+    q = rng.standard_normal((2, 4, count, 64)).astype(np.float32)
+    q[0, 1, -1, 5] = np.nan
+    q[1, 2, -1, 9] = np.inf
+    q[1, 0] = 0.0
+    cache = PagedStep(pool.arena, spec, tables, count).caches[0]
+    keys, values = cache.update_and_fetch(k_new, v_new)
+    out = cache.agentkv_attention(
+        mx.array(q), keys, values, scale=0.125, mask=None if count == 1 else "causal"
+    )
+    mx.eval(out)
+    pool.arena.settle()
+    for t in tables:
+        t.written(list(range(count)))
+    got = np.array(out)
+    bad = np.zeros(got.shape[:3], dtype=bool)
+    bad[0, 1, -1] = bad[1, 2, -1] = True
+    assert np.isnan(got[bad]).all()
+    assert np.isfinite(got[~bad]).all()
+    finite = np.where(np.isfinite(q), q, 0.0).astype(np.float32)
+    want = reference_attention(pool, tables, mx.array(finite), 0.125)
+    np.testing.assert_allclose(got[~bad], want[~bad], atol=FUSED_ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("count", [1, 5])
 def test_paged_attention_equals_attention_over_what_is_stored(count):
     spec = synthetic_spec(layers=1, heads=2)
     pool = pool_for(spec)
