@@ -86,13 +86,17 @@ inline float code_step(float amax, float& inv) {
 // The fused attention's own lane operations on top of lanes.h's: unpacking quantized words.
 struct Portable : lanes::Portable {
   // fq[0 .. dim) -> c (QueryCodes): round half to even, as the vector conversions do.
-  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+  // code_step of the largest magnitude of x[0 .. n) (NaN if one is NaN).
+  static float step_of(const float* x, int n, float& inv) {
     float amax = 0.0f;
-    for (int d = 0; d < dim; ++d) {
-      amax = std::isnan(fq[d]) ? fq[d] : std::max(amax, std::fabs(fq[d]));
+    for (int i = 0; i < n; ++i) {
+      amax = std::isnan(x[i]) ? x[i] : std::max(amax, std::fabs(x[i]));
     }
+    return code_step(amax, inv);
+  }
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
     float inv;
-    c.dq = code_step(amax, inv);
+    c.dq = step_of(fq, dim, inv);
     for (int d = 0; d < dim; ++d) {
       c.xq[d] = inv == 0.0f ? 0 : static_cast<int16_t>(std::nearbyint(fq[d] * inv));
     }
@@ -117,12 +121,8 @@ struct Portable : lanes::Portable {
   // A query's value weights w[0 .. n) -> int16 codes wq (zeros from n to kTile), returning
   // their step dw (w_j ~ dw * wq_j), as quantize_query.
   static float quantize_weights(const float* w, int n, int16_t* wq) {
-    float amax = 0.0f;
-    for (int j = 0; j < n; ++j) {
-      amax = std::isnan(w[j]) ? w[j] : std::max(amax, std::fabs(w[j]));
-    }
     float inv;
-    const float dw = code_step(amax, inv);
+    const float dw = step_of(w, n, inv);
     for (int j = 0; j < kTile; ++j) {
       wq[j] = j >= n || inv == 0.0f ? 0 : static_cast<int16_t>(std::nearbyint(w[j] * inv));
     }
@@ -293,25 +293,29 @@ struct Avx2 : lanes::Avx2 {
       }
     }
   }
-  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+  // code_step of the largest magnitude of x[0 .. n) (n a multiple of 8).
+  static float step_of(const float* x, int n, float& inv) {
     __m256 amax = _mm256_setzero_ps();
     __m256 bad = _mm256_setzero_ps();  // lanes that met a NaN or an infinity
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256 top = _mm256_set1_ps(std::numeric_limits<float>::max());
-    for (int d = 0; d < dim; d += 8) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(fq + d), abs_mask);
+    for (int i = 0; i < n; i += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, top, _CMP_NLE_UQ));
       amax = _mm256_max_ps(amax, a);
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, amax);
     float m = 0.0f;
-    for (float x : lanes) {
-      m = std::max(m, x);
+    for (float v : lanes) {
+      m = std::max(m, v);
     }
+    return code_step(_mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : m,
+                     inv);
+  }
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
     float inv;
-    c.dq =
-        code_step(_mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : m, inv);
+    c.dq = step_of(fq, dim, inv);
     const __m256 scale = _mm256_set1_ps(inv);
     for (int d = 0; d < dim; d += 8) {
       const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(fq + d), scale));
@@ -390,24 +394,8 @@ struct Avx2 : lanes::Avx2 {
   }
   static float quantize_weights(const float* w, int n, int16_t* wq) {
     const int padded = (n + 7) & ~7;  // w is zero from n to here (the softmax's padding)
-    __m256 amax = _mm256_setzero_ps();
-    __m256 bad = _mm256_setzero_ps();
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256 top = _mm256_set1_ps(std::numeric_limits<float>::max());
-    for (int j = 0; j < padded; j += 8) {
-      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(w + j), abs_mask);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, top, _CMP_NLE_UQ));
-      amax = _mm256_max_ps(amax, a);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, amax);
-    float m = 0.0f;
-    for (float x : lanes) {
-      m = std::max(m, x);
-    }
     float inv;
-    const float dw =
-        code_step(_mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : m, inv);
+    const float dw = step_of(w, padded, inv);
     const __m256 scale = _mm256_set1_ps(inv);
     int j = 0;
     for (; j < padded && inv != 0.0f; j += 8) {
