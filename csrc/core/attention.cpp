@@ -37,7 +37,7 @@ constexpr int kChunk = 512;
 // xq_d = round(fq_d / dq) in [-kCodeMax, kCodeMax]. The score of a key row with codes c is
 // fma(float(sum_d (c_d - 8) xq_d), dq, score0), the 8 s_d of the centred codes in score0
 // (its biases b_d + 8 s_d): centred, the codes' rounding errors largely cancel. The dot is
-// exact in int32 (64 channels * 15 * 32512 < 2^31), so every path gives the same bits.
+// exact in int32 (256 channels * 15 * 32512 < 2^31), so every path gives the same bits.
 // The x86 paths split each code as xq = 256 hi + lo (hi, lo signed bytes) for dot products
 // of unsigned bytes (the key codes) by signed bytes (vpdpbusd, vpmaddubsw): `hi` and `lo`
 // hold them per 16 channels, the 8 even channels then the 8 odd ones, so that for word w
@@ -85,7 +85,6 @@ inline float code_step(float amax, float& inv) {
 
 // The fused attention's own lane operations on top of lanes.h's: unpacking quantized words.
 struct Portable : lanes::Portable {
-  // fq[0 .. dim) -> c (QueryCodes): round half to even, as the vector conversions do.
   // code_step of the largest magnitude of x[0 .. n) (NaN if one is NaN).
   static float step_of(const float* x, int n, float& inv) {
     float amax = 0.0f;
@@ -94,6 +93,7 @@ struct Portable : lanes::Portable {
     }
     return code_step(amax, inv);
   }
+  // fq[0 .. dim) -> c (QueryCodes): round half to even, as the vector conversions do.
   static void quantize_query(const float* fq, int dim, QueryCodes& c) {
     float inv;
     c.dq = step_of(fq, dim, inv);
@@ -102,8 +102,8 @@ struct Portable : lanes::Portable {
     }
     c.centre = centre_of(c, dim);  // the portable dots take xq whole
   }
-  // scores[r][j] = fma(float(dot), dq, score0[r]) for the 4-bit key rows j < rows (row j's
-  // words / 8 words start at words + w_off[j]) and query r < count (its codes qc[r]).
+  // scores[r][j] = fma(float(dot - centre), dq, score0[r]) for the 4-bit key rows j < rows
+  // (row j's dim / 8 words start at words + w_off[j]) and query r < count (its codes qc[r]).
   template <int count>
   static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
                          const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
