@@ -847,7 +847,10 @@ const char* attention_implementation() {
 #if defined(__aarch64__)
   return portable_only() ? "portable" : "neon";
 #endif
-  return use_avx512() ? "avx512" : use_avx2() ? "avx2-fma-f16c" : "portable";
+  if (use_avx512()) {  // with VNNI the integer key and value dots take vpdpbusd / vpdpwssd
+    return cpu_has_avx512_vnni() ? "avx512-vnni" : "avx512";
+  }
+  return use_avx2() ? "avx2-fma-f16c" : "portable";
 }
 
 }  // namespace agentkv

@@ -79,7 +79,7 @@ struct AttentionArgs {
 
 void quantized_attention(const AttentionArgs& args);
 
-// "avx2-fma" or "generic".
+// "avx512-vnni", "avx512", "avx2-fma-f16c", "neon" or "portable": the lanes this CPU runs.
 const char* attention_implementation();
 
 }  // namespace agentkv

@@ -81,7 +81,13 @@ def test_doctor_reports_the_fast_blas_and_the_extension(python_env):
     kernels = info["kernels"]
     assert kernels["quantized_matmul"]["implementation"] == info["extension"]["qmm"]
     assert kernels["attention"]["path"] == "fused_cpu"  # this CPU runs the fused kernels
-    assert kernels["attention"]["implementation"] in ("avx512", "avx2-fma-f16c", "neon", "portable")
+    assert kernels["attention"]["implementation"] in (
+        "avx512-vnni",
+        "avx512",
+        "avx2-fma-f16c",
+        "neon",
+        "portable",
+    )
     assert kernels["quantized_matmul"]["weight_gbps"] > 0 and kernels["attention"]["kv_gbps"] > 0
     assert info["warnings"] == []
 
