@@ -608,22 +608,6 @@ struct Avx512 : Avx2 {
     const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(both, shifts), _mm512_set1_epi32(0xF));
     _mm512_storeu_ps(out, _mm512_cvtepi32_ps(codes));
   }
-  // 16 rows' 4-bit codes from their columns (`columns` of rows 0-7 and of rows 8-15) ->
-  // out[d * stride + j], j = 0..15: what `unpack` gives 8 rows at a time.
-  static void unpack_columns16(const uint32_t* first, const uint32_t* second, int words, float* out,
-                               int stride) {
-    const __m512i mask = _mm512_set1_epi32(0xF);
-    for (int w = 0; w < words; ++w) {
-      const __m512i both = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + w * 8))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + w * 8)), 1);
-      for (int e = 0; e < 8; ++e) {
-        const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(both, 4 * e), mask);
-        _mm512_storeu_ps(out + (w * 8 + e) * stride, _mm512_cvtepi32_ps(codes));
-      }
-    }
-  }
 };
 
 namespace avx512 {
