@@ -647,9 +647,11 @@ NB_MODULE(_ext, m) {
         "kernels/extract.metal on CPU, for many outputs at once.");
   m.def("quantized_matmul", &agentkv::ops::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
-        "x @ dequantize(w).T for MLX's affine 4/8-bit weights on CPU: int16 activations per 32, "
-        "integer dot products (AVX2 or portable), every output reduced in one fixed order "
-        "whatever the batch.");
+        "x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter "
+        "(pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer "
+        "dot products "
+        "(AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever "
+        "the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).");
   m.def("decoder_layer", &agentkv::ops::decoder_layer, "x"_a, "norms"_a, "eps"_a, "linears"_a,
         "bits"_a, "groups"_a, nb::kw_only(), "heads"_a, "kv_heads"_a, "attention_scale"_a,
         "rope_dims"_a, "rope_traditional"_a, "rope_base"_a, "rope_scale"_a, "rope_freqs"_a,

@@ -33,7 +33,7 @@ enum Input : int {
   kX = 0,
   kInputNorm,
   kPostNorm,
-  kWeights,                         // kLinears x (words, scales, biases)
+  kWeights,                         // kLinears x (packed codes, scales, biases)
   kKeys = kWeights + 3 * kLinears,  // the layer's arena: key words, scales, biases
   kValues = kKeys + 3,              // value words, scales, biases (written)
   kTail = kValues + 3,              // float16 keys of the groups still filling (written)
@@ -81,14 +81,14 @@ ScaleType scale_type(const mx::array& a) {
 QuantizedWeights weights(const LayerParams& p, const std::vector<mx::array>& in, int which) {
   const mx::array& w = in[kWeights + 3 * which];
   const int bits = p.bits[which];
-  return {w.data<uint32_t>(),
+  return {w.data<uint8_t>(),
           in[kWeights + 3 * which + 1].data<void>(),
           in[kWeights + 3 * which + 2].data<void>(),
           scale_type(in[kWeights + 3 * which + 1]),
           bits,
           p.groups[which],
-          w.shape(0),
-          static_cast<int64_t>(w.shape(1)) * 32 / bits};
+          static_cast<int64_t>(w.shape(0)) * agentkv::kPackColumns,
+          w.shape(1) / (2 * bits)};
 }
 
 // Linear i's bias [N] among the inputs, or null.
@@ -212,14 +212,14 @@ void predict_next(const LayerParams& p, const std::vector<mx::array>& in, const 
   }
   agentkv::rms_norm_rows(x.data(), in[p.predict_at].data<float>(), normed.data(), n, D, p.eps);
   const mx::array& w = in[p.predict_at + 1];
-  const QuantizedWeights weights = {w.data<uint32_t>(),
+  const QuantizedWeights weights = {w.data<uint8_t>(),
                                     in[p.predict_at + 2].data<void>(),
                                     in[p.predict_at + 3].data<void>(),
                                     scale_type(in[p.predict_at + 2]),
                                     p.predict_bits,
                                     p.predict_group,
-                                    w.shape(0),
-                                    static_cast<int64_t>(w.shape(1)) * 32 / p.predict_bits};
+                                    static_cast<int64_t>(w.shape(0)) * agentkv::kPackColumns,
+                                    w.shape(1) / (2 * p.predict_bits)};
   float* outs[1] = {q.data()};
   agentkv::quantized_matmuls(normed.data(), &weights, outs, 1, n);
   if (p.predict_bias_at >= 0) {
@@ -250,7 +250,7 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   const int64_t model_dim = x.shape(2), rows = static_cast<int64_t>(batch) * length;
   const int H = p.heads, Hkv = p.kv_heads;
   const int64_t hd = p.head_dim;
-  const int64_t hidden = in[kWeights + 3 * 4].shape(0);  // gate's outputs
+  const int64_t hidden = in[kWeights + 3 * 4].shape(0) * agentkv::kPackColumns;  // gate's outputs
   const int32_t* lengths = in[kLengths].data<int32_t>();
   float* y = out.data<float>();
 
@@ -438,7 +438,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
               groups.size() == kLinears,
-          "two norms and seven quantized linears (q, k, v, o, gate, up, down) as words, "
+          "two norms and seven quantized linears (q, k, v, o, gate, up, down) as packed codes, "
           "scales, biases");
   for (const auto& n : norms) {
     require(n.dtype() == mx::float32 && n.ndim() == 1 && n.shape(0) == dim,
@@ -447,19 +447,21 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   require(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "bad head counts");
   for (int i = 0; i < kLinears; ++i) {
     const mx::array& w = linears[3 * i];
-    require((bits[i] == 4 || bits[i] == 8) &&
-                (groups[i] == 32 || groups[i] == 64 || groups[i] == 128) &&
-                w.dtype() == mx::uint32 && w.ndim() == 2,
-            "linears are 4/8-bit uint32 words in groups of 32/64/128");
-    const mx::Shape scale_shape = {w.shape(0), w.shape(1) * 32 / bits[i] / groups[i]};
+    require(
+        (bits[i] == 4 || bits[i] == 8) &&
+            (groups[i] == 32 || groups[i] == 64 || groups[i] == 128) && w.dtype() == mx::uint8 &&
+            w.ndim() == 2 && w.shape(1) % (2 * bits[i] * groups[i]) == 0,
+        "linears are 4/8-bit codes packed by agentkv.mlx_adapter.pack_quantized, groups 32/64/128");
+    const mx::Shape scale_shape = {w.shape(0), w.shape(1) / (2 * bits[i] * groups[i]),
+                                   agentkv::kPackColumns};
     const mx::Dtype sdt = linears[3 * i + 1].dtype();
     require(linears[3 * i + 1].shape() == scale_shape &&
                 linears[3 * i + 2].shape() == scale_shape && linears[3 * i + 2].dtype() == sdt &&
                 (sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
-            "scales and biases must be float [N, K / group]");
+            "scales and biases must be float [N / 16, K / group, 16]");
   }
-  auto outputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(0)); };
-  auto inputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(1) * 32 / bits[i]); };
+  auto outputs = [&](int i) { return linears[3 * i].shape(0) * agentkv::kPackColumns; };
+  auto inputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(1) / (2 * bits[i])); };
   const int head_dim = outputs(0) / heads;
   const int hidden = outputs(4);
   require(outputs(0) == heads * head_dim && outputs(1) == kv_heads * head_dim &&
@@ -545,16 +547,17 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     const mx::array& w = *predict[1];
     require((predict_bits == 4 || predict_bits == 8) &&
                 (predict_group == 32 || predict_group == 64 || predict_group == 128) &&
-                dim % predict_group == 0 && w.dtype() == mx::uint32 && w.ndim() == 2 &&
-                w.shape(0) == heads * head_dim &&
-                static_cast<int64_t>(w.shape(1)) * 32 / predict_bits == dim,
-            "predict: q must be 4/8-bit words [heads * head dim, D] in groups of 32/64/128");
-    const mx::Shape scale_shape = {w.shape(0), dim / predict_group};
+                dim % predict_group == 0 && w.dtype() == mx::uint8 && w.ndim() == 2 &&
+                w.shape(0) * agentkv::kPackColumns == heads * head_dim &&
+                w.shape(1) == 2 * predict_bits * dim,
+            "predict: q must be packed 4/8-bit codes [heads * head dim / 16, D * 2 * bits] in "
+            "groups of 32/64/128");
+    const mx::Shape scale_shape = {w.shape(0), dim / predict_group, agentkv::kPackColumns};
     const mx::Dtype sdt = predict[2]->dtype();
     require(predict[2]->shape() == scale_shape && predict[3]->shape() == scale_shape &&
                 predict[3]->dtype() == sdt &&
                 (sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
-            "predict: q's scales and biases must be float [N, D / group]");
+            "predict: q's scales and biases must be float [N / 16, D / group, 16]");
     require(!predict[4] || (predict[4]->dtype() == mx::float32 &&
                             predict[4]->shape() == mx::Shape{heads * head_dim}),
             "predict: q's bias must be float32 [heads * head dim]");

@@ -260,7 +260,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const mx::array& x = inputs[0];
       const mx::array& w = inputs[1];
       const mx::Dtype dtype = inputs[2].dtype();
-      QuantizedWeights weights{w.data<uint32_t>(),
+      QuantizedWeights weights{w.data<uint8_t>(),
                                inputs[2].data<void>(),
                                inputs[3].data<void>(),
                                dtype == mx::float32   ? ScaleType::f32
@@ -268,7 +268,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                                                       : ScaleType::bf16,
                                bits,
                                group,
-                               w.shape(0),
+                               static_cast<int64_t>(w.shape(0)) * agentkv::kPackColumns,
                                x.shape(-1)};
       std::vector<float> gathered;
       agentkv::quantized_matmul(row_major(x, gathered), weights, out.data<float>(),
@@ -755,21 +755,24 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matmul takes groups of 32, 64 or 128, not " +
                                 std::to_string(group_size));
   }
-  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
-    throw std::invalid_argument("quantized_matmul: w must be uint32 [N, K * bits / 32]");
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % (2 * bits * group_size) != 0) {
+    throw std::invalid_argument(
+        "quantized_matmul: w must be packed codes, uint8 [N / 16, K * 2 * bits] "
+        "(agentkv.mlx_adapter.pack_quantized)");
   }
-  const int64_t N = w.shape(0);
-  const int64_t K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  const int64_t N = static_cast<int64_t>(w.shape(0)) * agentkv::kPackColumns;
+  const int64_t K = w.shape(1) / (2 * bits);
   if (x.ndim() < 1 || x.shape(-1) != K) {
     throw std::invalid_argument("quantized_matmul: x [..., K] does not match w's K = " +
                                 std::to_string(K));
   }
-  const mx::Shape groups = {static_cast<int>(N), static_cast<int>(K / group_size)};
+  const mx::Shape groups = {w.shape(0), static_cast<int>(K / group_size), agentkv::kPackColumns};
   const mx::Dtype sdt = scales.dtype();
   if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
       (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
     throw std::invalid_argument(
-        "quantized_matmul: scales and biases must be float32/float16/bfloat16 [N, K / group]");
+        "quantized_matmul: scales and biases must be float32/float16/bfloat16 "
+        "[N / 16, K / group, 16]");
   }
   if (!mx::issubdtype(x.dtype(), mx::floating)) {
     throw std::invalid_argument("quantized_matmul: x must be floating point");

@@ -21,11 +21,11 @@ namespace mx = mlx::core;
 mx::array invariant_linear(const mx::array& x, const mx::array& w,
                            const std::optional<mx::array>& bias);
 
-// x [..., K] @ W^T for W [N, K] in MLX's affine format (w: uint32 codes [N, K * bits / 32],
-// scales and biases [N, K / group_size]), as nn.QuantizedLinear stores it; bits 4 or 8,
-// groups of 32, 64 or 128, float32/float16/bfloat16 scales. Activations go int16 per 32 and
-// every output is reduced in one fixed order whatever the batch (see csrc/core/qmm.h).
-// Returns x's dtype. CPU only.
+// x [..., K] @ W^T for W [N, K] in MLX's affine format, packed (csrc/core/qmm.h: codes uint8
+// [N / 16, K * 2 * bits], scales and biases [N / 16, K / group_size, 16]); bits 4 or 8, groups
+// of 32, 64 or 128, float32/float16/bfloat16 scales. Activations go int16 per 32 and every
+// output is reduced in one fixed order whatever the batch. Returns [..., N] in x's dtype.
+// CPU only.
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 

@@ -1,25 +1,34 @@
-// Quantized matmul for MLX's affine weight format on CPU: y = x W^T, where W [N, K] is stored
-// as `bits`-bit codes q packed into uint32 words (element k of a row in word k * bits / 32,
-// lowest bits first) with a scale s and a bias b per group of `group` weights along K:
-// W[n, k] = s[n, k / group] * q[n, k] + b[n, k / group].
+// Quantized matmul on CPU for MLX's affine weights, repacked for it: y = x W^T, where
+// W [N, K] holds `bits`-bit codes q with a scale s and a bias b per group of `group` weights
+// along K: W[n, k] = s[n, k / group] * q[n, k] + b[n, k / group].
 //
-// Activations are quantized per block of 32 to int16 (d = max |x| / 32767, x ~ d * xq) with
-// each weight group's sum of the quantized x kept (xsum = sum_c d[c] * sum(xq[c])), so one
-// output element is
+// The packed layout (made from nn.QuantizedLinear's arrays at load, by pure array ops:
+// agentkv.mlx_adapter.pack_quantized) puts 16 output columns side by side, so one 512-bit
+// register's 32-bit lanes are 16 columns and one vpdpbusd multiplies 4 weights of each by 4 bytes
+// of x:
 //
-//   y[m, n] = sum_j ( s[n, j] * sum_c d[m, c] * idot(q[n, c], xq[m, c]) + b[n, j] * xsum[m, j] )
+//   codes  [N / 16, K / 32, 16 * 32 * bits / 8] uint8: for a block of 16 columns and 32 K,
+//          "quad" j (k = 4j .. 4j + 3 of the block) of all 16 columns is 64 bytes, byte
+//          4 n + t holding code(n, 4 j + t). 8 bits: quad j is bytes 64 j ...; 4 bits: quads
+//          2p and 2p + 1 share bytes 64 p ..., quad 2p in the low nibbles, 2p + 1 the high.
+//   scales, biases [N / 16, K / group, 16] (float32/float16/bfloat16, as stored).
+// N here is a multiple of 16 (the caller pads; padded columns come out as zeros).
 //
-// (c: the 32-blocks of group j; idot exact in int32). The bias enters once per group and
-// the products are integer dot products (AVX2: weights widened to int16, madd), as llama.cpp
-// does for Q4_1 x Q8_1 but with int16 codes: int8 activations (llama.cpp's) cost the
-// embedded model 3% of its top-1 tokens against float activations on the same weights
-// (perplexity +0.37%, 1,024 tokens), int16 codes cost it nothing measurable, at about the
-// same instruction count (two madds per block instead of maddubs + madd).
+// Activations are quantized per block of 32 to int16 codes (d = max |x| / 32512, x ~ d * xq)
+// kept as two signed bytes, xq = 256 hi + lo, so the integer dot of a block against a column
+// is exact in int32 (vpdpbusd: 8 K-quads for hi, 8 for lo). With each weight group's sum of
+// the quantized x kept (sum_j = sum_c d_c * sum(xq_c)), one output element is, in this
+// order, for every path and every M (batch invariance: a row's result never depends on the
+// other rows, the tile or the thread):
 //
-// Batch invariance: every y[m, n] is reduced in one fixed order (8 float lanes over the
-// blocks, the bias terms in 8 lanes by group, each set combined as gemm.h does), whatever
-// M, the tile or the thread; a row's result never depends on the other rows. The portable
-// path computes the same lanes in the same order, so it gives the same bits as AVX2.
+//   acc = 0;  for each group j:  part = dot_c0 * d_c0;  part = fma(dot_c, d_c, part) for the
+//                                group's other blocks c;  acc = fma(part, s_j, acc)
+//   bias = 0; for each group j:  bias = fma(b_j, sum_j, bias)
+//   y = acc + bias
+//
+// int8 activations (llama.cpp's Q8_1) cost the embedded model 3% of its top-1 tokens
+// against float activations on the same weights; 15-bit codes cost it nothing measurable.
+// The bias meets the quantized x, as the codes do, so the two terms' rounding cancels.
 #pragma once
 
 #include <cstdint>
@@ -28,26 +37,31 @@ namespace agentkv {
 
 enum class ScaleType { f32, f16, bf16 };
 
+constexpr int kPackColumns = 16;  // output columns of a packed block
+constexpr int kPackDepth = 32;    // K of a packed block (and of an activation block)
+
 struct QuantizedWeights {
-  const uint32_t* words;  // [N, K * bits / 32]
-  const void* scales;     // [N, K / group] of scale_type
-  const void* biases;     // [N, K / group] of scale_type
+  const uint8_t* codes;  // [N / 16, K / 32, 16 * 32 * bits / 8]
+  const void* scales;    // [N / 16, K / group, 16] of scale_type
+  const void* biases;    // [N / 16, K / group, 16] of scale_type
   ScaleType scale_type;
   int bits;   // 4 or 8
   int group;  // 32, 64 or 128
-  int64_t N, K;
+  int64_t N;  // a multiple of 16
+  int64_t K;  // a multiple of group
 };
 
-// x: [M, K] float32 row-major; y: [M, N] float32. K must be a multiple of `group`.
+// x: [M, K] float32 row-major; y: [M, N] float32.
 void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64_t M);
 
 // y_i = x W_i^T for `count` weight matrices of the same K (q, k and v; gate and up): x is
-// quantized once where their groups and bits allow it, and one thread-pool job list covers
-// every matrix's column blocks. Each y_i has the bits quantized_matmul(x, W_i) gives.
+// quantized once where their groups allow it, and one thread-pool job list covers every
+// matrix's columns. Each y_i has the bits quantized_matmul(x, W_i) gives.
 void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const* ys, int count,
                        int64_t M);
-// "avx512-vnni", "avx2" or "portable": which implementation this CPU runs (AGENTKV_QMM=avx2
-// or =portable caps it).
+
+// "avx512-vnni", "avx2", "neon" or "portable": which implementation this CPU runs
+// (AGENTKV_QMM=avx2 or =portable caps it).
 const char* qmm_implementation();
 
 }  // namespace agentkv

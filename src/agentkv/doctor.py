@@ -50,10 +50,14 @@ def measure_quantized_matmul(n: int = 4096, repeats: int = 5) -> dict:
     x = mx.random.normal((1, n))
     mx.eval(w, scales, biases, x)
     if mx.default_device() == mx.cpu:
+        from . import mlx_adapter
+
         name = _ext.build_info()["qmm"]
+        packed = mlx_adapter.pack_quantized(w, scales, biases, bits=4, group_size=32)
+        mx.eval(packed)
 
         def run():
-            mx.eval(_ext.quantized_matmul(x, w, scales, biases, 32, 4))
+            mx.eval(_ext.quantized_matmul(x, *packed, 32, 4))
 
     else:
         name = f"mx.quantized_matmul ({mx.default_device()})"

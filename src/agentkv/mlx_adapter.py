@@ -73,27 +73,110 @@ class InvariantTiedEmbedding(nn.Embedding):
         return _ext.invariant_linear(x, self.weight)
 
 
+PACK_COLUMNS = 16  # output columns side by side in agentkv's packed weights (csrc/core/qmm.h)
+
+
+def pack_quantized(
+    weight: mx.array, scales: mx.array, biases: mx.array, *, bits: int, group_size: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """MLX's affine weights (``nn.QuantizedLinear``'s uint32 ``weight`` [N, K * bits / 32],
+    ``scales`` and ``biases`` [N, K / group_size]) in the layout agentkv's CPU quantized matmul
+    reads (csrc/core/qmm.h): codes uint8 [N' / 16, K * 2 * bits] where each 32 K of 16
+    columns is 8 "quads" of 64 bytes (byte 4 n + t: column n's code at k = 4 j + t; at 4
+    bits quads 2p and 2p + 1 share bytes, low and high nibble), scales and biases
+    [N' / 16, K / group_size, 16]. N' is N rounded up to 16 (zero columns). Lossless: the
+    same codes, scales and biases, moved."""
+    n = weight.shape[0]
+    k = weight.shape[1] * 32 // bits
+    blocks, pad = (n + PACK_COLUMNS - 1) // PACK_COLUMNS, -n % PACK_COLUMNS
+    raw = mx.view(weight, mx.uint8)  # little-endian words: codes in K order, 2 or 1 a byte
+    codes = mx.stack([raw & 15, raw >> 4], axis=-1).reshape(n, k) if bits == 4 else raw
+    if pad:
+        codes = mx.pad(codes, [(0, pad), (0, 0)])
+    quads = codes.reshape(blocks, PACK_COLUMNS, k // 32, 8, 4)  # [nb, n, block, j, t]
+    if bits == 4:  # quad 2p in the low nibbles, 2p + 1 in the high ones
+        halves = quads.reshape(blocks, PACK_COLUMNS, k // 32, 4, 2, 4)
+        quads = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    packed = mx.contiguous(quads.transpose(0, 2, 3, 1, 4).reshape(blocks, -1))
+
+    def by_block(a: mx.array) -> mx.array:
+        a = mx.pad(a, [(0, pad), (0, 0)]) if pad else a
+        return mx.contiguous(a.reshape(blocks, PACK_COLUMNS, -1).transpose(0, 2, 1))
+
+    return packed, by_block(scales), by_block(biases)
+
+
+@functools.cache
+def _row_offsets(k: int, bits: int) -> mx.array:
+    """Byte offsets, within a packed block row, of column 0's codes in K order (4 bits: each
+    byte's two nibbles, quads 2p and 2p + 1)."""
+    quads = 4 if bits == 4 else 8
+    block = mx.arange(k // 32).reshape(-1, 1, 1) * (PACK_COLUMNS * 32 * bits // 8)
+    return (block + mx.arange(quads).reshape(1, -1, 1) * 64 + mx.arange(4)).reshape(-1)
+
+
+def packed_rows(
+    packed: tuple[mx.array, mx.array, mx.array], ids: mx.array, *, bits: int, group_size: int
+) -> mx.array:
+    """Rows ``ids`` of packed weights, dequantized to float32 (``scale * code + bias`` in
+    float32: a GGUF Q8_0/Q4_0/Q4_1 row exactly as llama.cpp dequantizes it)."""
+    codes, scales, biases = packed
+    width, groups = codes.shape[1], scales.shape[1]
+    k = width // (2 * bits)
+    flat = ids.reshape(-1).astype(mx.int32)
+    block, lane = flat // PACK_COLUMNS, flat % PACK_COLUMNS
+    at = (block * width + lane * 4)[:, None] + _row_offsets(k, bits)
+    raw = codes.reshape(-1)[at]  # [T, K * bits / 8]
+    if bits == 4:
+        raw = raw.reshape(raw.shape[0], -1, 4)  # [T, blocks * 4 (p), 4 (t)]
+        raw = mx.stack([raw & 15, raw >> 4], axis=-2)  # [T, blocks * 4, 2, 4]: K order
+    q = raw.reshape(-1, groups, k // groups).astype(mx.float32)
+    s, b = (a[block, :, lane].astype(mx.float32)[..., None] for a in (scales, biases))
+    return (q * s + b).reshape(*ids.shape, k)
+
+
 class CPUQuantizedLinear(nn.QuantizedLinear):
-    """A quantized linear layer on agentkv's CPU quantized matmul (same weights, in place)."""
+    """A quantized linear layer on agentkv's CPU quantized matmul, its weights packed for it
+    (``pack_quantized``; ``agentkv_outputs``: N before padding)."""
+
+    agentkv_outputs: int
 
     def __call__(self, x: mx.array) -> mx.array:
         out = _ext.quantized_matmul(
             x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
         )
+        if out.shape[-1] != self.agentkv_outputs:
+            out = out[..., : self.agentkv_outputs]
         return out + self["bias"] if "bias" in self else out
 
 
 class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A quantized embedding whose output projection (tied lm_head) is agentkv's kernel.
-    Its rows come out in float32 (the float16 values exactly), as every activation on CPU."""
+    """A quantized embedding on packed weights: its rows come out in float32
+    (``packed_rows``), its output projection (tied lm_head) is agentkv's kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return super().__call__(x).astype(mx.float32)
+        packed = (self["weight"], self["scales"], self["biases"])
+        return packed_rows(packed, x, bits=self.bits, group_size=self.group_size)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return _ext.quantized_matmul(
+        out = _ext.quantized_matmul(
             x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
         )
+        return out if out.shape[-1] == self.num_embeddings else out[..., : self.num_embeddings]
+
+
+def _pack_module(module: nn.Module) -> None:
+    """Replace a quantized module's MLX-layout arrays by packed ones (evaluated here, so the
+    originals are freed one module at a time)."""
+    n = module["weight"].shape[0]
+    packed = pack_quantized(
+        module["weight"], module["scales"], module["biases"],
+        bits=module.bits, group_size=module.group_size,
+    )  # fmt: skip
+    mx.eval(packed)
+    module["weight"], module["scales"], module["biases"] = packed
+    if isinstance(module, nn.QuantizedLinear):
+        module.agentkv_outputs = n
 
 
 class CPURMSNorm(nn.RMSNorm):
@@ -258,6 +341,7 @@ def _fused_layer(block) -> FusedLayer | None:
         return None
     if (
         any(type(m) is not CPUQuantizedLinear for m in linears)
+        or any(m.agentkv_outputs % PACK_COLUMNS for m in linears)
         or any(type(n) is not CPURMSNorm for n in norms)
         or norms[0].eps != norms[1].eps
         or type(rope) not in (CPURoPE, cpu_llama3)
@@ -319,7 +403,8 @@ CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 8), (32, 64, 128)
 
 def use_cpu_quantized_matmul(model: nn.Module) -> int:
     """Route a model's affine 4/8-bit layers (groups of 32/64/128) through agentkv's CPU
-    quantized matmul; the modules keep their weights. Others stay on ``mx.quantized_matmul``
+    quantized matmul, their weights packed for it in place (``pack_quantized``: the same
+    bytes, moved). Others stay on ``mx.quantized_matmul``
     (logged). Returns how many were switched."""
     import logging
 
@@ -338,6 +423,7 @@ def use_cpu_quantized_matmul(model: nn.Module) -> int:
             and module.group_size in CPU_QMM_GROUPS
         )
         if fits:
+            _pack_module(module)
             module.__class__ = ours
             switched += 1
         else:

@@ -1,7 +1,9 @@
-"""agentkv's CPU quantized matmul (csrc/core/qmm.h) for MLX's affine weights, against
-``mx.dequantize`` + matmul: every bit width, group and scale dtype it takes, odd sizes, few and
-many rows; a row gives the same bits alone or batched; AVX2 and the portable path agree bit
-for bit; NaN/Inf propagate; bad input is refused with a message."""
+"""agentkv's CPU quantized matmul (csrc/core/qmm.h) for MLX's affine weights packed for it
+(``mlx_adapter.pack_quantized``), against ``mx.dequantize`` + matmul: every bit width, group and
+scale dtype it takes, odd sizes (padded to 16 columns), few and many rows; a row gives the same
+bits alone or batched; AVX-512 VNNI, AVX2 and the portable path agree bit for bit; NaN/Inf
+propagate; bad input is refused with a message. The packing is lossless, and packed rows
+dequantize as MLX does."""
 
 import os
 import subprocess
@@ -11,21 +13,37 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from agentkv import _ext
+from agentkv import _ext, mlx_adapter
 
 SCALES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def weights(n, k, bits, group, scale_dtype, seed=0):
+def mlx_weights(n, k, bits, group, scale_dtype, seed=0):
+    """MLX's affine layout, as nn.QuantizedLinear stores it."""
     rng = np.random.default_rng(seed)
     w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
     return q, s.astype(SCALES[scale_dtype]), b.astype(SCALES[scale_dtype])
 
 
-def reference(x, q, s, b, group, bits):
+def weights(n, k, bits, group, scale_dtype, seed=0):
+    """Packed for agentkv's kernel."""
+    q, s, b = mlx_weights(n, k, bits, group, scale_dtype, seed)
+    return mlx_adapter.pack_quantized(q, s, b, bits=bits, group_size=group)
+
+
+def reference(x, n, k, bits, group, scale_dtype, seed=0):
+    q, s, b = mlx_weights(n, k, bits, group, scale_dtype, seed)
     w = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits)
     return np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
+
+
+def matmul(x, packed, group, bits, n):
+    """The kernel's output, its padded columns checked (zeros) and cut."""
+    out = np.array(_ext.quantized_matmul(x, *packed, group, bits))
+    assert out.shape[-1] == -(-n // 16) * 16
+    assert not out[..., n:].any()
+    return out[..., :n]
 
 
 def rows(m, k, seed=1, outliers=True):
@@ -41,57 +59,62 @@ def rows(m, k, seed=1, outliers=True):
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
 def test_it_matches_dequantize_and_matmul(bits, group, scale_dtype):
     n, k = 77, group * 3
-    q, s, b = weights(n, k, bits, group, scale_dtype)
-    for m in (1, 3, 17):
+    packed = weights(n, k, bits, group, scale_dtype)
+    for m in (1, 3, 8, 9, 17):
         x = rows(m, k, seed=m)
-        ours = np.array(_ext.quantized_matmul(x, q, s, b, group, bits))
-        want = reference(x, q, s, b, group, bits)
+        ours = matmul(x, packed, group, bits, n)
+        want = reference(x, n, k, bits, group, scale_dtype)
         assert ours.shape == (m, n) and ours.dtype == np.float32
         # int16 codes per 32 values: ~1e-5 of the output's scale
         np.testing.assert_allclose(ours, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
 def test_many_rows_and_leading_dimensions():
-    q, s, b = weights(130, 576, 4, 32, "float16", seed=3)
+    packed = weights(130, 576, 4, 32, "float16", seed=3)
     x = mx.reshape(rows(2 * 157, 576, seed=4), (2, 157, 576))
-    ours = np.array(_ext.quantized_matmul(x, q, s, b, 32, 4))
-    want = reference(x.reshape(-1, 576), q, s, b, 32, 4).reshape(2, 157, 130)
+    ours = matmul(x, packed, 32, 4, 130)
+    want = reference(x.reshape(-1, 576), 130, 576, 4, 32, "float16", seed=3).reshape(2, 157, 130)
     np.testing.assert_allclose(ours, want, rtol=0, atol=2e-4 * np.abs(want).max())
 
 
 def test_float16_inputs_come_back_float16():
-    q, s, b = weights(40, 64, 4, 64, "float16")
+    packed = weights(48, 64, 4, 64, "float16")
     x = rows(2, 64).astype(mx.float16)
-    out = _ext.quantized_matmul(x, q, s, b, 64, 4)
+    out = _ext.quantized_matmul(x, *packed, 64, 4)
     assert out.dtype == mx.float16
-    want = reference(x.astype(mx.float32), q, s, b, 64, 4)
+    want = reference(x.astype(mx.float32), 48, 64, 4, 64, "float16")
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_gives_the_same_bits_alone_or_batched(bits):
-    q, s, b = weights(300, 256, bits, 64, "float16", seed=5)
+    packed = weights(300, 256, bits, 64, "float16", seed=5)
     x = rows(37, 256, seed=6)
-    together = _ext.quantized_matmul(x, q, s, b, 64, bits)
+    together = _ext.quantized_matmul(x, *packed, 64, bits)
     for i in (0, 5, 36):
-        alone = _ext.quantized_matmul(x[i : i + 1], q, s, b, 64, bits)
+        alone = _ext.quantized_matmul(x[i : i + 1], *packed, 64, bits)
         assert mx.array_equal(alone, together[i : i + 1])
-    pair = _ext.quantized_matmul(x[3:5], q, s, b, 64, bits)
-    assert mx.array_equal(pair, together[3:5])
+    for start, count in ((3, 2), (8, 4), (16, 9)):  # tiles of 2, 4, and 8 + 1 rows
+        part = _ext.quantized_matmul(x[start : start + count], *packed, 64, bits)
+        assert mx.array_equal(part, together[start : start + count])
 
 
 PORTABLE_CHECK = """
 import sys, numpy as np, mlx.core as mx
 import agentkv
-from agentkv import _ext
+from agentkv import _ext, mlx_adapter
 rng = np.random.default_rng(9)
 out = []
-for bits, group, dt in ((4, 32, mx.float16), (8, 64, mx.bfloat16), (4, 128, mx.float32)):
-    w = mx.array(rng.standard_normal((45, 640)).astype(np.float32))  # 20 groups of 32: 16 + 4
+for bits, group, dt in (
+    (4, 32, mx.float16), (8, 32, mx.float16), (8, 64, mx.bfloat16), (4, 128, mx.float32)
+):
+    w = mx.array(rng.standard_normal((45, 640)).astype(np.float32))  # 3 blocks of 16 columns
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
-    for m in (1, 2, 3, 6, 13):  # every tile: 1 x 4 weight rows, 2 x 2, 4 x 1 (VNNI: 2, 3, 4, 8 x 4)
-        x = mx.array(rng.standard_normal((m, 640)).astype(np.float32))
-        out.append(np.array(_ext.quantized_matmul(x, q, s.astype(dt), b.astype(dt), group, bits)))
+    packed = mlx_adapter.pack_quantized(q, s.astype(dt), b.astype(dt), bits=bits, group_size=group)
+    for m in (1, 2, 3, 5, 8, 13):  # tiles of 1-8 rows (AVX2: up to 4)
+        x = rng.standard_normal((m, 640)).astype(np.float32)
+        x[:, 7] *= 50  # an outlier channel
+        out.append(np.array(_ext.quantized_matmul(mx.array(x), *packed, group, bits)))
 np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
 print(_ext.build_info()["qmm"])
 """
@@ -120,13 +143,13 @@ def test_the_portable_path_gives_the_same_bits_as_the_vector_path(tmp_path):
 
 
 def test_nan_and_inf_propagate_to_their_row_only():
-    q, s, b = weights(20, 64, 4, 32, "float16")
+    packed = weights(32, 64, 4, 32, "float16")
     x = np.array(rows(3, 64, outliers=False))
     x[0, 10] = np.nan
     x[1, 40] = np.inf
-    out = np.array(_ext.quantized_matmul(mx.array(x), q, s, b, 32, 4))
+    out = np.array(_ext.quantized_matmul(mx.array(x), *packed, 32, 4))
     assert np.isnan(out[0]).all() and not np.isfinite(out[1]).any()
-    clean = np.array(_ext.quantized_matmul(mx.array(x[2:]), q, s, b, 32, 4))
+    clean = np.array(_ext.quantized_matmul(mx.array(x[2:]), *packed, 32, 4))
     np.testing.assert_array_equal(out[2:], clean)
     assert np.isfinite(clean).all()
 
@@ -138,15 +161,38 @@ def test_nan_and_inf_propagate_to_their_row_only():
         ({"group": 16}, "groups of 32, 64 or 128"),
         ({"x": mx.zeros((2, 63))}, "does not match"),
         ({"x": mx.zeros((2, 64), mx.int32)}, "floating point"),
-        ({"scales": mx.zeros((20, 3), mx.float16)}, "scales and biases"),
-        ({"w": mx.zeros((20, 8), mx.float32)}, "uint32"),
+        ({"scales": mx.zeros((2, 3, 16), mx.float16)}, "scales and biases"),
+        ({"scales": mx.zeros((2, 2, 16), mx.float32)}, "scales and biases"),
+        ({"w": mx.zeros((2, 512), mx.float32)}, "packed codes"),
+        ({"w": mx.zeros((32, 8), mx.uint32)}, "packed codes"),  # MLX's own layout
     ],
 )
 def test_bad_input_is_refused_with_a_message(change, message):
-    q, s, b = weights(20, 64, 4, 32, "float16")
+    q, s, b = weights(32, 64, 4, 32, "float16")
     args = {"x": rows(2, 64), "w": q, "scales": s, "biases": b, "group": 32, "bits": 4}
     args.update(change)
     with pytest.raises(ValueError, match=message):
         _ext.quantized_matmul(
             args["x"], args["w"], args["scales"], args["biases"], args["group"], args["bits"]
         )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_packing_is_lossless_and_packed_rows_dequantize_as_mlx(bits, group):
+    n, k = 77, 256
+    q, s, b = mlx_weights(n, k, bits, group, "float32", seed=11)
+    codes, ps, pb = mlx_adapter.pack_quantized(q, s, b, bits=bits, group_size=group)
+    assert codes.dtype == mx.uint8 and codes.shape == (5, k * 2 * bits)
+    assert ps.shape == pb.shape == (5, k // group, 16)
+    # the scales and biases, moved (zeros for the 3 padded columns)
+    for ours, theirs in ((ps, s), (pb, b)):
+        flat = np.array(ours).transpose(0, 2, 1).reshape(80, -1)
+        np.testing.assert_array_equal(flat[:n], theirs)
+        assert not flat[n:].any()
+    # and the codes: every row comes back as MLX dequantizes it (float32 scales: exactly)
+    ids = mx.array([[0, 15, 16], [76, 31, 40]])
+    ours = np.array(mlx_adapter.packed_rows((codes, ps, pb), ids, bits=bits, group_size=group))
+    want = np.array(mx.dequantize(q, s, b, group_size=group, bits=bits))[np.array(ids)]
+    assert ours.shape == (2, 3, k) and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, want)

@@ -48,21 +48,17 @@ def test_a_quantized_model_runs_its_layers_on_agentkv_s_kernel(quantized):
     assert norm.dtype == mx.float32
     head = quantized.model.model.embed_tokens
     assert head.bits == 8 and head.scales.dtype == mx.float16  # read as stored
+    assert head.weight.dtype == mx.uint8  # packed for the kernel (mlx_adapter.pack_quantized)
 
 
 def test_its_logits_match_float_activations_on_the_same_weights(quantized):
     tok = quantized.tokenizer
     ids = mx.array([tok.encode("The capital of France is Paris, and the capital of Italy is")])
     ours = quantized.model(ids)[0, -1]
-    for _, m in quantized.model.named_modules():  # the same weights through MLX's own kernel
-        if type(m) is mlx_adapter.CPUQuantizedLinear:
-            m.__class__ = nn.QuantizedLinear
-        elif type(m) is mlx_adapter.CPUQuantizedEmbedding:
-            m.__class__ = nn.QuantizedEmbedding
-    try:
-        theirs = quantized.model(ids)[0, -1]
-    finally:
-        mlx_adapter.use_cpu_quantized_matmul(quantized.model)
+    raw, _ = mlx_adapter.load(str(quantized.path))  # the same weights through MLX's own kernel
+    mlx_adapter.float32_activations(raw)
+    assert {type(m) for _, m in raw.named_modules()} >= {nn.QuantizedLinear, nn.QuantizedEmbedding}
+    theirs = raw(ids)[0, -1]
     assert int(mx.argmax(ours)) == int(mx.argmax(theirs))
     np.testing.assert_allclose(
         np.array(ours), np.array(theirs), atol=5e-3 * float(mx.abs(theirs).max())

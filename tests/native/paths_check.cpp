@@ -49,16 +49,25 @@ void emit(const std::vector<float>& v) {
   std::fwrite(v.data(), sizeof(float), v.size(), stdout);
 }
 
+// Packed weights (csrc/core/qmm.h) are any bytes: random codes, float16 scales and biases.
+std::vector<uint8_t> bytes(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (auto& x : v) {
+    x = static_cast<uint8_t>(rng());
+  }
+  return v;
+}
+
 void matmuls() {
   for (int bits : {4, 8}) {
     for (int group : {32, 64, 128}) {
-      const int64_t N = 37, K = 640;
-      const auto w = words(N * K * bits / 32);
+      const int64_t N = 48, K = 640;
+      const auto w = bytes(N * K * bits / 8);
       const auto s = halves(N * K / group, 0.05f);
       const auto b = halves(N * K / group, 0.05f);
       agentkv::QuantizedWeights q{w.data(), s.data(), b.data(), agentkv::ScaleType::f16,
                                   bits,     group,    N,        K};
-      for (int64_t M : {1, 2, 3, 6, 13}) {
+      for (int64_t M : {1, 2, 3, 6, 9, 13}) {
         auto x = normal(M * K);
         x[3] = 40.0f;  // an outlier in one block
         std::vector<float> y(M * N);

@@ -36,7 +36,10 @@ EMBEDDED_NAME = embedded.NAME
 Weights = Literal["quantized", "float32"]
 WEIGHTS: tuple[Weights, ...] = ("quantized", "float32")
 # Appended to the weights' identity when agentkv's CPU kernel runs them: its int16
-# activations give other bits than a float matmul, so its caches are kept apart.
+# activations give other bits than a float matmul, so its caches are kept apart. It names
+# the kind of kernel, not its version: the packed kernel (session P) rounds differently
+# from the one before it only at the int16 codes' level (~1e-5 of an output), so caches,
+# calibrations and KVSwap projections made before stay good.
 CPU_QMM_ID = ":cpu-qmm"
 log = logging.getLogger("agentkv.model")
 
