@@ -2,7 +2,13 @@
 resumes exactly where a hot agent stands (the float16 tail of the filling channel group is
 saved in the manifest), and agents stored in format 1 convert once."""
 
+import json
+import struct
+
 import pytest
+
+from agentkv.errors import CacheFormatError
+from agentkv.store.format import MANIFEST_NAME, encode_manifest
 
 # The embedded model's default format: 8-bit keys in its two wide layers (the shipped
 # calibration; test_wide_layers.py measures it again).
@@ -70,3 +76,44 @@ def test_format_1_agents_convert_once_and_format_2_ones_are_never_misread(fresh_
     back = fresh_engine(cache_dir=tmp_path / "kv", kv_format=1).chat("conv", history, max_tokens=2)
     assert back.stats.cache == "warm"
     assert f"converted from the stored {DEFAULT} KV format to q4" in back.stats.reuse_note
+
+
+@pytest.mark.slow
+def test_a_restart_cut_back_into_the_last_complete_group_matches_hot(fresh_engine, tmp_path):
+    """An edited last message cuts the stored state back into its last complete channel
+    group: in memory its keys come back exactly (the slot's float16 copy of that group), and
+    after a restart too (the manifest keeps that copy, ``prev``), so warm == hot."""
+    system = {"role": "system", "content": " ".join(["Answer briefly and plainly."] * 54)}
+    rivers = " ".join(f"River {i} flows north." for i in range(6))
+    asked = [system, {"role": "user", "content": f"Of these, which is longest? {rivers}"}]
+    edited = [system, {"role": "user", "content": f"Of these, which is shortest? {rivers}"}]
+    hot = fresh_engine(cache_dir=tmp_path / "hot", kv_format=2)
+    first = hot.chat("v2", asked, max_tokens=12)
+    stored = first.stats.prompt_tokens + first.stats.generated_tokens - 1
+    second_hot = hot.chat("v2", edited, max_tokens=12)
+    cut = second_hot.stats.reused_tokens
+    assert stored // 64 * 64 - 64 < cut < stored // 64 * 64  # inside the last complete group
+
+    before = fresh_engine(cache_dir=tmp_path / "warm", kv_format=2)
+    assert before.chat("v2", asked, max_tokens=12).text == first.text
+    before.close()
+    after = fresh_engine(cache_dir=tmp_path / "warm", kv_format=2)
+    manifest, _ = after.store.read_manifest("v2")
+    assert manifest.prev is not None and manifest.prev.shape[2] == 64
+    second_warm = after.chat("v2", edited, max_tokens=12)
+    assert second_warm.stats.cache == "warm" and second_warm.stats.reused_tokens == cut
+    assert second_warm.tokens == second_hot.tokens
+    # A damaged copy is refused by its checksum (the state goes to quarantine: cold, not wrong)
+    after.close()  # its last save written
+    manifest, _ = after.store.read_manifest("v2")
+    path = after.store.agent_dir("v2") / MANIFEST_NAME
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    begin, _ = json.loads(data[8 : 8 + length])["prev"]["data_offsets"]
+    data[8 + length + begin + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError, match="prev checksum"):
+        after.store.read_manifest("v2")
+    manifest.prev = manifest.prev[:, :, :10]
+    with pytest.raises(ValueError, match="last channel group's keys"):
+        encode_manifest(manifest)

@@ -431,6 +431,11 @@ class Resumer:
         table.seal_full()
         if manifest.tail is not None:  # KV format 2: the keys of the group still filling
             self.pool.arena.write_tail(table.take_tail(), manifest.tail)
+            if manifest.prev is not None:  # and the last full group's, as computed
+                self.pool.arena.write_prev(table.tail, manifest.prev)
+                table.prev_group = (manifest.token_count // manifest.quant.channel_tokens - 1) * (
+                    manifest.quant.channel_tokens
+                )
         table.trim(reuse)
         state.tokens = manifest.tokens[:reuse].tolist()
         state.spans = plan.own_spans

@@ -240,14 +240,15 @@ class KVArena:
             self.tails[layer][put] = keys[:, :count].reshape(-1, keys.shape[-1]).astype(mx.float16)
         self.settle()
 
-    def _slot_views(self, slot: int) -> list[np.ndarray]:
-        """Each layer's rows of a tail slot as a writable NumPy view [heads, ct, key_dim] of
-        the evaluated tails (between steps: no MLX op, no copy)."""
-        mx.eval(self.tails)
+    def _slot_views(self, slot: int, arrays: list[mx.array] | None = None) -> list[np.ndarray]:
+        """Each layer's rows of a tail slot (or of ``arrays``: the prevs) as a writable NumPy
+        view [heads, ct, key_dim] of the evaluated arrays (between steps: no MLX op, no
+        copy)."""
+        arrays = self.tails if arrays is None else arrays
+        mx.eval(arrays)
         first, last = slot * self.heads * self.ct, (slot + 1) * self.heads * self.ct
         return [
-            np.asarray(memoryview(t))[first:last].reshape(self.heads, self.ct, -1)
-            for t in self.tails
+            np.asarray(memoryview(t))[first:last].reshape(self.heads, self.ct, -1) for t in arrays
         ]
 
     def read_tail(self, slot: int, count: int) -> np.ndarray:
@@ -259,6 +260,15 @@ class KVArena:
         if keys.shape[2]:
             for view, layer_keys in zip(self._slot_views(slot), keys):
                 view[:, : keys.shape[2]] = layer_keys
+
+    def read_prev(self, slot: int) -> np.ndarray:
+        """A slot's previous-group rows: float16 [layers, heads, ct, key_dim] (a copy)."""
+        return np.stack(self._slot_views(slot, self.prevs))
+
+    def write_prev(self, slot: int, keys: np.ndarray) -> None:
+        """Set a slot's previous-group rows from ``read_prev``'s layout (in place)."""
+        for view, layer_keys in zip(self._slot_views(slot, self.prevs), keys):
+            view[:] = layer_keys
 
     @property
     def block_bytes(self) -> int:

@@ -116,15 +116,16 @@ class SaveJob:
     # queued behind one that failed must not build on blocks that were never replaced.
     kept_hashes: tuple[str | None, ...] = ()
     tail: np.ndarray | None = None  # KV format 2: the keys of the channel group still filling
+    prev: np.ndarray | None = None  # and those of the last completed one, where still held
     # The block files' lock a KVSwap agent took when it wrote block files no manifest names
     # yet (``SharedBlocks.hold``): the writer releases it once this job is done.
     hold: object | None = None
 
     @property
     def nbytes(self) -> int:
-        tail = 0 if self.tail is None else self.tail.nbytes
+        keys = sum(0 if a is None else a.nbytes for a in (self.tail, self.prev))
         return int(
-            self.packed.nbytes + self.tokens.nbytes + self.spans.nbytes + len(self.text) + tail
+            self.packed.nbytes + self.tokens.nbytes + self.spans.nbytes + len(self.text) + keys
         )
 
 
@@ -495,6 +496,7 @@ class AgentStore:
             updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             chain_seed=job.chain_seed.hex(),
             tail=job.tail,
+            prev=job.prev,
         )
         data = encode_manifest(manifest)
         atomic_write_bytes(self.manifest_path(job.agent_id), data, label="manifest")
@@ -653,11 +655,14 @@ def build_save_job(
     records = [None] * len(slots)
     for i, record in zip(resident, packed_records):
         records[i] = record
-    tail = None
+    tail = prev = None
     if arena.ct:
         if len(tokens) != table.length:
             raise ValueError("a save of per-channel keys needs the table's every token")
         tail = arena.read_tail(table.tail, table.length % arena.ct) if table.length else None
+        last_group = (table.length // arena.ct - 1) * arena.ct
+        if last_group >= 0 and table.prev_group == last_group:
+            prev = arena.read_prev(table.tail)
     regions = []
     for i, (slot, packed_record) in enumerate(zip(slots, records)):
         if slot < 0:
@@ -698,6 +703,7 @@ def build_save_job(
             for i, b in enumerate(table.blocks[:keep])
         ),
         tail,
+        prev,
     )
 
 

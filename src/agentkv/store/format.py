@@ -23,14 +23,17 @@ modified, so a reader's mmap never sees a change.
 The *manifest* holds the agent's token ids (int32 [n]), each token's byte span in the text
 (int32 [n, 2]), the text (uint8), in KV format 2 the float16 keys of the channel group
 still filling (``tail`` [layers, heads, n % channel_tokens, key_dim]: they are not in any
-block until the group completes) and a JSON record: store version, model fingerprint and
-cache geometry, quantization, the chain seed of its block hashes, token count, generation,
-files (name, size, header CRC-32C) and blocks (file, offset, length, checksum, tokens,
-hash), CRC-32Cs of the arrays and of the record itself. A save writes and fsyncs its new
-block files and segment, then atomically replaces the manifest: a crash leaves the old
-state or the new one, never a mix. Store-version-1 manifests (every block in the agent's own
-segments, no hashes) and store-version-2 manifests (block files in planes) are still read;
-``store/migrate.py`` moves a store's block files to version 3.
+block until the group completes), optionally the float16 keys of the last completed group as
+they were computed (``prev`` [layers, heads, channel_tokens, key_dim]: a later turn that cuts
+back into that group restores them exactly, as the engine does in memory) and a JSON
+record: store version, model fingerprint and cache geometry, quantization, the chain seed
+of its block hashes, token count, generation, files (name, size, header CRC-32C) and blocks
+(file, offset, length, checksum, tokens, hash), CRC-32Cs of the arrays and of the record
+itself. A save writes and fsyncs its new block files and segment, then atomically replaces
+the manifest: a crash leaves the old state or the new one, never a mix. Store-version-1
+manifests (every block in the agent's own segments, no hashes) and store-version-2
+manifests (block files in planes) are still read; ``store/migrate.py`` moves a store's
+block files to version 3.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class Manifest:
     store_version: int = STORE_VERSION
     extra: dict = field(default_factory=dict)
     tail: np.ndarray | None = None  # float16 [layers, heads, n % ct, key_dim]: KV format 2
+    prev: np.ndarray | None = None  # float16 [layers, heads, ct, key_dim]: the last full group
 
     def tail_shape(self) -> tuple[int, ...] | None:
         """The shape ``tail`` must have (None: this KV format keeps no tail)."""
@@ -142,6 +146,13 @@ class Manifest:
         g = self.geometry
         rows = self.token_count % self.quant.channel_tokens
         return (int(g["num_layers"]), int(g["kv_heads"]), rows, int(g["key_head_dim"]))
+
+    def prev_shape(self) -> tuple[int, ...] | None:
+        """The shape ``prev`` has where it may be kept (None: no completed channel group)."""
+        shape = self.tail_shape()
+        if shape is None or self.token_count < self.quant.channel_tokens:
+            return None
+        return (*shape[:2], self.quant.channel_tokens, shape[3])
 
     @property
     def token_count(self) -> int:
@@ -204,6 +215,11 @@ def encode_manifest(m: Manifest) -> bytes:
             raise ValueError(f"a manifest in KV format 2 needs its float16 tail {m.tail_shape()}")
         arrays["tail"] = np.ascontiguousarray(m.tail)
         record["checksums"]["tail"] = _crc(arrays["tail"])
+    if m.prev is not None:
+        if m.prev.shape != m.prev_shape() or m.prev.dtype != np.float16:
+            raise ValueError(f"the last channel group's keys must be float16 {m.prev_shape()}")
+        arrays["prev"] = np.ascontiguousarray(m.prev)
+        record["checksums"]["prev"] = _crc(arrays["prev"])
     text_record = json.dumps(record, separators=(",", ":"))
     metadata = {
         "format": MANIFEST_KIND,
@@ -249,6 +265,16 @@ def decode_manifest(data: bytes, path) -> Manifest:
         )
         _require(record["checksums"].get("tail") == _crc(tail), path, "tail checksum mismatch")
         manifest.tail = tail
+    prev = arrays.get("prev")
+    if prev is not None:
+        shape = manifest.prev_shape()
+        _require(
+            prev.dtype == np.float16 and prev.shape == shape,
+            path,
+            f"the last channel group's keys must be float16 {shape}",
+        )
+        _require(record["checksums"].get("prev") == _crc(prev), path, "prev checksum mismatch")
+        manifest.prev = prev
     return manifest
 
 
