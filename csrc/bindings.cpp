@@ -645,6 +645,11 @@ NB_MODULE(_ext, m) {
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,
         "kernels/extract.metal on CPU, for many outputs at once.");
+  m.def("pack_quantized", &agentkv::ops::pack_quantized, "w"_a, "scales"_a, "biases"_a,
+        "group_size"_a, "bits"_a,
+        "MLX's affine weights (uint32 [N, K * bits / 32], scales and biases [N, K / group]) "
+        "packed for quantized_matmul, losslessly: (codes uint8 [ceil(N / 16), K * 2 * bits], "
+        "scales, biases [ceil(N / 16), K / group, 16]); padded columns are zeros.");
   m.def("quantized_matmul", &agentkv::ops::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter "

@@ -745,6 +745,53 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
                    std::move(inputs));
 }
 
+std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
+                                                           const mx::array& scales,
+                                                           const mx::array& biases, int group_size,
+                                                           int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("pack_quantized takes 4- or 8-bit weights, not " +
+                                std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("pack_quantized takes groups of 32, 64 or 128, not " +
+                                std::to_string(group_size));
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
+      static_cast<int64_t>(w.shape(1)) * 32 % (bits * group_size) != 0) {
+    throw std::invalid_argument(
+        "pack_quantized: w must be uint32 [N, K * bits / 32] with K a multiple of the group");
+  }
+  const int64_t N = w.shape(0), K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  const mx::Shape groups = {w.shape(0), static_cast<int>(K / group_size)};
+  const mx::Dtype sdt = scales.dtype();
+  if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
+      (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
+    throw std::invalid_argument(
+        "pack_quantized: scales and biases must be float32/float16/bfloat16 [N, K / group]");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> in = {mx::contiguous(w, false, stream),
+                               mx::contiguous(scales, false, stream),
+                               mx::contiguous(biases, false, stream)};
+  mx::eval(in);
+  const int blocks = static_cast<int>((N + agentkv::kPackColumns - 1) / agentkv::kPackColumns);
+  const auto make = [](mx::Shape shape, mx::Dtype dtype) {
+    size_t bytes = dtype.size();
+    for (int d : shape) {
+      bytes *= static_cast<size_t>(d);
+    }
+    return mx::array(mx::allocator::malloc(bytes), std::move(shape), dtype);
+  };
+  mx::array codes = make({blocks, static_cast<int>(K * 2 * bits)}, mx::uint8);
+  mx::array s = make({blocks, groups[1], agentkv::kPackColumns}, sdt);
+  mx::array b = make({blocks, groups[1], agentkv::kPackColumns}, sdt);
+  agentkv::pack_weights(in[0].data<uint32_t>(), in[1].data<void>(), in[2].data<void>(),
+                        static_cast<int>(sdt.size()), bits, group_size, N, K, codes.data<uint8_t>(),
+                        s.data<void>(), b.data<void>());
+  return {codes, s, b};
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
   if (bits != 4 && bits != 8) {

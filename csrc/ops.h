@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <variant>
 
 namespace agentkv {
@@ -26,6 +27,15 @@ mx::array invariant_linear(const mx::array& x, const mx::array& w,
 // of 32, 64 or 128, float32/float16/bfloat16 scales. Activations go int16 per 32 and every
 // output is reduced in one fixed order whatever the batch. Returns [..., N] in x's dtype.
 // CPU only.
+// MLX's affine weights (nn.QuantizedLinear's uint32 weight [N, K * bits / 32], scales and
+// biases [N, K / group_size]) packed for quantized_matmul (csrc/core/qmm.h), losslessly:
+// codes uint8 [ceil(N / 16), K * 2 * bits], scales and biases [ceil(N / 16), K / group_size,
+// 16] of their dtype (padded columns zero). Evaluates its inputs; the results are evaluated.
+std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
+                                                           const mx::array& scales,
+                                                           const mx::array& biases, int group_size,
+                                                           int bits);
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 

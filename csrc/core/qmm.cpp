@@ -432,6 +432,62 @@ void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const*
   ThreadPool::shared().run(jobs.size(), job);
 }
 
+void pack_weights(const uint32_t* words, const void* scales, const void* biases, int scale_bytes,
+                  int bits, int group, int64_t N, int64_t K, uint8_t* codes, void* packed_scales,
+                  void* packed_biases) {
+  const int64_t blocks = (N + kPackColumns - 1) / kPackColumns, depth = K / kBlock;
+  const int64_t groups = K / group, bytes = kPackColumns * kBlock * bits / 8;
+  const auto* src = reinterpret_cast<const uint8_t*>(words);
+  const std::function<void(size_t)> job = [&](size_t nb) {
+    uint8_t* out = codes + static_cast<int64_t>(nb) * depth * bytes;
+    std::memset(out, 0, static_cast<size_t>(depth * bytes));  // columns past N stay zero
+    for (int n = 0; n < kPackColumns; ++n) {
+      const int64_t col = static_cast<int64_t>(nb) * kPackColumns + n;
+      if (col >= N) {
+        break;
+      }
+      const uint8_t* row = src + col * K * bits / 8;  // little-endian words: codes in K order
+      for (int64_t b = 0; b < depth; ++b) {
+        uint8_t* to = out + b * bytes + 4 * n;
+        if (bits == 8) {  // quad j: the 4 codes of k = 4j .. 4j + 3, as they are
+          for (int j = 0; j < kBlock / 4; ++j) {
+            std::memcpy(to + 64 * j, row + b * kBlock + 4 * j, 4);
+          }
+          continue;
+        }
+        // 4 bits: source byte i holds k = 2i (low nibble) and 2i + 1; packed byte t of quad
+        // pair p holds k = 8p + t (low) and 8p + 4 + t (high)
+        const uint8_t* in = row + b * kBlock / 2;
+        for (int p = 0; p < kBlock / 8; ++p) {
+          const uint8_t s0 = in[4 * p], s1 = in[4 * p + 1], s2 = in[4 * p + 2], s3 = in[4 * p + 3];
+          uint8_t* q = to + 64 * p;
+          q[0] = static_cast<uint8_t>((s0 & 0x0F) | (s2 << 4));
+          q[1] = static_cast<uint8_t>((s0 >> 4) | (s2 & 0xF0));
+          q[2] = static_cast<uint8_t>((s1 & 0x0F) | (s3 << 4));
+          q[3] = static_cast<uint8_t>((s1 >> 4) | (s3 & 0xF0));
+        }
+      }
+    }
+    for (const auto& [from, to] : {std::pair{scales, packed_scales}, {biases, packed_biases}}) {
+      const auto* in = static_cast<const uint8_t*>(from);
+      auto* dst = static_cast<uint8_t*>(to) +
+                  static_cast<int64_t>(nb) * groups * kPackColumns * scale_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int n = 0; n < kPackColumns; ++n) {
+          const int64_t col = static_cast<int64_t>(nb) * kPackColumns + n;
+          uint8_t* at = dst + (g * kPackColumns + n) * scale_bytes;
+          if (col < N) {
+            std::memcpy(at, in + (col * groups + g) * scale_bytes, scale_bytes);
+          } else {
+            std::memset(at, 0, scale_bytes);
+          }
+        }
+      }
+    }
+  };
+  ThreadPool::shared().run(static_cast<size_t>(blocks), job);
+}
+
 const char* qmm_implementation() {
 #if defined(AGENTKV_QMM_NEON)
   return forced_portable() ? "portable" : "neon";

@@ -60,6 +60,14 @@ void quantized_matmul(const float* x, const QuantizedWeights& w, float* y, int64
 void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const* ys, int count,
                        int64_t M);
 
+// MLX's affine layout (words uint32 [N, K * bits / 32], scales and biases [N, K / group] of
+// `scale_bytes` bytes each) -> the packed one above, losslessly; columns N .. 16 * blocks - 1
+// get zero codes, scales and biases. `codes` holds blocks * K * 2 * bits bytes, the packed
+// scales and biases blocks * (K / group) * 16 entries each (blocks = ceil(N / 16)).
+void pack_weights(const uint32_t* words, const void* scales, const void* biases, int scale_bytes,
+                  int bits, int group, int64_t N, int64_t K, uint8_t* codes, void* packed_scales,
+                  void* packed_biases);
+
 // "avx512-vnni", "avx2", "neon" or "portable": which implementation this CPU runs
 // (AGENTKV_QMM=avx2 or =portable caps it).
 const char* qmm_implementation();

@@ -96,6 +96,11 @@ def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.arr
 def kernel_extract(batches: Sequence[mlx.core.array], metas: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/extract.metal on CPU, for many outputs at once."""
 
+def pack_quantized(w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.array, group_size: int, bits: int) -> tuple[mlx.core.array, mlx.core.array, mlx.core.array]:
+    """
+    MLX's affine weights (uint32 [N, K * bits / 32], scales and biases [N, K / group]) packed for quantized_matmul, losslessly: (codes uint8 [ceil(N / 16), K * 2 * bits], scales, biases [ceil(N / 16), K / group, 16]); padded columns are zeros.
+    """
+
 def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.array, group_size: int, bits: int) -> mlx.core.array:
     """
     x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).

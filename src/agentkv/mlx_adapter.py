@@ -85,25 +85,9 @@ def pack_quantized(
     columns is 8 "quads" of 64 bytes (byte 4 n + t: column n's code at k = 4 j + t; at 4
     bits quads 2p and 2p + 1 share bytes, low and high nibble), scales and biases
     [N' / 16, K / group_size, 16]. N' is N rounded up to 16 (zero columns). Lossless: the
-    same codes, scales and biases, moved."""
-    n = weight.shape[0]
-    k = weight.shape[1] * 32 // bits
-    blocks, pad = (n + PACK_COLUMNS - 1) // PACK_COLUMNS, -n % PACK_COLUMNS
-    raw = mx.view(weight, mx.uint8)  # little-endian words: codes in K order, 2 or 1 a byte
-    codes = mx.stack([raw & 15, raw >> 4], axis=-1).reshape(n, k) if bits == 4 else raw
-    if pad:
-        codes = mx.pad(codes, [(0, pad), (0, 0)])
-    quads = codes.reshape(blocks, PACK_COLUMNS, k // 32, 8, 4)  # [nb, n, block, j, t]
-    if bits == 4:  # quad 2p in the low nibbles, 2p + 1 in the high ones
-        halves = quads.reshape(blocks, PACK_COLUMNS, k // 32, 4, 2, 4)
-        quads = halves[..., 0, :] | (halves[..., 1, :] << 4)
-    packed = mx.contiguous(quads.transpose(0, 2, 3, 1, 4).reshape(blocks, -1))
-
-    def by_block(a: mx.array) -> mx.array:
-        a = mx.pad(a, [(0, pad), (0, 0)]) if pad else a
-        return mx.contiguous(a.reshape(blocks, PACK_COLUMNS, -1).transpose(0, 2, 1))
-
-    return packed, by_block(scales), by_block(biases)
+    same codes, scales and biases, moved (``_ext.pack_quantized``, evaluated; tests hold it
+    to the same move in MLX array ops)."""
+    return _ext.pack_quantized(weight, scales, biases, group_size, bits)
 
 
 @functools.cache
@@ -166,15 +150,13 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 def _pack_module(module: nn.Module) -> None:
-    """Replace a quantized module's MLX-layout arrays by packed ones (evaluated here, so the
+    """Replace a quantized module's MLX-layout arrays by packed ones (evaluated, so the
     originals are freed one module at a time)."""
     n = module["weight"].shape[0]
-    packed = pack_quantized(
+    module["weight"], module["scales"], module["biases"] = pack_quantized(
         module["weight"], module["scales"], module["biases"],
         bits=module.bits, group_size=module.group_size,
     )  # fmt: skip
-    mx.eval(packed)
-    module["weight"], module["scales"], module["biases"] = packed
     if isinstance(module, nn.QuantizedLinear):
         module.agentkv_outputs = n
 

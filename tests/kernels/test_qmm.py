@@ -177,6 +177,55 @@ def test_bad_input_is_refused_with_a_message(change, message):
         )
 
 
+def pack_in_array_ops(weight, scales, biases, bits, group):
+    """The packed layout (csrc/core/qmm.h) as a move of MLX arrays: the definition the
+    extension's packer is held to."""
+    n, k = weight.shape[0], weight.shape[1] * 32 // bits
+    blocks, pad = -(-n // 16), -n % 16
+    raw = mx.view(weight, mx.uint8)  # little-endian words: codes in K order
+    codes = mx.stack([raw & 15, raw >> 4], axis=-1).reshape(n, k) if bits == 4 else raw
+    codes = mx.pad(codes, [(0, pad), (0, 0)])
+    quads = codes.reshape(blocks, 16, k // 32, 8, 4)  # [block, column, 32-block, quad, t]
+    if bits == 4:  # quad 2p in the low nibbles, 2p + 1 in the high ones
+        halves = quads.reshape(blocks, 16, k // 32, 4, 2, 4)
+        quads = halves[..., 0, :] | (halves[..., 1, :] << 4)
+    packed = quads.transpose(0, 2, 3, 1, 4).reshape(blocks, -1)
+
+    def by_block(a):
+        return mx.pad(a, [(0, pad), (0, 0)]).reshape(blocks, 16, -1).transpose(0, 2, 1)
+
+    return packed, by_block(scales), by_block(biases)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n", [16, 77, 130])
+def test_the_packer_moves_every_code_where_the_layout_says(bits, group, n):
+    q, s, b = mlx_weights(n, group * 4, bits, group, "bfloat16", seed=n)
+    ours = mlx_adapter.pack_quantized(q, s, b, bits=bits, group_size=group)
+    for got, want in zip(ours, pack_in_array_ops(q, s, b, bits, group)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert mx.array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"bits": 2}, "4- or 8-bit"),
+        ({"group": 16}, "groups of 32, 64 or 128"),
+        ({"w": mx.zeros((20, 7), mx.uint32)}, "multiple of the group"),
+        ({"scales": mx.zeros((20, 3), mx.float16)}, "scales and biases"),
+    ],
+)
+def test_the_packer_refuses_bad_input_with_a_message(change, message):
+    q, s, b = mlx_weights(20, 64, 4, 32, "float16")
+    args = {"w": q, "scales": s, "biases": b, "group": 32, "bits": 4, **change}
+    with pytest.raises(ValueError, match=message):
+        mlx_adapter.pack_quantized(
+            args["w"], args["scales"], args["biases"], bits=args["bits"], group_size=args["group"]
+        )
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 128])
 def test_packing_is_lossless_and_packed_rows_dequantize_as_mlx(bits, group):
