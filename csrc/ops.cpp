@@ -745,18 +745,26 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
                    std::move(inputs));
 }
 
+namespace {
+
+// The weight formats the quantized matmul takes (csrc/core/qmm.h), or a message naming `op`.
+void check_bits_and_group(const std::string& op, int bits, int group_size) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(op + " takes 4- or 8-bit weights, not " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(op + " takes groups of 32, 64 or 128, not " +
+                                std::to_string(group_size));
+  }
+}
+
+}  // namespace
+
 std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
                                                            const mx::array& scales,
                                                            const mx::array& biases, int group_size,
                                                            int bits) {
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("pack_quantized takes 4- or 8-bit weights, not " +
-                                std::to_string(bits));
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("pack_quantized takes groups of 32, 64 or 128, not " +
-                                std::to_string(group_size));
-  }
+  check_bits_and_group("pack_quantized", bits, group_size);
   if (w.dtype() != mx::uint32 || w.ndim() != 2 ||
       static_cast<int64_t>(w.shape(1)) * 32 % (bits * group_size) != 0) {
     throw std::invalid_argument(
@@ -794,14 +802,7 @@ std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument("quantized_matmul takes 4- or 8-bit weights, not " +
-                                std::to_string(bits));
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument("quantized_matmul takes groups of 32, 64 or 128, not " +
-                                std::to_string(group_size));
-  }
+  check_bits_and_group("quantized_matmul", bits, group_size);
   if (w.dtype() != mx::uint8 || w.ndim() != 2 || w.shape(1) % (2 * bits * group_size) != 0) {
     throw std::invalid_argument(
         "quantized_matmul: w must be packed codes, uint8 [N / 16, K * 2 * bits] "
