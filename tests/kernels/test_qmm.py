@@ -245,3 +245,24 @@ def test_packing_is_lossless_and_packed_rows_dequantize_as_mlx(bits, group):
     want = np.array(mx.dequantize(q, s, b, group_size=group, bits=bits))[np.array(ids)]
     assert ours.shape == (2, 3, k) and ours.dtype == np.float32
     np.testing.assert_array_equal(ours, want)
+
+
+def test_layers_whose_outputs_are_not_a_multiple_of_16_are_cut_back():
+    """A vocabulary of 50,257 (GPT-2's) or any N: the packed columns past N are cut, as the
+    embedding's rows past it are never asked for."""
+    import mlx.nn as nn
+
+    mx.random.seed(3)
+    model = nn.Module()
+    model.proj = nn.QuantizedLinear(64, 77, bias=True, group_size=32, bits=4)
+    model.embed = nn.QuantizedEmbedding(77, 64, group_size=64, bits=8)
+    x = rows(5, 64, outliers=False)
+    ids = mx.array([[0, 76, 15, 16]])
+    want_proj, want_rows = model.proj(x), model.embed(ids).astype(mx.float32)
+    want_head = model.embed.as_linear(x)
+    assert mlx_adapter.use_cpu_quantized_matmul(model) == 2
+    assert model.proj.weight.dtype == mx.uint8 and model.proj.agentkv_outputs == 77
+    assert model.proj(x).shape == (5, 77) and model.embed.as_linear(x).shape == (5, 77)
+    np.testing.assert_allclose(np.array(model.proj(x)), np.array(want_proj), atol=1e-3)
+    np.testing.assert_allclose(np.array(model.embed.as_linear(x)), np.array(want_head), atol=1e-3)
+    np.testing.assert_allclose(np.array(model.embed(ids)), np.array(want_rows), atol=1e-3)
