@@ -174,7 +174,7 @@ void quantize(const float* x, int64_t M, int64_t K, int group, Activations& a) {
       float* scale = a.scale.data() + m * a.blocks;
       float* sum = a.sum.data() + m * a.groups;
 #if defined(AGENTKV_QMM_X86)
-      if (use_avx2() || use_vnni()) {
+      if (use_avx2()) {  // (VNNI implies it)
         quantize_row_avx2(x + m * K, K, group, hi, lo, scale, sum);
         continue;
       }

@@ -119,6 +119,14 @@ def packed_rows(
     return (q * s + b).reshape(*ids.shape, k)
 
 
+def _packed_matmul(module: nn.Module, x: mx.array, n: int) -> mx.array:
+    """x @ W^T on a module's packed weights, the padded columns past ``n`` cut."""
+    out = _ext.quantized_matmul(
+        x, module["weight"], module["scales"], module["biases"], module.group_size, module.bits
+    )
+    return out if out.shape[-1] == n else out[..., :n]
+
+
 class CPUQuantizedLinear(nn.QuantizedLinear):
     """A quantized linear layer on agentkv's CPU quantized matmul, its weights packed for it
     (``pack_quantized``; ``agentkv_outputs``: N before padding)."""
@@ -126,11 +134,7 @@ class CPUQuantizedLinear(nn.QuantizedLinear):
     agentkv_outputs: int
 
     def __call__(self, x: mx.array) -> mx.array:
-        out = _ext.quantized_matmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
-        )
-        if out.shape[-1] != self.agentkv_outputs:
-            out = out[..., : self.agentkv_outputs]
+        out = _packed_matmul(self, x, self.agentkv_outputs)
         return out + self["bias"] if "bias" in self else out
 
 
@@ -143,10 +147,7 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         return packed_rows(packed, x, bits=self.bits, group_size=self.group_size)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        out = _ext.quantized_matmul(
-            x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits
-        )
-        return out if out.shape[-1] == self.num_embeddings else out[..., : self.num_embeddings]
+        return _packed_matmul(self, x, self.num_embeddings)
 
 
 def _pack_module(module: nn.Module) -> None:

@@ -433,9 +433,7 @@ class Resumer:
             self.pool.arena.write_tail(table.take_tail(), manifest.tail)
             if manifest.prev is not None:  # and the last full group's, as computed
                 self.pool.arena.write_prev(table.tail, manifest.prev)
-                table.prev_group = (manifest.token_count // manifest.quant.channel_tokens - 1) * (
-                    manifest.quant.channel_tokens
-                )
+                table.prev_group = manifest.prev_group
         table.trim(reuse)
         state.tokens = manifest.tokens[:reuse].tolist()
         state.spans = plan.own_spans

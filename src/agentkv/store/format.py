@@ -155,6 +155,12 @@ class Manifest:
         return (*shape[:2], self.quant.channel_tokens, shape[3])
 
     @property
+    def prev_group(self) -> int:
+        """The first token of the last completed channel group (what ``prev`` holds)."""
+        ct = self.quant.channel_tokens
+        return (self.token_count // ct - 1) * ct
+
+    @property
     def token_count(self) -> int:
         return int(self.tokens.shape[0])
 
