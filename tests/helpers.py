@@ -13,6 +13,8 @@ from agentkv import _ext
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.quant import V1, KVQuant, native_layout
 from agentkv.format.spec import LayerKind, LayerSpec, ModelCacheSpec
+from agentkv.kernels import PagedQuery
+from agentkv.kernels.types import as_units
 from agentkv.kv.cache import AgentKVCache
 from agentkv.pool.arena import WritePlan
 from agentkv.store.format import encode_segment_header
@@ -200,12 +202,9 @@ def cache_arrays(caches: list[AgentKVCache]) -> list[np.ndarray]:
 def tiny_llama_dir(root: Path, *, seed: int = 3, layers: int = 2) -> Path:
     """A tiny random-weight llama with the embedded model's tokenizer, as an mlx-lm directory."""
     import json
-    import shutil
 
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
-
-    from agentkv.model.load import ensure_embedded_model
 
     config = {
         "model_type": "llama",
@@ -225,10 +224,28 @@ def tiny_llama_dir(root: Path, *, seed: int = 3, layers: int = 2) -> Path:
     root.mkdir(parents=True)
     mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (root / "config.json").write_text(json.dumps(config))
-    source = ensure_embedded_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, root / name)
+    copy_tokenizer(root)
     return root
+
+
+TOKENIZER_ENV = "AGENTKV_TEST_TOKENIZER"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer(root: Path) -> None:
+    """The embedded model's tokenizer files into the model directory ``root``: from
+    ``$AGENTKV_TEST_TOKENIZER`` (a folder holding them) where set, as on a lent GPU machine
+    that has no room for the embedded model's package, else from the embedded model."""
+    import shutil
+
+    if TOKENIZER_ENV in os.environ:
+        source = Path(os.environ[TOKENIZER_ENV])
+    else:
+        from agentkv.model.load import ensure_embedded_model
+
+        source = ensure_embedded_model()
+    for name in TOKENIZER_FILES:
+        shutil.copy(source / name, root / name)
 
 
 def write_segment(path, pool, table, first_block, end_token, layout=0):
@@ -300,3 +317,53 @@ def disk_reads(files) -> None:
         os.close(fd)
     if cached:
         pytest.skip("this filesystem keeps the block files in the page cache")
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+
+def random_components(comps, rows, capacity, seed):
+    """Random bits for one layer: [rows, heads, capacity, width] per component."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in comps:
+        bits = rng.integers(
+            0,
+            2**32 if c.dtype == "uint32" else 2**16,
+            size=(rows, c.heads, capacity, c.width),
+            dtype=np.uint64,
+        )
+        dtype = np.uint32 if c.dtype == "uint32" else np.uint16
+        a = mx.array(bits.astype(dtype))
+        out.append(a if c.dtype == "uint32" else mx.view(a, mx.float16))
+    return tuple(out)
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(as_units(a), as_units(b))
+
+
+def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=64):
+    spec = synthetic_spec(layers=1, heads=heads, dim=dim)
+    pool = pool_for(spec, quant, blocks=sum(-(-n // BLOCK_TOKENS) for n in lengths) + 2)
+    tables = [fill_table(pool, n, seed=seed + i) for i, n in enumerate(lengths)]
+    width = max(len(t.blocks) for t in tables)
+    table = np.full((len(tables), width), -1, dtype=np.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t.blocks)] = t.blocks
+    rng = np.random.default_rng(seed + 100)
+    q = mx.array(rng.standard_normal((len(lengths), q_heads, queries, dim)).astype(np.float32))
+    paged = PagedQuery(
+        pool.arena.keys(0),
+        pool.arena.values(0),
+        mx.array(table),
+        mx.array(lengths, dtype=mx.int32),
+        heads,
+        BLOCK_TOKENS,
+        quant.key_bits,
+        quant.value_bits,
+        quant.group_size,
+        0,
+        None,
+    )
+    return pool, tables, q, paged

@@ -4,9 +4,8 @@ reference; every kernel body compiled as CUDA where nvcc is installed."""
 import shutil
 import subprocess
 
-import mlx.core as mx
-import numpy as np
 import pytest
+from helpers import bits_equal, random_components
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -14,33 +13,11 @@ from agentkv import kernels
 from agentkv.errors import InvalidRequestError
 from agentkv.format.quant import V1, KVQuant
 from agentkv.kernels import RowSource
-from agentkv.kernels.types import as_units
 
 formats = st.sampled_from(
     [(4, 4, 32), (4, 4, 64), (4, 4, 128), (8, 8, 64), (8, 4, 64), (4, 16, 64)]
 )
 head_dims = st.sampled_from([64, 128, 256])
-
-
-def random_components(comps, rows, capacity, seed):
-    """Random bits for one layer: [rows, heads, capacity, width] per component."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for c in comps:
-        bits = rng.integers(
-            0,
-            2**32 if c.dtype == "uint32" else 2**16,
-            size=(rows, c.heads, capacity, c.width),
-            dtype=np.uint64,
-        )
-        dtype = np.uint32 if c.dtype == "uint32" else np.uint16
-        a = mx.array(bits.astype(dtype))
-        out.append(a if c.dtype == "uint32" else mx.view(a, mx.float16))
-    return tuple(out)
-
-
-def bits_equal(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(as_units(a), as_units(b))
 
 
 def both(fn):

@@ -11,42 +11,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import FUSED_ATOL, fill_table, pool_for, synthetic_spec, table_arrays
+from helpers import FUSED_ATOL, jagged_batch, table_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext, kernels
-from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.quant import V1, KVQuant
-from agentkv.kernels import PagedQuery, attention, cpu
+from agentkv.kernels import attention, cpu
 
 formats = st.sampled_from([(4, 4, 64), (4, 4, 32), (8, 4, 64), (8, 8, 64), (2, 2, 32)])
-
-
-def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=64):
-    spec = synthetic_spec(layers=1, heads=heads, dim=dim)
-    pool = pool_for(spec, quant, blocks=sum(-(-n // BLOCK_TOKENS) for n in lengths) + 2)
-    tables = [fill_table(pool, n, seed=seed + i) for i, n in enumerate(lengths)]
-    width = max(len(t.blocks) for t in tables)
-    table = np.full((len(tables), width), -1, dtype=np.int32)
-    for b, t in enumerate(tables):
-        table[b, : len(t.blocks)] = t.blocks
-    rng = np.random.default_rng(seed + 100)
-    q = mx.array(rng.standard_normal((len(lengths), q_heads, queries, dim)).astype(np.float32))
-    paged = PagedQuery(
-        pool.arena.keys(0),
-        pool.arena.values(0),
-        mx.array(table),
-        mx.array(lengths, dtype=mx.int32),
-        heads,
-        BLOCK_TOKENS,
-        quant.key_bits,
-        quant.value_bits,
-        quant.group_size,
-        0,
-        None,
-    )
-    return pool, tables, q, paged
 
 
 def fused(q, paged, scale=0.125):

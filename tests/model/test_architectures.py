@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import table_arrays
+from helpers import copy_tokenizer, table_arrays
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from agentkv import Engine, mlx_adapter
@@ -26,7 +25,7 @@ from agentkv.cli.main import main as agentkv_main
 from agentkv.errors import InvalidRequestError, ModelImportError
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.spec import LayerKind
-from agentkv.model.load import CPU_QMM_ID, ensure_embedded_model, load_model
+from agentkv.model.load import CPU_QMM_ID, load_model
 
 WINDOW = 128
 COMMON = {
@@ -79,6 +78,11 @@ GAIN = 3.0
 POOL_BYTES = 16 << 20
 
 
+# agentkv's CPU kernels (the packed quantized matmul, the fused blocks, KVSwap): on a GPU the
+# model runs on MLX's own kernels, and tests/gpu holds the GPU paths.
+cpu_kernels = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="agentkv's CPU kernels")
+
+
 def build_model_dir(root: Path, config: dict, *, seed: int = 5, gain: float = GAIN) -> Path:
     """An mlx-lm model directory: ``config``'s architecture with random weights (projections
     scaled by ``gain``; attention sinks random, not zero) and the embedded tokenizer; with
@@ -100,9 +104,7 @@ def build_model_dir(root: Path, config: dict, *, seed: int = 5, gain: float = GA
     root.mkdir(parents=True)
     mx.save_safetensors(str(root / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (root / "config.json").write_text(json.dumps(config))
-    source = ensure_embedded_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(source / name, root / name)
+    copy_tokenizer(root)
     return root
 
 
@@ -267,6 +269,7 @@ def quantized_arch(request, tmp_path_factory):
     return name, build_model_dir(tmp_path_factory.mktemp(f"{name}-q4") / "model", config)
 
 
+@cpu_kernels
 def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, caplog):
     """Every 4-bit linear layer (and embedding) runs on agentkv's kernel; gpt-oss's experts
     stay on MLX's gather kernel, with the reason logged. The logits match the same weights
@@ -293,6 +296,7 @@ def test_each_architecture_runs_quantized_on_agentkv_s_kernel(quantized_arch, ca
     assert float(agree) >= 0.95
 
 
+@cpu_kernels
 def test_llama_and_qwen_blocks_fuse_with_the_bits_of_their_separate_operations(
     quantized_arch, tmp_path
 ):
@@ -333,6 +337,7 @@ def test_llama_and_qwen_blocks_fuse_with_the_bits_of_their_separate_operations(
             np.testing.assert_array_equal(a, b)
 
 
+@cpu_kernels
 def test_the_last_position_alone_gives_the_logits_of_the_whole_call(quantized_arch):
     """Llama, Qwen2 and Qwen3 (tied and untied heads) project only the last position onto the
     vocabulary when the engine asks for logits; the other architectures make their own call.
@@ -359,7 +364,8 @@ def test_each_quantized_architecture_batches_and_resumes_like_alone(quantized_ar
         ("c", [{"role": "user", "content": "Count the steps."}]),
     ]
     with engine_on(model, tmp_path / "kv") as eng:
-        assert eng.loaded.spec.weights_id.endswith(CPU_QMM_ID)
+        on_cpu = mx.default_device() == mx.cpu
+        assert eng.loaded.spec.weights_id.endswith(CPU_QMM_ID) == on_cpu
         batched = eng.chat_many(turns, max_tokens=12)
         alone = [
             eng.chat(f"{agent}-alone", messages, max_tokens=12, cache_salt="alone")
@@ -507,6 +513,7 @@ def test_a_model_that_computes_attention_itself_is_refused_at_load(tmp_path):
         Engine(model=str(model), cache_dir=tmp_path / "kv", warmup=False)
 
 
+@cpu_kernels
 def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident_one(
     quantized_arch, tmp_path
 ):

@@ -6,9 +6,10 @@ has it built in), and merge's preamble gathers its N source pointers into
 ``srcs``. One GPU thread moves one unit (chunk 1), so neighbouring threads touch
 neighbouring memory.
 
-Neither backend can run on the machines this project is built on (Linux, CPU);
+Neither backend runs on the machines this project is built on (Linux, CPU): there
 the CPU build compiles the same bodies, and tests hold them bit for bit to the
-reference there.
+reference. On a GPU, tests/gpu holds these entry points to the reference (run on
+an H100 through CUDA; benchmarks/RESULTS.md, "GPU").
 """
 
 from __future__ import annotations

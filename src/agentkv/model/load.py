@@ -216,6 +216,9 @@ def load_model(
         raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights)
     mlx_adapter.install_attention_dispatch()
+    # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
+    # names a stream of the thread that built it, and no other thread can run it.
+    mx.eval(mlx_model.parameters())
     path = Path(target)
     weights_id = weights_identity(path) if path.exists() else f"hub:{target}"
     weights_id += CPU_QMM_ID if cpu_qmm else ""

@@ -156,7 +156,11 @@ class KVArena:
         rows = self.rows if rows is None else rows
         if lazy:
             return _ext.uninitialized(rows, width, dtype)
-        return mx.zeros((rows, width), dtype=getattr(mx, dtype))
+        # Evaluated here: on a GPU, MLX's streams belong to the thread that made them, and the
+        # arena is made on the caller's thread but written on the scheduler's.
+        out = mx.zeros((rows, width), dtype=getattr(mx, dtype))
+        mx.eval(out)
+        return out
 
     # -- per-channel keys: the float16 tails of groups still filling ---------------------------
 

@@ -1,0 +1,147 @@
+"""The GPU backends (Metal, CUDA), on a machine where MLX sees one: the kernel bodies of
+kernels/ through ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` against the reference,
+and a turn of the engine on the GPU through them. Skipped where MLX has no GPU (CI, the Linux
+CPU machines); there the same bodies run compiled for CPU (tests/kernels). On a GPU machine
+``tests/model/test_architectures.py`` also runs on the GPU (hot == warm after a restart, a
+batch == each agent alone, the KV read back == the KV saved); benchmarks/RESULTS.md records
+each GPU run. ``AGENTKV_TEST_TOKENIZER`` names a folder with the embedded tokenizer's files
+where the embedded model's package is not installed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import (
+    bits_equal,
+    fill_table,
+    jagged_batch,
+    pool_for,
+    random_components,
+    synthetic_spec,
+    tiny_llama_dir,
+)
+
+from agentkv import Engine, kernels
+from agentkv.format.quant import V1, V2, KVQuant
+from agentkv.kernels import PagedQuery, RowSource, attention
+from agentkv.pool.step import PagedStep
+
+GPUS = [name for name in ("metal", "cuda") if name in kernels.available_backends()]
+pytestmark = pytest.mark.skipif(not GPUS, reason="MLX sees no GPU here (Metal or CUDA)")
+
+
+@pytest.fixture(params=GPUS)
+def gpu(request):
+    return request.param
+
+
+def on(backend, fn):
+    with kernels.use_backend(backend):
+        return fn()
+
+
+# (key bits, value bits, group), head dim, KV heads, agents' lengths
+MOVES = [
+    ((4, 4, 64), 64, 3, [0, 255, 256, 700]),
+    ((4, 4, 32), 128, 1, [1, 513]),
+    ((8, 8, 64), 256, 2, [300, 17, 64]),
+    ((8, 4, 64), 64, 4, [40] * 8),
+    ((4, 16, 64), 128, 2, [90, 1000]),
+]
+
+
+@pytest.mark.parametrize("fmt,dim,heads,lengths", MOVES)
+def test_merge_and_extract_move_the_references_bits(gpu, fmt, dim, heads, lengths):
+    comps = KVQuant(*fmt, **V1).components(heads, dim, dim)
+    caches = [random_components(comps, 1, n + 37, seed=i) for i, n in enumerate(lengths)]
+    used = max(lengths)
+    sources = [RowSource(c, 0, 0, n) for c, n in zip(caches, lengths)]
+
+    def merged():
+        return kernels.merge(sources, used=used, capacity=used + 45)
+
+    batch = on(gpu, merged)
+    for a, b in zip(batch, on("reference", merged)):
+        assert bits_equal(a, b)
+    for row, n in enumerate(lengths):
+
+        def extracted(row=row, n=n):
+            return kernels.extract(batch, row=row, first=used - n, length=n, capacity=n + 3)
+
+        ours = on(gpu, extracted)
+        for a, b in zip(ours, on("reference", extracted)):
+            assert bits_equal(a, b)
+        assert bits_equal(ours[0][:, :, :n], caches[row][0][:, :, :n])
+
+
+def reference(q, paged):
+    """The reference in float32 on the CPU (a GPU's float32 matmul may round to TF32)."""
+    with mx.stream(mx.cpu):
+        out = kernels.reference.paged_attention(q, paged, scale=0.125)
+        mx.eval(out)
+    return out
+
+
+def close(a, b, atol=3e-4):
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=atol)
+
+
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (4, 4, 32), (8, 4, 64), (8, 8, 64), (2, 2, 32)])
+@pytest.mark.parametrize(
+    "lengths,queries,rep,window,sinks",
+    [([700, 1, 256], 1, 1, 0, False), ([300, 40], 3, 3, 100, True), ([513, 17], 17, 2, 0, True)],
+)
+def test_paged_attention_body_agrees_with_the_reference(
+    gpu, fmt, lengths, queries, rep, window, sinks
+):
+    lengths = [max(n, queries) for n in lengths]
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), lengths, queries=queries, q_heads=2 * rep)
+    sink_values = mx.array(np.linspace(-1, 1, 2 * rep).astype(np.float32)) if sinks else None
+    paged = paged._replace(window=window, sinks=sink_values)
+    body = on(gpu, lambda: kernels.paged_attention_body(q, paged, scale=0.125))
+    close(body, reference(q, paged))
+
+
+@pytest.mark.parametrize("window,q_heads", [(0, 4), (100, 6)])
+def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec, KVQuant(**V2))
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127, 5])]
+    for t in tables:
+        t.grow(3, pool.arena.copy_rows)
+    rng = np.random.default_rng(11)
+    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
+    step = PagedStep(pool.arena, spec, tables, 3)
+    keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
+    pool.arena.settle()
+    paged = PagedQuery(
+        tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
+        64, pool.arena.tails[0], step.plan.tail_slots,
+    )  # fmt: skip
+    body = on(gpu, lambda: kernels.paged_attention_body(q, paged, scale=0.125))
+    close(body, reference(q, paged), atol=2e-3)
+
+
+def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
+    """A cold turn, a hot one and a batch of two agents on the GPU: attention goes through
+    the shared body (never the fused CPU kernel), and the hot turn continues the cold one."""
+    model = tiny_llama_dir(tmp_path / "model")
+    before = attention.paths_used()
+    with Engine(
+        model=str(model), cache_dir=tmp_path / "kv", pool_bytes=16 << 20, warmup=False
+    ) as eng:
+        prompt = [{"role": "user", "content": "List the steps of a build, one per line."}]
+        cold = eng.chat("a", prompt, max_tokens=8)
+        follow = prompt + [
+            {"role": "assistant", "content": cold.text},
+            {"role": "user", "content": "And then?"},
+        ]
+        hot = eng.chat("a", follow, max_tokens=8)
+        both = eng.chat_many([("a", follow), ("b", prompt)], max_tokens=4)
+    used = {k: attention.paths_used()[k] - before[k] for k in before}
+    assert cold.stats.cache == "cold" and hot.stats.cache == "hot"
+    assert len(cold.tokens) == len(hot.tokens) == 8
+    assert [len(r.tokens) for r in both] == [4, 4]
+    assert used[attention.FUSED] == 0 and used[attention.KERNEL] > 0

@@ -1,0 +1,26 @@
+#!/bin/bash
+# The GPU tests on a lent CUDA machine with no package index (benchmarks/RESULTS.md, "GPU"):
+# installs the bundle tests/scripts/gpu_bundle.py made (BUNDLE, default .devkit) into the
+# machine's Python, builds agentkv there, runs tests/gpu and the architectures on the GPU.
+# Logs and JUnit files go to $OUT (default /tmp/gpu-check).
+BUNDLE=${BUNDLE:-.devkit}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/log.txt") 2>&1
+set -x
+nvidia-smi -L
+PY=${PY:-python3}
+SP=$($PY -c "import site; print(site.getsitepackages()[0])")
+tar -C "$SP" -xJf "$BUNDLE/site.tar.xz" || exit 1
+export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+$PY -m pip wheel -q --no-build-isolation --no-deps -w /tmp/agentkv-wheel . || exit 1
+$PY -m pip install -q --no-deps --no-index /tmp/agentkv-wheel/agentkv-*.whl || exit 1
+$PY -c "import mlx.core as mx; from agentkv import kernels; print(mx.default_device(), kernels.available_backends())" || exit 1
+export AGENTKV_TEST_TOKENIZER=$PWD/$BUNDLE/tokenizer PYTHONUNBUFFERED=1
+T="-p no:cacheprovider -v -rfE --tb=short --timeout=${TEST_TIMEOUT:-120} --timeout-method=thread"
+timeout 200 $PY -m pytest $T --junitxml="$OUT/gpu.xml" tests/gpu \
+  "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu.log" 2>&1
+tail -c 3000 "$OUT/gpu.log"
+timeout 300 $PY -m pytest $T --junitxml="$OUT/arch.xml" tests/model/test_architectures.py \
+  > "$OUT/arch.log" 2>&1
+tail -c 4000 "$OUT/arch.log"
