@@ -368,18 +368,6 @@ mx::array float32_rows(const mx::array& x, int64_t& dim) {
   return c;
 }
 
-mx::array hadamard_rows_op(const mx::array& x, float scale) {
-  int64_t dim = 0;
-  mx::array c = float32_rows(x, dim);
-  if (dim & (dim - 1)) {
-    throw std::invalid_argument("hadamard_rows: the last axis must be a power of two");
-  }
-  std::vector<float> out(c.data<float>(), c.data<float>() + c.size());
-  agentkv::hadamard_rows(out.data(), static_cast<int64_t>(c.size()) / std::max<int64_t>(dim, 1),
-                         dim, scale);
-  return mx::array(out.data(), x.shape(), mx::float32);
-}
-
 std::tuple<mx::array, mx::array, mx::array> quantize_rows_op(const mx::array& x, int bits,
                                                              int group) {
   int64_t dim = 0;
@@ -670,8 +658,9 @@ NB_MODULE(_ext, m) {
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
         "csrc/ops.h.");
-  m.def("hadamard_rows", &hadamard_rows_op, "x"_a, "scale"_a,
-        "mx.hadamard_transform's bits from agentkv's CPU code (for tests): x float32 [..., n].");
+  m.def("hadamard_rows", &agentkv::ops::hadamard, "x"_a, "scale"_a,
+        "mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's "
+        "thread pool: x float32 [..., n], n a power of two.");
   m.def("quantize_rows", &quantize_rows_op, "x"_a, "bits"_a, "group"_a,
         "mx.quantize's codes with float16 scales and biases from agentkv's CPU code (for "
         "tests): x float32 [..., dim] -> (words, scales, biases).");

@@ -13,6 +13,7 @@
 #include "core/gemm.h"
 #include "core/qmm.h"
 #include "core/rows.h"
+#include "core/thread_pool.h"
 #include "op_support.h"
 
 namespace agentkv::ops {
@@ -138,6 +139,47 @@ class RmsNorm : public mx::UnaryPrimitive {
 
  private:
   float eps_;
+};
+
+class Hadamard : public mx::UnaryPrimitive {
+ public:
+  Hadamard(mx::Stream stream, float scale) : mx::UnaryPrimitive(stream), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    auto& encoder = start_cpu_eval(stream(), inputs, out);
+    const float scale = scale_;
+    encoder.dispatch([inputs, out, scale]() mutable {
+      std::vector<float> xs;
+      const float* x = row_major(inputs[0], xs);
+      float* y = out.data<float>();
+      const int64_t n = inputs[0].shape(-1);
+      const int64_t rows = static_cast<int64_t>(out.size()) / std::max<int64_t>(n, 1);
+      // rows in chunks over the pool: each row's butterflies alone, so the same bits
+      constexpr int64_t kChunk = 64;
+      const int64_t chunks = (rows + kChunk - 1) / kChunk;
+      agentkv::ThreadPool::shared().run(static_cast<size_t>(chunks), [&](size_t c) {
+        const int64_t r0 = static_cast<int64_t>(c) * kChunk;
+        const int64_t count = std::min(kChunk, rows - r0);
+        std::copy(x + r0 * n, x + (r0 + count) * n, y + r0 * n);
+        agentkv::hadamard_rows(y + r0 * n, count, n, scale);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("agentkv's hadamard runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "AgentKVHadamard";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const Hadamard&>(other).scale_;
+  }
+
+ private:
+  float scale_;
 };
 
 class SiluMul : public mx::UnaryPrimitive {
@@ -691,6 +733,18 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps),
                    {x, packed(w, stream)});
+}
+
+mx::array hadamard(const mx::array& x, float scale) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument("hadamard takes a float32 array");
+  }
+  const int64_t n = x.ndim() ? x.shape(-1) : 0;
+  if (n < 1 || (n & (n - 1)) != 0) {
+    throw std::invalid_argument("hadamard: the last axis must be a power of two");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Hadamard>(stream, scale), {x});
 }
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up) {

@@ -72,6 +72,10 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up);
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);
 
+// mx.hadamard_transform(x, scale)'s bits for float32 rows (last axis a power of two), as one
+// graph operation whose rows are spread over agentkv's thread pool (csrc/core/rows.h). CPU only.
+mx::array hadamard(const mx::array& x, float scale);
+
 // mx.fast.rope's rotary embedding of x [..., L, D] float32 (positions offset + l along
 // axis -2; an offset array holds one start or one per batch row), from `base` or from
 // `freqs` (dims / 2 periods), as one graph operation. CPU only.

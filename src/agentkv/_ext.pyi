@@ -113,7 +113,7 @@ def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float
 
 def hadamard_rows(x: mlx.core.array, scale: float) -> mlx.core.array:
     """
-    mx.hadamard_transform's bits from agentkv's CPU code (for tests): x float32 [..., n].
+    mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's thread pool: x float32 [..., n], n a power of two.
     """
 
 def quantize_rows(x: mlx.core.array, bits: int, group: int) -> tuple[mlx.core.array, mlx.core.array, mlx.core.array]:

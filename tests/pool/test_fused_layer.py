@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext, mlx_adapter
+from agentkv.format import quant
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.kernels.attention import paths_used
 from agentkv.pool.step import PagedStep
@@ -124,6 +125,20 @@ def test_the_rotation_gives_mlx_hadamard_bits(rows, n, seed, big):
     scale = 1 / math.sqrt(n)
     want = mx.hadamard_transform(mx.array(x), scale=scale)
     np.testing.assert_array_equal(np.array(_ext.hadamard_rows(mx.array(x), scale)), np.array(want))
+
+
+def test_the_rotation_over_the_pool_gives_the_same_bits_for_many_and_strided_rows():
+    """The prefill's rotation (format.quant.hadamard on CPU): rows spread over the thread
+    pool in chunks, a transposed (strided) input, a lazy one; bad input refused."""
+    x = mx.array(np.random.default_rng(7).standard_normal((3, 9, 101, 64)).astype(np.float32))
+    for a in (x, x.transpose(0, 2, 1, 3), x * 2 + 1):
+        want = mx.hadamard_transform(a, scale=0.125)
+        assert mx.array_equal(_ext.hadamard_rows(a, 0.125), want)
+        assert mx.array_equal(quant.hadamard(a), want)
+    with pytest.raises(ValueError, match="power of two"):
+        _ext.hadamard_rows(mx.zeros((4, 48)), 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        _ext.hadamard_rows(mx.zeros((4, 64), dtype=mx.float16), 1.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from .. import _ext
 from ..errors import InvalidRequestError
 
 QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
@@ -323,10 +324,14 @@ V2 = {"key_scheme": "channel", "rotate": True}  # KVQuant(**V2): format 2 (the d
 
 def hadamard(x: mx.array) -> mx.array:
     """``x`` times the orthonormal Walsh-Hadamard matrix of its last axis (fast transform;
-    H is symmetric and its own inverse)."""
+    H is symmetric and its own inverse). Float32 on CPU: agentkv's operation, the same bits
+    as MLX's transform (which runs on one thread there)."""
     if x.size == 0:  # no tokens: MLX's transform refuses empty arrays
         return x
-    return mx.hadamard_transform(x, scale=1 / math.sqrt(x.shape[-1]))
+    scale = 1 / math.sqrt(x.shape[-1])
+    if x.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        return _ext.hadamard_rows(x, scale)
+    return mx.hadamard_transform(x, scale=scale)
 
 
 def dequantize_tokens(parts: tuple, bits: int, group: int) -> mx.array:
