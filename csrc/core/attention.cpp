@@ -488,15 +488,57 @@ using Ops = Avx2;
 // AVX-512: the AVX2 operations, and a value row's 4-bit codes unpacked 16 at a time (the
 // same floats).
 struct Avx512 : Avx2 {
+  // A tile's 4-bit codes laid out once for the integer dots, where several blocks of queries
+  // fold the tile (a prefill chunk): each block then loads them instead of unpacking them
+  // again (prepare_keys, prepare_values; the same integers, so the same bits).
+  static constexpr bool kPreparesTiles = true;
+  struct Tile {
+    __m512i keys[kTile / 16][kMaxDim / 8][2];    // per 16 rows and word: even, odd nibbles
+    __m512i values[kMaxDim / 64][kTile / 2][4];  // per value group and row pair: the pairs
+  };
+  static Tile& tile() {
+    thread_local Tile t;
+    return t;
+  }
+  // Whole 16-row runs of `rows` key rows (the runs key_scores takes with vpdpbusd) into t.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) static bool prepare_keys(
+      const uint32_t* words, const int64_t* w_off, int rows, int dim, Tile& t) {
+    if (!cpu_has_avx512_vnni()) {
+      return false;
+    }
+    for (int j0 = 0; j0 + 16 <= rows; j0 += 16) {
+      key_nibbles16(words, w_off, j0, dim, t.keys[j0 / 16]);
+    }
+    return true;
+  }
+  // Every row pair of `rows` value rows, each group of 64 channels, into t.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) static bool prepare_values(
+      const uint32_t* words, const int64_t* w_off, int rows, int dim_v, Tile& t) {
+    if (!cpu_has_avx512_vnni()) {
+      return false;
+    }
+    for (int g = 0; g < dim_v / 64; ++g) {
+      for (int j = 0; j < rows; j += 2) {
+        value_pairs(words, w_off, g * 8, j, rows, t.values[g][j / 2]);
+      }
+    }
+    return true;
+  }
   // Avx2::key_scores, 16 rows to a register with vpdpbusd (AVX-512 VNNI) where the CPU has it:
-  // the same exact dots.
+  // the same exact dots. `prepared`: the tile's prepare_keys.
   template <int count>
   static void key_scores(const uint32_t* words, const int64_t* w_off, int rows, int dim,
-                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+                         const QueryCodes* const* qc, const float* score0, float (*scores)[kTile],
+                         const Tile* prepared = nullptr) {
     int j0 = 0;
     if (cpu_has_avx512_vnni()) {  // (BW too: every such CPU has it)
       for (; j0 + 16 <= rows; j0 += 16) {
-        key_scores16<count>(words, w_off, j0, dim, qc, score0, scores);
+        if (prepared != nullptr) {
+          key_scores16<count, true>(prepared->keys[j0 / 16], words, w_off, j0, dim, qc, score0,
+                                    scores);
+        } else {
+          key_scores16<count, false>(nullptr, words, w_off, j0, dim, qc, score0, scores);
+        }
       }
     }
     for (; j0 < rows; j0 += 8) {
@@ -505,18 +547,44 @@ struct Avx512 : Avx2 {
   }
   template <int count>
   static void value_dots(const uint32_t* words, const int64_t* w_off, int word0, int rows,
-                         const int16_t* const* wq, int32_t (*dots)[64]) {
+                         const int16_t* const* wq, int32_t (*dots)[64],
+                         const Tile* prepared = nullptr) {
     if (cpu_has_avx512_vnni()) {
-      return value_dots64<count>(words, w_off, word0, rows, wq, dots);
+      if (prepared != nullptr) {
+        return value_dots64<count, true>(prepared->values[word0 / 8], words, w_off, word0, rows, wq,
+                                         dots);
+      }
+      return value_dots64<count, false>(nullptr, words, w_off, word0, rows, wq, dots);
     }
     Avx2::value_dots<count>(words, w_off, word0, rows, wq, dots);
   }
-  // Avx2::value_dots with all 64 channels at once, 16 to a register (vpdpwssd).
-  template <int count>
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
-  value_dots64(const uint32_t* words, const int64_t* w_off, int word0, int rows,
-               const int16_t* const* wq, int32_t (*dots)[64]) {
+  // Rows j and j + 1 (the last row again past the end: its weight is 0) of 64 channels from
+  // word `word0` as int16 pairs, (row j, row j + 1) per channel: channels (k < 8) 2k | 32 + 2k,
+  // 16 + 2k | 48 + 2k, 2k + 1 | 33 + 2k, 17 + 2k | 49 + 2k (the two 128-bit halves of each
+  // unpack).
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) static void
+  value_pairs(const uint32_t* words, const int64_t* w_off, int word0, int j, int rows,
+              __m512i* pairs) {
     const __m256i nibbles = _mm256_set1_epi8(0x0F);
+    const int j1 = std::min(j + 1, rows - 1);
+    const __m256i a =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j] + word0));
+    const __m256i b =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j1] + word0));
+    const __m256i ea = _mm256_and_si256(a, nibbles), eb = _mm256_and_si256(b, nibbles);
+    const __m256i oa = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibbles);
+    const __m256i ob = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibbles);
+    pairs[0] = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(ea, eb));
+    pairs[1] = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(ea, eb));
+    pairs[2] = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(oa, ob));
+    pairs[3] = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(oa, ob));
+  }
+  // Avx2::value_dots with all 64 channels at once, 16 to a register (vpdpwssd); the row
+  // pairs from `prepared` (prepare_values) or unpacked here.
+  template <int count, bool from_prepared>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
+  value_dots64(const __m512i (*prepared)[4], const uint32_t* words, const int64_t* w_off, int word0,
+               int rows, const int16_t* const* wq, int32_t (*dots)[64]) {
     __m512i acc[count][4];
     for (int r = 0; r < count; ++r) {
       for (int i = 0; i < 4; ++i) {
@@ -524,20 +592,13 @@ struct Avx512 : Avx2 {
       }
     }
     for (int j = 0; j < rows; j += 2) {
-      const int j1 = std::min(j + 1, rows - 1);
-      const __m256i a =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j] + word0));
-      const __m256i b =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + w_off[j1] + word0));
-      const __m256i ea = _mm256_and_si256(a, nibbles), eb = _mm256_and_si256(b, nibbles);
-      const __m256i oa = _mm256_and_si256(_mm256_srli_epi16(a, 4), nibbles);
-      const __m256i ob = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibbles);
-      // pairs of channels (k < 8) 2k | 32 + 2k, 16 + 2k | 48 + 2k, 2k + 1 | 33 + 2k,
-      // 17 + 2k | 49 + 2k (the two 128-bit halves of each unpack)
-      const __m512i pairs[4] = {_mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(ea, eb)),
-                                _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(ea, eb)),
-                                _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(oa, ob)),
-                                _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(oa, ob))};
+      __m512i unpacked[4];
+      const __m512i* pairs = unpacked;
+      if constexpr (from_prepared) {
+        pairs = prepared[j / 2];
+      } else {
+        value_pairs(words, w_off, word0, j, rows, unpacked);
+      }
       for (int r = 0; r < count; ++r) {
         int32_t both;
         std::memcpy(&both, wq[r] + j, sizeof both);
@@ -559,29 +620,59 @@ struct Avx512 : Avx2 {
       _mm512_storeu_si512(out + 48, _mm512_permutex2var_epi32(acc[r][1], high, acc[r][3]));
     }
   }
-  template <int count>
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
-  key_scores16(const uint32_t* words, const int64_t* w_off, int j0, int dim,
-               const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+  // Word w of 16 key rows side by side (`columns` of rows j0 .. j0 + 7 in `first`, of the
+  // next 8 in `second`): its low nibbles (channels 8w + {0, 2, 4, 6}) and high nibbles
+  // (8w + {1, 3, 5, 7}) as bytes, 16 rows to a register.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) static void
+  split16(const uint32_t* first, const uint32_t* second, int w, __m512i& even, __m512i& odd) {
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i x = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(first + w * 8))),
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(second + w * 8)), 1);
+    even = _mm512_and_si512(x, nibbles);
+    odd = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibbles);
+  }
+  // Rows j0 .. j0 + 15's `columns`, halves of 8.
+  static void columns16(const uint32_t* words, const int64_t* w_off, int j0, int dim,
+                        uint32_t* first, uint32_t* second) {
     int idx[16];
     for (int r = 0; r < 16; ++r) {
       idx[r] = j0 + r;
     }
-    alignas(64) uint32_t first[kMaxDim], second[kMaxDim];
     columns(words, w_off, idx, dim / 8, first);
     columns(words, w_off, idx + 8, dim / 8, second);
-    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  }
+  // Rows j0 .. j0 + 15 of 4-bit keys, every word split (split16): out[w] = {even, odd}.
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) static void key_nibbles16(
+      const uint32_t* words, const int64_t* w_off, int j0, int dim, __m512i (*out)[2]) {
+    alignas(64) uint32_t first[kMaxDim], second[kMaxDim];
+    columns16(words, w_off, j0, dim, first, second);
+    for (int w = 0; w < dim / 8; ++w) {
+      split16(first, second, w, out[w][0], out[w][1]);
+    }
+  }
+  // The scores of key rows j0 .. j0 + 15 for `count` queries: their nibbles from `prepared`
+  // (prepare_keys) or split here, word by word.
+  template <int count, bool from_prepared>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
+  key_scores16(const __m512i (*prepared)[2], const uint32_t* words, const int64_t* w_off, int j0,
+               int dim, const QueryCodes* const* qc, const float* score0, float (*scores)[kTile]) {
+    alignas(64) uint32_t first[from_prepared ? 1 : kMaxDim], second[from_prepared ? 1 : kMaxDim];
+    if constexpr (!from_prepared) {
+      columns16(words, w_off, j0, dim, first, second);
+    }
     __m512i hi[count], lo[count];
     for (int r = 0; r < count; ++r) {
       hi[r] = lo[r] = _mm512_setzero_si512();
     }
     for (int w = 0; w < dim / 8; ++w) {
-      const __m512i x = _mm512_inserti64x4(
-          _mm512_castsi256_si512(
-              _mm256_load_si256(reinterpret_cast<const __m256i*>(first + w * 8))),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(second + w * 8)), 1);
-      const __m512i even = _mm512_and_si512(x, nibbles);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(x, 4), nibbles);
+      __m512i even, odd;
+      if constexpr (from_prepared) {
+        even = prepared[w][0];
+        odd = prepared[w][1];
+      } else {
+        split16(first, second, w, even, odd);
+      }
       for (int r = 0; r < count; ++r) {
         const QueryCodes& q = *qc[r];
         hi[r] = _mm512_dpbusd_epi32(hi[r], even, _mm512_set1_epi32(quad(q.hi, w, 0)));
