@@ -500,6 +500,34 @@ struct Avx512 : Avx2 {
     thread_local Tile t;
     return t;
   }
+  // lanes::Avx2::exp(scores - m) for the lane groups of 8 up to n, 16 lanes at a time where
+  // two groups remain: every lane runs Avx2::exp's sequence (the same bits).
+  static void exp_shifted(const float* scores, float m, int n, float* p) {
+    int j0 = 0;
+    const __m512 shift = _mm512_set1_ps(m);
+    for (; j0 + 8 < n; j0 += 16) {
+      __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j0), shift);
+      x = _mm512_max_ps(_mm512_set1_ps(kLow), x);  // NaN stays NaN, as Avx2::exp
+      const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-kLn2Hi), x);
+      r = _mm512_fmadd_ps(k, _mm512_set1_ps(-kLn2Lo), r);
+      __m512 q = _mm512_set1_ps(kP0);
+      q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kP1));
+      q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kP2));
+      q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kP3));
+      q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kP4));
+      q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kP5));
+      q = _mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r);
+      q = _mm512_add_ps(q, _mm512_set1_ps(1.0f));
+      const __m512i e =
+          _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+      _mm512_storeu_ps(p + j0, _mm512_mul_ps(q, _mm512_castsi512_ps(e)));
+    }
+    for (; j0 < n; j0 += 8) {
+      store(p + j0, exp(sub(load(scores + j0), set1(m))));
+    }
+  }
   // Whole 16-row runs of `rows` key rows (the runs key_scores takes with vpdpbusd) into t.
   __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) static bool prepare_keys(
       const uint32_t* words, const int64_t* w_off, int rows, int dim, Tile& t) {
