@@ -25,6 +25,53 @@ using Ops = lanes::Portable;
 namespace avx2 {
 using Ops = lanes::Avx2;
 #include "rows_lanes.inc"
+
+// One butterfly stage inside each 8-value register: lanes with bit h clear take a + b, the
+// others a - b (a the lane with bit h clear), as the scalar loop computes them.
+template <int h>
+__m256 butterfly8(__m256 v) {
+  __m256 partner;
+  if constexpr (h == 1) {
+    partner = _mm256_permute_ps(v, 0xB1);  // 1 0 3 2
+  } else if constexpr (h == 2) {
+    partner = _mm256_permute_ps(v, 0x4E);  // 2 3 0 1
+  } else {
+    partner = _mm256_permute2f128_ps(v, v, 0x01);  // the other half
+  }
+  const __m256 sum = _mm256_add_ps(v, partner);         // lower lanes: a + b
+  const __m256 difference = _mm256_sub_ps(partner, v);  // upper lanes: a - b
+  return _mm256_blend_ps(sum, difference, h == 1 ? 0xAA : h == 2 ? 0xCC : 0xF0);
+}
+
+// hadamard_rows for n >= 16: spans 1, 2, 4 inside registers, the wider spans between them.
+void hadamard_rows(float* x, int64_t rows, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * n;
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 v = _mm256_loadu_ps(row + i);
+      v = butterfly8<4>(butterfly8<2>(butterfly8<1>(v)));
+      _mm256_storeu_ps(row + i, v);
+    }
+    for (int64_t h = 8; h < n; h <<= 1) {
+      const bool last = 2 * h == n;
+      for (int64_t i = 0; i < n; i += 2 * h) {
+        for (int64_t j = i; j < i + h; j += 8) {
+          const __m256 a = _mm256_loadu_ps(row + j);
+          const __m256 b = _mm256_loadu_ps(row + j + h);
+          __m256 sum = _mm256_add_ps(a, b);
+          __m256 difference = _mm256_sub_ps(a, b);
+          if (last) {
+            sum = _mm256_mul_ps(sum, s);
+            difference = _mm256_mul_ps(difference, s);
+          }
+          _mm256_storeu_ps(row + j, sum);
+          _mm256_storeu_ps(row + j + h, difference);
+        }
+      }
+    }
+  }
+}
 }  // namespace avx2
 #pragma GCC pop_options
 #endif
@@ -125,6 +172,11 @@ void rope_rows(const RopeArgs& a) {
 }
 
 void hadamard_rows(float* x, int64_t rows, int64_t n, float scale) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (n >= 16 && cpu_has_avx2_fma_f16c() && !cpu_forced_portable()) {
+    return avx2::hadamard_rows(x, rows, n, scale);
+  }
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x + r * n;
     for (int64_t h = 1; h < n; h <<= 1) {
