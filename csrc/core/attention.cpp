@@ -485,8 +485,8 @@ using Ops = Avx2;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx2,fma,f16c")
 
-// AVX-512: the AVX2 operations, and a value row's 4-bit codes unpacked 16 at a time (the
-// same floats).
+// AVX-512: the AVX2 operations, with 16 key rows to a vpdpbusd, all 64 channels of a value
+// group to vpdpwssd, and 16-lane exponentials (the same bits).
 struct Avx512 : Avx2 {
   // A tile's 4-bit codes laid out once for the integer dots, where several blocks of queries
   // fold the tile (a prefill chunk): each block then loads them instead of unpacking them
@@ -586,7 +586,7 @@ struct Avx512 : Avx2 {
     }
     Avx2::value_dots<count>(words, w_off, word0, rows, wq, dots);
   }
-  // Rows j and j + 1 (the last row again past the end: its weight is 0) of 64 channels from
+  // Rows j and j + 1 (past the last row, the last row again) of 64 channels from
   // word `word0` as int16 pairs, (row j, row j + 1) per channel: channels (k < 8) 2k | 32 + 2k,
   // 16 + 2k | 48 + 2k, 2k + 1 | 33 + 2k, 17 + 2k | 49 + 2k (the two 128-bit halves of each
   // unpack).
@@ -608,7 +608,11 @@ struct Avx512 : Avx2 {
     pairs[3] = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(oa, ob));
   }
   // Avx2::value_dots with all 64 channels at once, 16 to a register (vpdpwssd); the row
-  // pairs from `prepared` (prepare_values) or unpacked here.
+  // pairs from `prepared` (prepare_values) or unpacked here. For an odd `rows` below the
+  // tile's, the prepared last pair holds the next row of the tile where the unpacked one
+  // repeats row rows - 1: the dots are the same because every weight from `rows` on is 0
+  // (fold_n: `rows` is the block's most keys, and quantize_weights zeroes wq from each
+  // query's n to kTile).
   template <int count, bool from_prepared>
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))) static void
   value_dots64(const __m512i (*prepared)[4], const uint32_t* words, const int64_t* w_off, int word0,

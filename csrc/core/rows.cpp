@@ -177,6 +177,12 @@ void hadamard_rows(float* x, int64_t rows, int64_t n, float scale) {
     return avx2::hadamard_rows(x, rows, n, scale);
   }
 #endif
+  if (n == 1) {  // no butterflies: the scale alone, as MLX's transform
+    for (int64_t r = 0; r < rows; ++r) {
+      x[r] *= scale;
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* row = x + r * n;
     for (int64_t h = 1; h < n; h <<= 1) {

@@ -142,16 +142,17 @@ for fmt, queries, rep, window in (((4, 4, 64), 1, 3, 0), ((8, 4, 64), 3, 2, 100)
                                   q_heads=2 * rep, seed=queries)
     sinks = mx.array(np.linspace(-1, 1, 2 * rep).astype(np.float32))
     out.append(np.array(fused(q, paged._replace(window=window, sinks=sinks))))
-# format 2 through the pool: tails, whole and partial channel groups, 1, 5 and 17 new tokens
-# (several blocks of queries fold a tile: AVX-512 lays its codes out once)
-for count in (1, 5, 17):
-    spec = synthetic_spec(layers=1, heads=2)
+# format 2 through the pool: tails, whole and partial channel groups, 1, 5, 17 and 45 new
+# tokens (several blocks of queries fold a tile: AVX-512 lays its codes out once; 45 over
+# head dim 128: two value groups, tiles the new tokens cut short, blocks of fewer keys)
+for count, dim in ((1, 64), (5, 64), (17, 64), (45, 128)):
+    spec = synthetic_spec(layers=1, heads=2, dim=dim)
     pool = pool_for(spec, KVQuant(**V2))
     tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127])]
     for t in tables:
         t.grow(count, pool.arena.copy_rows)
     rng = np.random.default_rng(count)
-    k, v, q = (mx.array(rng.standard_normal((3, h, count, 64)).astype(np.float32))
+    k, v, q = (mx.array(rng.standard_normal((3, h, count, dim)).astype(np.float32))
                for h in (2, 2, 6))
     cache = PagedStep(pool.arena, spec, tables, count).caches[0]
     keys, values = cache.update_and_fetch(k, v)
@@ -164,8 +165,8 @@ print(_ext.build_info()["attention"])
 
 def test_every_attention_implementation_gives_the_same_bits(tmp_path):
     """AVX-512 (where the CPU has it), AVX2 and the portable lanes: the same bits on formats 1
-    and 2, 1-17 queries, 1-3 query heads per KV head, windows and sinks, tiles laid out once
-    for many queries."""
+    and 2, 1-45 queries, 1-3 query heads per KV head, windows and sinks, tiles laid out once
+    for many queries (head dims 64 and 128)."""
     results = {}
     envs = {
         "default": {},

@@ -118,7 +118,12 @@ _rows = st.integers(1, 6)
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=_rows, n=st.sampled_from([32, 64, 128]), seed=st.integers(0, 2**16), big=st.booleans())
+@given(
+    rows=_rows,
+    n=st.sampled_from([1, 16, 32, 64, 128, 256]),
+    seed=st.integers(0, 2**16),
+    big=st.booleans(),
+)
 def test_the_rotation_gives_mlx_hadamard_bits(rows, n, seed, big):
     x = np.random.default_rng(seed).standard_normal((rows, 2, n)).astype(np.float32)
     x *= 1e30 if big else 1.0
