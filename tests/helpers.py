@@ -367,3 +367,27 @@ def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=6
         None,
     )
     return pool, tables, q, paged
+
+
+def format_2_batch(window: int = 0, q_heads: int = 4):
+    """A jagged batch over format 2 tables with tails (300, 64, 127 and 5 tokens, each then
+    given 3 new ones through a pool step): (pool, queries [4, q_heads, 3, 64], PagedQuery)."""
+    from agentkv.format.quant import V2
+    from agentkv.pool.step import PagedStep
+
+    spec = synthetic_spec(layers=1, heads=2)
+    pool = pool_for(spec, KVQuant(**V2))
+    tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127, 5])]
+    for t in tables:
+        t.grow(3, pool.arena.copy_rows)
+    rng = np.random.default_rng(11)
+    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
+    step = PagedStep(pool.arena, spec, tables, 3)
+    keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
+    pool.arena.settle()
+    paged = PagedQuery(
+        tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
+        64, pool.arena.tails[0], step.plan.tail_slots,
+    )  # fmt: skip
+    return pool, q, paged

@@ -12,20 +12,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import (
-    bits_equal,
-    fill_table,
-    jagged_batch,
-    pool_for,
-    random_components,
-    synthetic_spec,
-    tiny_llama_dir,
-)
+from helpers import bits_equal, format_2_batch, jagged_batch, random_components, tiny_llama_dir
 
 from agentkv import Engine, kernels
-from agentkv.format.quant import V1, V2, KVQuant
-from agentkv.kernels import PagedQuery, RowSource, attention
-from agentkv.pool.step import PagedStep
+from agentkv.format.quant import V1, KVQuant
+from agentkv.kernels import RowSource, attention
 
 GPUS = [name for name in ("metal", "cuda") if name in kernels.available_backends()]
 pytestmark = pytest.mark.skipif(not GPUS, reason="MLX sees no GPU here (Metal or CUDA)")
@@ -105,21 +96,7 @@ def test_paged_attention_body_agrees_with_the_reference(
 
 @pytest.mark.parametrize("window,q_heads", [(0, 4), (100, 6)])
 def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
-    spec = synthetic_spec(layers=1, heads=2)
-    pool = pool_for(spec, KVQuant(**V2))
-    tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127, 5])]
-    for t in tables:
-        t.grow(3, pool.arena.copy_rows)
-    rng = np.random.default_rng(11)
-    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
-    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
-    step = PagedStep(pool.arena, spec, tables, 3)
-    keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
-    pool.arena.settle()
-    paged = PagedQuery(
-        tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
-        64, pool.arena.tails[0], step.plan.tail_slots,
-    )  # fmt: skip
+    _, q, paged = format_2_batch(window, q_heads)
     body = on(gpu, lambda: kernels.paged_attention_body(q, paged, scale=0.125))
     close(body, reference(q, paged), atol=2e-3)
 

@@ -276,25 +276,12 @@ def test_format_2_is_refused_where_it_cannot_run():
 def test_the_kernel_body_and_the_reference_read_format_2_as_the_fused_kernel_does(window, q_heads):
     """kernels/paged_attention.metal (compiled for CPU through the shim: the Metal and CUDA
     body) and the MLX reference, against the fused CPU kernel, on tables with tails."""
+    from helpers import format_2_batch
+
     from agentkv import kernels
     from agentkv.kernels.attention import paged_attention
 
-    spec = synthetic_spec(layers=1, heads=2)
-    pool = pool_for(spec)
-    lengths = [300, 64, 127, 5]
-    tables = [fill_table(pool, n, seed=i) for i, n in enumerate(lengths)]
-    for t in tables:
-        t.grow(3, pool.arena.copy_rows)
-    rng = np.random.default_rng(11)
-    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
-    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
-    step = PagedStep(pool.arena, spec, tables, 3)
-    keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
-    pool.arena.settle()
-    paged = kernels.PagedQuery(
-        tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
-        64, pool.arena.tails[0], step.plan.tail_slots,
-    )  # fmt: skip
+    _, q, paged = format_2_batch(window, q_heads)
     assert paged.quant() == V2Q
     fused = paged_attention(q, paged, scale=0.125)
     with kernels.use_backend("cpu"):
