@@ -4,7 +4,7 @@ merge, extract and ``paged_attention`` are the shared bodies kernels/*.metal com
 the extension through kernels/shim.h. Attention in production runs the fused kernels
 (``fused_paged_attention``, ``fused_cache_attention``: csrc/core/attention*), written for the
 CPU's caches and vector units; they and the shared body are held to the same reference in
-tests; kernels/README.md gives their measured difference (10-22x at decode).
+tests; kernels/README.md gives their measured difference (11-54x at decode).
 """
 
 from __future__ import annotations
