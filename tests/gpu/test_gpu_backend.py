@@ -102,13 +102,12 @@ def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
 
 
 def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
-    """A cold turn, a hot one and a batch of two agents on the GPU: attention goes through
-    the shared body (never the fused CPU kernel), and the hot turn continues the cold one."""
+    """A cold turn, a hot one and a batch of two agents on the GPU, the engine as a user makes
+    it (its warm-up included): attention goes through the shared body (never the fused CPU
+    kernel), and the hot turn continues the cold one."""
     model = tiny_llama_dir(tmp_path / "model")
     before = attention.paths_used()
-    with Engine(
-        model=str(model), cache_dir=tmp_path / "kv", pool_bytes=16 << 20, warmup=False
-    ) as eng:
+    with Engine(model=str(model), cache_dir=tmp_path / "kv", pool_bytes=16 << 20) as eng:
         prompt = [{"role": "user", "content": "List the steps of a build, one per line."}]
         cold = eng.chat("a", prompt, max_tokens=8)
         follow = prompt + [
