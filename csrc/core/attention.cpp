@@ -324,9 +324,13 @@ struct Avx2 : lanes::Avx2 {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c.xq + d),
                        inv == 0.0f ? _mm_setzero_si128() : packed);
     }
-    // xq = 256 hi + lo: lo the sign-extended low byte, hi = (xq - lo) / 256, both packed to
-    // bytes (16 channels: hi's in the low lane, lo's in the high one) and each lane's even
-    // channels put before its odd ones
+    split_codes(c, dim);
+    c.centre = centre_of(c, dim);
+  }
+  // xq = 256 hi + lo: lo the sign-extended low byte, hi = (xq - lo) / 256, both packed to
+  // bytes (16 channels: hi's in the low lane, lo's in the high one) and each lane's even
+  // channels put before its odd ones
+  static void split_codes(QueryCodes& c, int dim) {
     const __m256i evens_first =
         _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                          12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -340,7 +344,6 @@ struct Avx2 : lanes::Avx2 {
       _mm_store_si128(reinterpret_cast<__m128i*>(c.hi + d), _mm256_castsi256_si128(split));
       _mm_store_si128(reinterpret_cast<__m128i*>(c.lo + d), _mm256_extracti128_si256(split, 1));
     }
-    c.centre = centre_of(c, dim);
   }
   // Portable::key_scores, 8 rows at a time: the rows' word w side by side (`columns`), its
   // low and high nibbles as bytes, multiplied by the query's bytes in pairs (vpmaddubsw: at
@@ -499,6 +502,60 @@ struct Avx512 : Avx2 {
   static Tile& tile() {
     thread_local Tile t;
     return t;
+  }
+  // Avx2::step_of 16 lanes at a time: a maximum and the check for NaN or infinity are exact
+  // in any order (n a multiple of 8: the last 8 lanes through a masked load of zeros).
+  static float step_of(const float* x, int n, float& inv) {
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    const __m512 top = _mm512_set1_ps(std::numeric_limits<float>::max());
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 lanes = n - i >= 16 ? 0xFFFF : 0x00FF;
+      const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, x + i));
+      bad |= _mm512_cmp_ps_mask(a, top, _CMP_NLE_UQ);
+      amax = _mm512_max_ps(amax, a);
+    }
+    return code_step(
+        bad != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(amax), inv);
+  }
+  // Avx2::quantize_query with 16 lanes to a conversion (the same roundings and saturation).
+  static void quantize_query(const float* fq, int dim, QueryCodes& c) {
+    if (dim % 16 != 0) {
+      return Avx2::quantize_query(fq, dim, c);
+    }
+    float inv;
+    c.dq = step_of(fq, dim, inv);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int d = 0; d < dim; d += 16) {
+      const __m256i x =
+          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(fq + d), scale)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c.xq + d),
+                          inv == 0.0f ? _mm256_setzero_si256() : x);
+    }
+    split_codes(c, dim);
+    c.centre = centre_of(c, dim);
+  }
+  // Avx2::quantize_weights with 16 lanes to a conversion.
+  static float quantize_weights(const float* w, int n, int16_t* wq) {
+    const int padded = (n + 7) & ~7;  // w is zero from n to here (the softmax's padding)
+    float inv;
+    const float dw = step_of(w, padded, inv);
+    const __m512 scale = _mm512_set1_ps(inv);
+    int j = 0;
+    for (; j < padded && inv != 0.0f; j += 16) {
+      const __mmask16 lanes = padded - j >= 16 ? 0xFFFF : 0x00FF;
+      const __m256i x = _mm512_cvtsepi32_epi16(
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + j), scale)));
+      if (lanes == 0xFFFF) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wq + j), x);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + j), _mm256_castsi256_si128(x));
+      }
+    }
+    for (j = inv != 0.0f ? padded : 0; j < kTile; j += 8) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + j), _mm_setzero_si128());
+    }
+    return dw;
   }
   // lanes::Avx2::exp(scores - m) for the lane groups of 8 up to n, 16 lanes at a time where
   // two groups remain: every lane runs Avx2::exp's sequence (the same bits).
