@@ -102,9 +102,9 @@ def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
 
 
 def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
-    """A cold turn, a hot one and a batch of two agents on the GPU, the engine as a user makes
-    it (its warm-up included): attention goes through the shared body (never the fused CPU
-    kernel), and the hot turn continues the cold one."""
+    """A cold turn, a hot one, a batch of two agents and a sampled turn on the GPU, the engine
+    as a user makes it (its warm-up included): attention goes through the shared body (never
+    the fused CPU kernel), and the hot turn continues the cold one."""
     model = tiny_llama_dir(tmp_path / "model")
     before = attention.paths_used()
     with Engine(model=str(model), cache_dir=tmp_path / "kv", pool_bytes=16 << 20) as eng:
@@ -116,8 +116,10 @@ def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
         ]
         hot = eng.chat("a", follow, max_tokens=8)
         both = eng.chat_many([("a", follow), ("b", prompt)], max_tokens=4)
+        sampled = eng.chat("c", prompt, max_tokens=4, temperature=0.8, top_p=0.9)
     used = {k: attention.paths_used()[k] - before[k] for k in before}
     assert cold.stats.cache == "cold" and hot.stats.cache == "hot"
     assert len(cold.tokens) == len(hot.tokens) == 8
     assert [len(r.tokens) for r in both] == [4, 4]
+    assert len(sampled.tokens) == 4  # sampling (MLX's random state) on the scheduler's thread
     assert used[attention.FUSED] == 0 and used[attention.KERNEL] > 0
