@@ -1,6 +1,7 @@
 """The Engine on the real embedded model: answers, tiers, reuse, isolation, restarts."""
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def test_spec_of_the_embedded_model(engine):
     assert dataclasses.replace(spec).fingerprint == spec.fingerprint
 
 
-def test_turns_reuse_hot_then_warm(engine, monkeypatch):
+def test_turns_reuse_hot_then_warm(engine, monkeypatch, caplog):
     first = engine.chat("tiers", convo("Plan the first step."), max_tokens=16)
     assert first.stats.cache == "cold" and first.stats.reused_tokens == 0
     assert first.stats.prefill_tokens == first.stats.prompt_tokens > 256
@@ -87,14 +88,26 @@ def test_turns_reuse_hot_then_warm(engine, monkeypatch):
         return read_into(arena, agent_id, items)
 
     monkeypatch.setattr(engine.store, "read_into", counting)
-    third = engine.chat(
-        "tiers",
-        convo(
-            "Plan the first step.", "And the second?", "Third?", replies=[first.text, second.text]
-        ),
-        max_tokens=16,
-    )
+    with caplog.at_level(logging.INFO, logger="agentkv.engine"):
+        third = engine.chat(
+            "tiers",
+            convo(
+                "Plan the first step.",
+                "And the second?",
+                "Third?",
+                replies=[first.text, second.text],
+            ),
+            max_tokens=16,
+        )
     t = third.stats
+    # one line a turn in the log (agentkv serve's, at info): where its state came from and
+    # where its time went
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("turn of")]
+    assert logged == [
+        f"turn of tiers: warm, {t.reused_tokens} tokens reused, {t.prefill_tokens} prefilled; "
+        f"load {t.load_ms:.1f} ms, prefill {t.prefill_ms:.1f} ms, first token {t.ttft_ms:.1f} "
+        f"ms; {t.generated_tokens} generated at {t.decode_tps:.1f} tokens/s"
+    ]
     assert (t.cache, t.match) == ("warm", "extend")
     assert t.reused_tokens == t.stored_tokens > s.prompt_tokens and t.shared_tokens == 0
     # the load read each of the agent's stored blocks once, in one call, and nothing else

@@ -333,8 +333,15 @@ class Scheduler:
     def _finish(self, job: Job) -> None:
         try:
             job.record_fed(self.runner.token_text)
-            job.finish(self.runner.eos_ids)
+            stats = job.finish(self.runner.eos_ids).stats
             self.runner.finish(job, failed=False)
+            log.info(  # before close: a caller that waited on the turn finds it logged
+                "turn of %s: %s, %d tokens reused, %d prefilled; load %.1f ms, prefill %.1f ms, "
+                "first token %.1f ms; %d generated at %.1f tokens/s",
+                job.agent_id, stats.cache, stats.reused_tokens, stats.prefill_tokens,
+                stats.load_ms, stats.prefill_ms, stats.ttft_ms, stats.generated_tokens,
+                stats.decode_tps,
+            )  # fmt: skip
             job.close()
         except Exception as exc:
             self._fail(job, exc)
