@@ -473,15 +473,21 @@ def make_batch_invariant(model: nn.Module) -> int:
 _HEAD_AFTER_INNER = ("mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3")
 
 
+def projects_last_only(model: nn.Module) -> bool:
+    """Whether ``last_logits`` runs ``model``'s output projection on the last position alone
+    (else on every position of the chunk, then slices)."""
+    return type(model).__module__ in _HEAD_AFTER_INNER and isinstance(
+        getattr(model, "model", None), nn.Module
+    )
+
+
 def last_logits(model: nn.Module, inputs: mx.array, cache) -> mx.array:
     """The logits after each row's last token, [B, vocab]. Llama, Qwen2 and Qwen3 run their
     output projection on the last position only (a prefill chunk of L tokens otherwise
     projects all L onto the vocabulary: ~200 ms of a 512-token chunk on CPU); agentkv's
     matmuls reduce each row alone, so the logits are the same bits. Other models: their own
     call, sliced."""
-    if type(model).__module__ in _HEAD_AFTER_INNER and isinstance(
-        getattr(model, "model", None), nn.Module
-    ):
+    if projects_last_only(model):
         hidden = model.model(inputs, cache)[:, -1:, :]
         if model.args.tie_word_embeddings:
             return model.model.embed_tokens.as_linear(hidden)[:, -1, :]

@@ -21,6 +21,9 @@ MAX_TOKENS_LIMIT = 1 << 20
 # The sampling bounds every API checks against (the server's APIs import these):
 # temperature in [0, MAX_TEMPERATURE] (OpenAI's range), top_p in (0, 1].
 MAX_TEMPERATURE = 2.0
+# The longest last chunk of a prompt whose model projects every position of the chunk onto
+# the vocabulary (``mlx_adapter.projects_last_only`` false): the logits of the last alone
+# are used, so a short last chunk bounds that waste. Others take their last chunk whole.
 LAST_CHUNK_MAX = 64
 SCORES_BUDGET_BYTES = 256 << 20
 
@@ -64,14 +67,22 @@ def check_sampling(temperature: float, top_p: float) -> None:
         raise InvalidRequestError("top_p must be in (0, 1]")
 
 
-def plan_chunks(n: int, offset: int, *, max_chunk: int, query_heads: int) -> list[int]:
-    """Chunk sizes for prefilling ``n`` tokens after ``offset`` cached ones."""
+def plan_chunks(
+    n: int, offset: int, *, max_chunk: int, query_heads: int, last_max: int = LAST_CHUNK_MAX
+) -> list[int]:
+    """Chunk sizes for prefilling ``n`` tokens after ``offset`` cached ones: each at most
+    ``max_chunk`` and within the scores budget at its context, the last at most
+    ``last_max`` (``LAST_CHUNK_MAX`` up to ``max_chunk``) and at least half of
+    ``LAST_CHUNK_MAX`` unless the prompt is shorter."""
+
+    def fits(context: int) -> int:
+        return SCORES_BUDGET_BYTES // max(1, query_heads * 4 * context)
+
+    last_max = max(LAST_CHUNK_MAX, min(last_max, max_chunk, fits(offset + n)))
     sizes = []
     pos = 0
-    while n - pos > LAST_CHUNK_MAX:
-        context = offset + pos + max_chunk
-        fits = SCORES_BUDGET_BYTES // max(1, query_heads * 4 * context)
-        chunk = max(LAST_CHUNK_MAX, min(max_chunk, fits))
+    while n - pos > last_max:
+        chunk = max(LAST_CHUNK_MAX, min(max_chunk, fits(offset + pos + max_chunk)))
         chunk = min(chunk, n - pos - LAST_CHUNK_MAX // 2)
         sizes.append(chunk)
         pos += chunk

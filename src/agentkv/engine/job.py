@@ -30,7 +30,7 @@ from enum import Enum
 import mlx.core as mx
 import numpy as np
 
-from .generation import SamplingParams, StopScanner, plan_chunks
+from .generation import LAST_CHUNK_MAX, SamplingParams, StopScanner, plan_chunks
 from .results import ChatResult, TurnStats
 
 DONE = object()  # the end of a job's piece stream
@@ -125,6 +125,7 @@ class Job:
         max_chunk: int,
         query_heads: int,
         context_limit: int | None = None,
+        last_chunk: int = LAST_CHUNK_MAX,
     ) -> None:
         self.resumed = resumed
         self.state = resumed.state
@@ -133,7 +134,11 @@ class Job:
         self._eos = eos_ids
         self._sample = self.params.sampler()
         self.chunks = plan_chunks(
-            len(resumed.prefill_ids), self.state.size, max_chunk=max_chunk, query_heads=query_heads
+            len(resumed.prefill_ids),
+            self.state.size,
+            max_chunk=max_chunk,
+            query_heads=query_heads,
+            last_max=last_chunk,
         )
         if context_limit is not None:
             room = context_limit - self.state.size - len(resumed.prefill_ids)

@@ -24,6 +24,7 @@ from ..pool.step import PagedStep
 from ..store.agent_store import build_save_job
 from ..store.writer import BackgroundWriter
 from ..text.tokens import TokenText
+from .generation import LAST_CHUNK_MAX
 from .job import Job, Resumed
 from .residency import Residency
 from .resume import ReloadNeeded, Resumer
@@ -58,6 +59,10 @@ class TurnRunner:
         self.writer: BackgroundWriter = resumer.writer
         self.token_text: TokenText = resumer.token_text
         self.model = loaded.model
+        # a prompt's last chunk: whole where the head projects its last position alone
+        self.last_chunk = (
+            prefill_chunk if mlx_adapter.projects_last_only(self.model) else LAST_CHUNK_MAX
+        )
         self.tokenizer = loaded.tokenizer
         self.query_heads = loaded.query_heads
         self.context_limit = loaded.context_limit

@@ -233,6 +233,7 @@ class Scheduler:
                     tokenizer=self.runner.tokenizer,
                     eos_ids=self.runner.eos_ids,
                     max_chunk=self.runner.prefill_chunk,
+                    last_chunk=self.runner.last_chunk,
                     query_heads=self.runner.query_heads,
                     context_limit=self.runner.context_limit,
                 )
