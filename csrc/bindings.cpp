@@ -390,6 +390,28 @@ std::tuple<mx::array, mx::array, mx::array> quantize_rows_op(const mx::array& x,
   return {w, halves(scales), halves(biases)};
 }
 
+std::tuple<mx::array, mx::array, mx::array> quantize_channels_op(const mx::array& x, int bits) {
+  if (x.dtype() != mx::float16 || x.ndim() != 2 || (bits != 2 && bits != 4 && bits != 8) ||
+      x.shape(1) % x.shape(0) || x.shape(1) * bits % 32) {
+    throw std::invalid_argument(
+        "quantize_channels: float16 [tokens, dim] (dim a multiple of tokens), bits 2, 4 or 8");
+  }
+  mx::array c = mx::contiguous(x);
+  mx::eval(c);
+  const int tokens = x.shape(0);
+  const int64_t dim = x.shape(1);
+  std::vector<uint32_t> words(tokens * dim * bits / 32);
+  std::vector<uint16_t> scales(dim), biases(dim);
+  agentkv::quantize_channels(c.data<uint16_t>(), tokens, dim, bits, words.data(), scales.data(),
+                             biases.data());
+  const mx::Shape spread = {tokens, static_cast<int>(dim / tokens)};
+  auto halves = [&](std::vector<uint16_t>& v) {
+    return mx::view(mx::array(v.data(), spread, mx::uint16), mx::float16);
+  };
+  return {mx::array(words.data(), {tokens, static_cast<int>(dim * bits / 32)}, mx::uint32),
+          halves(scales), halves(biases)};
+}
+
 nb::dict build_info() {
   nb::dict info;
 #if defined(__clang__)
@@ -654,13 +676,17 @@ NB_MODULE(_ext, m) {
         "positions"_a = nb::none(), "swaps"_a = std::vector<std::shared_ptr<agentkv::KVSwapSet>>{},
         "swap_rows"_a = std::vector<int>{}, "layer"_a = -1,
         "predict"_a = std::vector<std::optional<mx::array>>{}, "predict_bits"_a = 0,
-        "predict_group"_a = 0,
+        "predict_group"_a = 0, "key_plan"_a = nb::none(), "key_counts"_a = std::vector<int64_t>{},
+        "prevs"_a = nb::none(),
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
         "csrc/ops.h.");
   m.def("hadamard_rows", &agentkv::ops::hadamard, "x"_a, "scale"_a,
         "mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's "
         "thread pool: x float32 [..., n], n a power of two.");
+  m.def("quantize_channels", &quantize_channels_op, "x"_a, "bits"_a,
+        "Format 2's per-channel key quantization of one channel group from agentkv's CPU "
+        "code (for tests): x float16 [tokens, dim] -> (words, scales, biases).");
   m.def("quantize_rows", &quantize_rows_op, "x"_a, "bits"_a, "group"_a,
         "mx.quantize's codes with float16 scales and biases from agentkv's CPU code (for "
         "tests): x float32 [..., dim] -> (words, scales, biases).");

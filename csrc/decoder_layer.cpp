@@ -8,6 +8,7 @@
 #include <mlx/mlx.h>
 #include <mlx/primitives.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -41,10 +42,11 @@ enum Input : int {
   kLengths,                         // [B] after the step
   kTailSlots,                       // [B]
   kRows,                            // [B * Hkv * L] value rows of the new tokens
-  kTailRows,                        // [B * Hkv * L] tail rows of the new keys
+  kTailRows,                        // [B * Hkv * L] tail rows of the new keys, or the key plan
   kFreqs,  // optional: rope periods; then each linear's bias, if any; then the q, k norms;
            // then, under KVSwap, each row's positions' end (lengths is then the table's);
-           // then the next layer's query weights (LayerParams::predict_at)
+           // then the next layer's query weights (LayerParams::predict_at); then the prevs
+           // (LayerParams::prevs_at) where a row completes a channel group
 };
 
 struct LayerParams {
@@ -69,6 +71,10 @@ struct LayerParams {
   // then its q bias and q norm where it has them
   int predict_at = -1, predict_bits = 0, predict_group = 0;
   int predict_bias_at = -1, predict_q_norm_at = -1;
+  // A row completes a channel group: kTailRows holds the key plan (KeyWrites), these many of
+  // each part, and the prevs are an input (written)
+  std::array<int64_t, 5> key_counts{};
+  int prevs_at = -1;
   bool operator==(const LayerParams&) const = default;
 };
 
@@ -244,6 +250,102 @@ void predict_next(const LayerParams& p, const std::vector<mx::array>& in, const 
   }
 }
 
+// Where a step's new keys go (agentkv.pool.arena.WritePlan): tail rows `direct` take the new
+// keys `direct_src` (null: all of them in order). A row that completes channel groups takes
+// its tail's rows `gather`, then every new key, as one source list: keys `group_src` (a
+// channel group's tokens after another) are quantized per channel into arena rows
+// `group_rows`, keys `rest_src` go to tail rows `rest_rows`, and each completing row's last
+// group, `prev_src`, to its prevs rows `prev_rows` (float16).
+struct KeyWrites {
+  const int32_t *direct = nullptr, *direct_src = nullptr, *gather = nullptr;
+  const int32_t *group_src = nullptr, *group_rows = nullptr, *rest_src = nullptr;
+  const int32_t *rest_rows = nullptr, *prev_src = nullptr, *prev_rows = nullptr;
+  int64_t n_direct = 0, n_gather = 0, n_group = 0, n_rest = 0, n_prev = 0;
+};
+
+KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t written) {
+  KeyWrites w;
+  const int32_t* at = rows.data<int32_t>();
+  if (p.prevs_at < 0) {
+    w.direct = at;
+    w.n_direct = written;
+    return w;
+  }
+  auto take = [&](const int32_t*& part, int64_t n) {
+    part = at;
+    at += n;
+  };
+  w.n_direct = p.key_counts[0];
+  w.n_gather = p.key_counts[1];
+  w.n_group = p.key_counts[2];
+  w.n_rest = p.key_counts[3];
+  w.n_prev = p.key_counts[4];
+  take(w.direct, w.n_direct);
+  take(w.direct_src, w.n_direct);
+  take(w.gather, w.n_gather);
+  take(w.group_src, w.n_group);
+  take(w.group_rows, w.n_group);
+  take(w.rest_src, w.n_rest);
+  take(w.rest_rows, w.n_rest);
+  take(w.prev_src, w.n_prev);
+  take(w.prev_rows, w.n_prev);
+  return w;
+}
+
+bool within(const int32_t* v, int64_t n, int64_t end) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (v[i] < 0 || v[i] >= end) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The new keys (float16 bits, [written, hd]) into the tails, the arena's key rows and the
+// prevs as `w` says (the same values as agentkv.pool.arena.KVArena.append writes).
+void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
+                const agentkv::KVView& k, uint16_t* prevs) {
+  const int64_t hd = p.head_dim, row_bytes = hd * sizeof(uint16_t);
+  auto* tail = const_cast<uint16_t*>(k.tail);
+  std::vector<uint16_t> gathered(w.n_gather * hd);  // read before anything is written
+  for (int64_t i = 0; i < w.n_gather; ++i) {
+    std::memcpy(gathered.data() + i * hd, tail + w.gather[i] * hd, row_bytes);
+  }
+  auto source = [&](int32_t s) {
+    return s < w.n_gather ? gathered.data() + s * hd : fresh + (s - w.n_gather) * hd;
+  };
+  for (int64_t i = 0; i < w.n_direct; ++i) {
+    std::memcpy(tail + w.direct[i] * hd, fresh + (w.direct_src ? w.direct_src[i] : i) * hd,
+                row_bytes);
+  }
+  const int ct = p.channel_tokens;
+  const int64_t width = hd * p.key_bits / 32, spread = hd / ct;
+  std::vector<uint16_t> group(ct * hd), scales(hd), biases(hd);
+  std::vector<uint32_t> words(ct * width);
+  auto* key_words = const_cast<uint32_t*>(k.words);
+  auto* key_scales = const_cast<uint16_t*>(k.scales);
+  auto* key_biases = const_cast<uint16_t*>(k.biases);
+  for (int64_t g = 0; g < w.n_group; g += ct) {
+    for (int t = 0; t < ct; ++t) {
+      std::memcpy(group.data() + t * hd, source(w.group_src[g + t]), row_bytes);
+    }
+    agentkv::quantize_channels(group.data(), ct, hd, p.key_bits, words.data(), scales.data(),
+                               biases.data());
+    for (int t = 0; t < ct; ++t) {
+      const int64_t row = w.group_rows[g + t];
+      std::memcpy(key_words + row * width, words.data() + t * width, width * sizeof(uint32_t));
+      std::memcpy(key_scales + row * spread, scales.data() + t * spread, spread * sizeof(uint16_t));
+      std::memcpy(key_biases + row * spread, biases.data() + t * spread, spread * sizeof(uint16_t));
+    }
+  }
+  for (int64_t i = 0; i < w.n_rest; ++i) {
+    std::memcpy(tail + w.rest_rows[i] * hd, source(w.rest_src[i]), row_bytes);
+  }
+  for (int64_t i = 0; i < w.n_prev; ++i) {
+    std::memcpy(prevs + w.prev_rows[i] * hd, source(w.prev_src[i]), row_bytes);
+  }
+}
+
 void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   const mx::array& x = in[kX];
   const int batch = x.shape(0), length = x.shape(1);
@@ -280,12 +382,20 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
     ok = paged_table_ok(a, b, blocks) && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
   }
   const int32_t* value_rows = in[kRows].data<int32_t>();
-  const int32_t* key_rows = in[kTailRows].data<int32_t>();
   const int64_t written = rows * Hkv;
-  for (int64_t i = 0; i < written && ok; ++i) {
-    ok = value_rows[i] >= 0 && value_rows[i] < arena_rows && key_rows[i] >= 0 &&
-         key_rows[i] < tail_rows;
-  }
+  const KeyWrites keys = key_writes(p, in[kTailRows], written);
+  const int64_t sources = keys.n_gather + written;
+  const int64_t prev_rows = p.prevs_at >= 0 ? in[p.prevs_at].shape(0) : 0;
+  ok = ok && within(value_rows, written, arena_rows) &&
+       within(keys.direct, keys.n_direct, tail_rows) &&
+       (!keys.direct_src || within(keys.direct_src, keys.n_direct, written)) &&
+       within(keys.gather, keys.n_gather, tail_rows) &&
+       within(keys.group_src, keys.n_group, sources) &&
+       within(keys.group_rows, keys.n_group, arena_rows) &&
+       within(keys.rest_src, keys.n_rest, sources) &&
+       within(keys.rest_rows, keys.n_rest, tail_rows) &&
+       within(keys.prev_src, keys.n_prev, sources) &&
+       within(keys.prev_rows, keys.n_prev, prev_rows);
   if (!ok) {
     std::fill_n(y, out.size(), std::numeric_limits<float>::quiet_NaN());
     return;
@@ -318,13 +428,15 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
     agentkv::hadamard_rows(vh.data(), rows * Hkv, hd, rotation);
   }
 
-  // The new keys join their tails (float16); the new values are quantized into the arena.
-  uint16_t* tail = const_cast<uint16_t*>(a.k.tail);
-  for (int64_t i = 0; i < written; ++i) {
-    for (int64_t d = 0; d < hd; ++d) {
-      tail[key_rows[i] * hd + d] = agentkv::float_to_half(kh[i * hd + d]);
-    }
+  // The new keys join their tails (float16), and complete groups are quantized into the
+  // arena; the new values are quantized into the arena.
+  std::vector<uint16_t> fresh(written * hd);
+  for (int64_t i = 0; i < written * hd; ++i) {
+    fresh[i] = agentkv::float_to_half(kh[i]);
   }
+  uint16_t* prevs =
+      p.prevs_at >= 0 ? const_cast<uint16_t*>(in[p.prevs_at].data<uint16_t>()) : nullptr;
+  write_keys(p, keys, fresh.data(), a.k, prevs);
   const int64_t word_width = hd * p.value_bits / 32, scale_width = hd / p.group;
   std::vector<uint32_t> words(written * word_width);
   std::vector<uint16_t> scales(written * scale_width), biases(written * scale_width);
@@ -425,15 +537,17 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                         const mx::array& tail, const mx::array& tables, const mx::array& lengths,
                         const mx::array& tail_slots, const mx::array& rows,
-                        const mx::array& tail_rows, int key_bits, int value_bits, int group,
-                        int channel_tokens, int block_tokens, int window, bool rotate,
+                        const std::optional<mx::array>& tail_rows, int key_bits, int value_bits,
+                        int group, int channel_tokens, int block_tokens, int window, bool rotate,
                         const std::vector<std::optional<mx::array>>& linear_biases,
                         const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
                         const std::optional<mx::array>& positions,
                         const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
                         const std::vector<int>& swap_rows, int layer,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
-                        int predict_group) {
+                        int predict_group, const std::optional<mx::array>& key_plan,
+                        const std::vector<int64_t>& key_counts,
+                        const std::optional<mx::array>& prevs) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -511,9 +625,28 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   };
   require(tables.dtype() == mx::int32 && tables.ndim() == 2 && tables.shape(0) == batch &&
               int32_vector(lengths, batch) && int32_vector(tail_slots, batch) &&
-              int32_vector(rows, writes) && int32_vector(tail_rows, writes),
+              int32_vector(rows, writes) && (!tail_rows || int32_vector(*tail_rows, writes)),
           "tables [B, blocks], lengths and tail_slots [B], rows and tail_rows [B * Hkv * L] "
           "must be int32");
+  require(
+      tail_rows.has_value() != key_plan.has_value() && key_plan.has_value() == prevs.has_value(),
+      "the new keys go to tail_rows, or (a row completing a channel group) as key_plan "
+      "says, with the prevs");
+  if (key_plan) {
+    require(key_counts.size() == 5 &&
+                std::all_of(key_counts.begin(), key_counts.end(), [](int64_t c) { return c >= 0; }),
+            "key_counts: five counts (direct, gathered, group, rest and prev rows)");
+    // direct rows and their sources, gathered rows, then sources and rows of the others
+    const int64_t n =
+        2 * key_counts[0] + key_counts[1] + 2 * (key_counts[2] + key_counts[3] + key_counts[4]);
+    require(key_counts[2] % channel_tokens == 0 && n > 0 && n < (int64_t{1} << 31) &&
+                int32_vector(*key_plan, static_cast<int>(n)),
+            "key_plan: int32 direct rows and sources, gathered rows, group sources and rows, "
+            "rest sources and rows, prev sources and rows, as many as key_counts says");
+    require(prevs->dtype() == mx::float16 && prevs->shape() == tail.shape() &&
+                prevs->flags().row_contiguous,
+            "the prevs are float16, shaped as the tail");
+  }
 
   require(linear_biases.size() == kLinears, "one bias or none for each of the seven linears");
   require(!qk_norms || (qk_norms->size() == 2 && (*qk_norms)[0].dtype() == mx::float32 &&
@@ -602,7 +735,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   in.insert(in.end(), keys.begin(), keys.end());
   in.insert(in.end(), values.begin(), values.end());
   in.push_back(tail);
-  for (const auto* a : {&tables, &lengths, &tail_slots, &rows, &tail_rows}) {
+  for (const auto* a :
+       {&tables, &lengths, &tail_slots, &rows, tail_rows ? &*tail_rows : &*key_plan}) {
     in.push_back(packed(*a, stream));
   }
   if (rope_freqs) {
@@ -641,6 +775,11 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
       p.predict_q_norm_at = static_cast<int>(in.size());
       in.push_back(packed(*predict[5], stream));
     }
+  }
+  if (prevs) {
+    p.prevs_at = static_cast<int>(in.size());
+    std::copy(key_counts.begin(), key_counts.end(), p.key_counts.begin());
+    in.push_back(*prevs);  // written in place, as the tail
   }
   return mx::array({batch, length, dim}, mx::float32,
                    std::make_shared<DecoderLayer>(stream, std::move(p)), std::move(in));

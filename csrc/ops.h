@@ -91,10 +91,14 @@ mx::array rope(const mx::array& x, int dims, bool traditional, std::optional<flo
 // bias [N] or none (Qwen2's q, k, v have one), added after its matmul; `qk_norms` (Qwen3)
 // RMS-normalizes each q and k head (weights [head dim], eps qk_eps) before RoPE. The KV
 // cache is the pool's layer arena in format 2 (per-channel keys of key_bits, values of
-// value_bits, `rotate`: stored times the Hadamard matrix) and no row may complete a channel
-// group in this step: the new values are quantized into `values` at `rows`, the new keys
-// (float16) go to `tail` at `tail_rows` (both [B * kv_heads * L], ordered batch, head,
-// token), written in place, as the pool's scatters do. Rows' positions start at
+// value_bits, `rotate`: stored times the Hadamard matrix): the new values are quantized into
+// `values` at `rows`, the new keys (float16) go to `tail` at `tail_rows` (both [B * kv_heads
+// * L], ordered batch, head, token), written in place, as the pool's scatters do. Where a row
+// completes a channel group, `key_plan` replaces tail_rows (agentkv.pool.arena.WritePlan's
+// direct rows and sources, gathered tail rows, then the sources and rows of the complete
+// groups, of the rest and of the prevs; `key_counts` of each): complete groups are quantized
+// per channel into `keys`, and each completing row's last group goes to `prevs` (float16,
+// shaped as the tail), in place. Rows' positions start at
 // lengths[b] - L, or at positions[b] - L where given (KVSwap: the tables and lengths then
 // describe what attention reads, csrc/kvswap_ops.h); each swapped row (swap_rows[i], one
 // new token) stages its groups through swaps[i] before its attention, and a row whose
@@ -111,14 +115,16 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
                         const mx::array& tail, const mx::array& tables, const mx::array& lengths,
                         const mx::array& tail_slots, const mx::array& rows,
-                        const mx::array& tail_rows, int key_bits, int value_bits, int group,
-                        int channel_tokens, int block_tokens, int window, bool rotate,
+                        const std::optional<mx::array>& tail_rows, int key_bits, int value_bits,
+                        int group, int channel_tokens, int block_tokens, int window, bool rotate,
                         const std::vector<std::optional<mx::array>>& linear_biases,
                         const std::optional<std::vector<mx::array>>& qk_norms, float qk_eps,
                         const std::optional<mx::array>& positions,
                         const std::vector<std::shared_ptr<agentkv::KVSwapSet>>& swaps,
                         const std::vector<int>& swap_rows, int layer,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
-                        int predict_group);
+                        int predict_group, const std::optional<mx::array>& key_plan = std::nullopt,
+                        const std::vector<int64_t>& key_counts = {},
+                        const std::optional<mx::array>& prevs = std::nullopt);
 
 }  // namespace agentkv::ops

@@ -244,4 +244,32 @@ void quantize_rows(const float* x, int64_t rows, int64_t dim, int bits, int grou
   }
 }
 
+void quantize_channels(const uint16_t* x, int tokens, int64_t dim, int bits, uint32_t* words,
+                       uint16_t* scales, uint16_t* biases) {
+  const auto levels = static_cast<float>((1 << bits) - 1);
+  const int per_word = 32 / bits;
+  const int64_t width = dim * bits / 32;
+  std::fill_n(words, tokens * width, 0u);
+  for (int64_t c = 0; c < dim; ++c) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int t = 0; t < tokens; ++t) {
+      const float v = half_to_float(x[t * dim + c]);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+    const uint16_t lo_half = float_to_half(lo);
+    const uint16_t scale_half = float_to_half((hi - half_to_float(lo_half)) / levels);
+    const float bias = half_to_float(lo_half), scale = half_to_float(scale_half);
+    const float divisor = scale == 0.0f ? 1.0f : scale;
+    for (int t = 0; t < tokens; ++t) {
+      float code = std::rint((half_to_float(x[t * dim + c]) - bias) / divisor);
+      code = std::min(std::max(code, 0.0f), levels);
+      words[t * width + c / per_word] |= static_cast<uint32_t>(code) << ((c % per_word) * bits);
+    }
+    scales[c] =
+        scale_half;  // [tokens, dim / tokens] row-major: channel c at row c / (dim / tokens)
+    biases[c] = lo_half;
+  }
+}
+
 }  // namespace agentkv

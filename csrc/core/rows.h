@@ -55,5 +55,13 @@ void hadamard_rows(float* x, int64_t rows, int64_t n, float scale);
 // [rows, dim / group] (float16 bits).
 void quantize_rows(const float* x, int64_t rows, int64_t dim, int bits, int group, uint32_t* words,
                    uint16_t* scales, uint16_t* biases);
+// Format 2's per-channel keys (agentkv.format.quant.quantize_channels): `tokens` rows of
+// `dim` float16 keys (x, half bits) as one channel group. Per channel c: lo = half(min),
+// scale = half((max - lo) / (2^bits - 1)), code = rint((x - lo) / (scale or 1)) clipped to
+// [0, 2^bits - 1], packed along the row lowest bits first: words [tokens, dim * bits / 32];
+// the dim scales and biases spread over the rows, dim / tokens a row: [tokens, dim / tokens]
+// (float16 bits). NaN keys give unspecified codes.
+void quantize_channels(const uint16_t* x, int tokens, int64_t dim, int bits, uint32_t* words,
+                       uint16_t* scales, uint16_t* biases);
 
 }  // namespace agentkv

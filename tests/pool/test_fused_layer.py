@@ -1,8 +1,9 @@
 """The fused decoder layer (``_ext.decoder_layer``, csrc/decoder_layer.cpp): a Llama block of
-the embedded model on a CPU decode step as one operation. It must give the same bits as the
-block's separate operations (logits, and every byte it writes into the pool), whether a step
-batches several agents or a row completes a channel group (then the step falls back), and
-its KV writes must match MLX's own (``mx.hadamard_transform``, ``mx.quantize``)."""
+the embedded model on a CPU step (decode or prefill) as one operation. It must give the same
+bits as the block's separate operations (logits, and every byte it writes into the pool),
+whether a step batches several agents or rows complete channel groups, and its KV writes
+must match MLX's own (``mx.hadamard_transform``, ``mx.quantize``,
+``quant.quantize_channels``)."""
 
 import math
 
@@ -21,19 +22,26 @@ from agentkv.pool.step import PagedStep
 
 def _decode(runner, pool, tables, reservations, tokens, *, fused):
     """One decode step of every table (a token each); (logits [B, vocab], whether it fused)."""
+    return _step(runner, pool, tables, reservations, [[t] for t in tokens], fused=fused)
+
+
+def _step(runner, pool, tables, reservations, ids, *, fused):
+    """One step of every table (``ids``: as many tokens each); (logits [B, vocab] of a
+    decode step, [B, L, vocab] of a longer one; whether it fused)."""
     for table, reservation in zip(tables, reservations):
-        table.grow(1, pool.arena.copy_rows, reservation)
-    step = PagedStep(pool.arena, runner.loaded.spec, tables, 1, fused=fused)
-    logits = runner.model(mx.array([[t] for t in tokens]), cache=step.caches)[:, -1, :]
+        table.grow(len(ids[0]), pool.arena.copy_rows, reservation)
+    step = PagedStep(pool.arena, runner.loaded.spec, tables, len(ids[0]), fused=fused)
+    logits = runner.model(mx.array(ids), cache=step.caches)
     mx.eval(logits)
     pool.arena.settle()
-    for table, t in zip(tables, tokens):
-        table.written([t])
-    return np.array(logits), step.fused
+    for table, row in zip(tables, ids):
+        table.written(row)
+    return np.array(logits[:, -1, :] if len(ids[0]) == 1 else logits), step.fused
 
 
 def _stored(pool, tables) -> list[np.ndarray]:
-    """Every byte a table's tokens hold in the pool (each layer and component), and its tail."""
+    """Every byte a table's tokens hold in the pool (each layer and component), its tail and
+    its last complete group's float16 keys (the prevs)."""
     arena = pool.arena
     out = []
     for table in tables:
@@ -43,6 +51,8 @@ def _stored(pool, tables) -> list[np.ndarray]:
                 n = complete if i < arena.key_parts else table.length
                 out.append(np.array(a[mx.array(arena.write_rows([table.blocks], [0], n))]))
         out.append(arena.read_tail(table.tail, table.length % arena.ct))
+        if table.prev_group is not None:
+            out.append(arena.read_prev(table.tail))
     return out
 
 
@@ -70,7 +80,7 @@ def test_the_fused_layer_gives_the_bits_of_the_separate_operations(engine):
     """Two copies of three agents (lengths 60, 129 and 250: channel groups complete at step 4
     of the first and step 6 of the third) decode 8 steps, batched, one copy through the
     fused layers and one through the separate operations: the same logits and bytes at
-    every step; a step where a group completes runs the separate operations in both."""
+    every step, the steps where a group completes included."""
     runner, pool = engine.runner, engine.pool
     assert all(type(b).__name__ == "CPUFusedBlock" for b in runner.model.model.layers)
     lengths = [60, 129, 250]
@@ -86,13 +96,75 @@ def test_the_fused_layer_gives_the_bits_of_the_separate_operations(engine):
         fused_steps += fused
         np.testing.assert_array_equal(a, b)
         tokens = [int(t) for t in a.argmax(axis=-1)]
-    assert fused_steps == 6
-    assert paths_used()["fused_cpu"] - before >= 6 * runner.loaded.spec.num_layers
+    assert fused_steps == 8
+    assert paths_used()["fused_cpu"] - before >= 8 * runner.loaded.spec.num_layers
     for x, y in zip(_stored(pool, fused_tables), _stored(pool, plain_tables)):
         np.testing.assert_array_equal(x, y)
     assert pool.arena.copies == 0  # the fused writes land in place
     _release(fused_tables, fused_res)
     _release(plain_tables, plain_res)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "chunks"),
+    [
+        ([1], [63, 150, 106]),  # a whole group from the tail, then groups and a rest
+        ([1664, 40], [106, 24, 1]),  # a hot turn's chunk; a row completing beside one not
+        ([63, 200, 5], [1, 70, 130]),  # one token completing a group; several groups
+    ],
+)
+def test_prefill_chunks_that_complete_channel_groups_fuse_with_the_same_bits(
+    engine, lengths, chunks
+):
+    """Rows of these lengths take chunks of these sizes, batched, one copy fused and one
+    through the separate operations: every chunk fuses, and its logits at every position
+    and every byte written (complete groups' codes, tails, prevs) are the same."""
+    runner, pool = engine.runner, engine.pool
+    rng = np.random.default_rng(sum(lengths) + sum(chunks))
+    fused_tables, fused_res = _agents(engine, lengths, seed=5)
+    plain_tables, plain_res = _agents(engine, lengths, seed=5)
+    for n in chunks:
+        ids = rng.integers(100, 30000, (len(lengths), n)).tolist()
+        a, fused = _step(runner, pool, fused_tables, fused_res, ids, fused=True)
+        b, plain = _step(runner, pool, plain_tables, plain_res, ids, fused=False)
+        assert fused and not plain
+        np.testing.assert_array_equal(a, b)
+    for x, y in zip(_stored(pool, fused_tables), _stored(pool, plain_tables), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert all(t.prev_group is not None for t in fused_tables)
+    assert pool.arena.copies == 0
+    _release(fused_tables, fused_res)
+    _release(plain_tables, plain_res)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([2, 4, 8]),
+    seed=st.integers(0, 2**16),
+    shape=st.sampled_from(["normal", "constant", "zeros", "one_big", "tiny", "halves"]),
+)
+def test_the_channel_quantization_gives_the_formats_bits(bits, seed, shape):
+    """The fused layer's per-channel key quantization (csrc/core/rows.cpp) against format 2's
+    own (``quant.quantize_channels``, MLX operations): the same codes, scales and biases."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((64, 64)) * rng.uniform(1e-3, 300)
+    if shape == "constant":
+        x[:, 7] = x[0, 7]  # one channel constant: scale 0
+    elif shape == "zeros":
+        x[:] = 0
+    elif shape == "one_big":
+        x[5, 5] = 6e4
+    elif shape == "tiny":
+        x *= 1e-6  # subnormal float16
+    elif shape == "halves":
+        x = np.round(x) / 2  # codes exactly halfway: rint's ties to even
+    keys = mx.array(x.astype(np.float16))
+    got = _ext.quantize_channels(keys, bits)
+    want = quant.quantize_channels(keys, bits, 64)
+    for have, expected in zip(got, want, strict=True):
+        np.testing.assert_array_equal(
+            np.array(have).view(np.uint8), np.array(expected).view(np.uint8)
+        )
 
 
 def test_a_row_gets_the_same_bits_from_the_fused_layer_alone_or_batched(engine):
@@ -209,6 +281,31 @@ def test_bad_layer_arguments_are_clear_errors(engine):
     bad = {**common, "rows": mx.full((3,), arena.rows, dtype=mx.int32)}
     out = _ext.decoder_layer(x, **args, **bad)
     assert np.isnan(np.array(out)).all()
+    # A key plan (a row completing a channel group): it goes with the prevs, its counts must
+    # match it, and a group row past the arena gives NaN and writes nothing.
+    prevs = arena.prevs[0]
+    counts = [0, 63, 64, 0, 64]  # gathered, group sources and rows, prev sources and rows
+    plan = np.concatenate(
+        [np.arange(63), np.arange(64), np.arange(64), np.arange(64), np.arange(64)]
+    )
+    completing = {**common, "tail_rows": None, "key_plan": mx.array(plan.astype(np.int32))}
+    with pytest.raises(ValueError, match="key_plan"):
+        _ext.decoder_layer(x, **args, **completing, key_counts=counts)
+    with pytest.raises(ValueError, match="key_counts"):
+        _ext.decoder_layer(x, **args, **completing, key_counts=counts[:4], prevs=prevs)
+    with pytest.raises(ValueError, match="key_plan"):
+        _ext.decoder_layer(x, **args, **completing, key_counts=[0, 63, 64, 0, 63], prevs=prevs)
+    plan[63 + 64 :][:64] = arena.rows  # group rows past the arena
+    before = np.array(prevs)
+    out = _ext.decoder_layer(
+        x,
+        **args,
+        **{**completing, "key_plan": mx.array(plan.astype(np.int32))},
+        key_counts=counts,
+        prevs=prevs,
+    )
+    assert np.isnan(np.array(out)).all()
+    np.testing.assert_array_equal(np.array(arena.prevs[0]), before)
 
 
 def test_the_tied_head_on_the_last_position_alone_gives_the_whole_call_s_bits(engine):

@@ -167,7 +167,8 @@ def layer_keys(model, tokenizer, spec: ModelCacheSpec, quant: KVQuant):
         for c0 in range(0, len(tokens), CHUNK):
             chunk = tokens[c0 : c0 + CHUNK]
             table.grow(len(chunk), pool.arena.copy_rows)
-            step = PagedStep(pool.arena, spec, [table], len(chunk))
+            # the separate operations: the fused layer's attention records no query
+            step = PagedStep(pool.arena, spec, [table], len(chunk), fused=False)
             for cache in step.caches:
                 cache.agentkv_attention = _recording(cache, seen[cache.layer])
             model(mx.array([chunk]), cache=step.caches)

@@ -54,6 +54,8 @@ class WritePlan:
     rows come first in a source list, then every new key; ``group_src`` picks each complete
     group's ``ct`` keys (per head, in token order) from it into arena rows ``group_rows``,
     and ``rest_src`` the keys after the last complete group into tail rows ``rest_rows``.
+    ``key_plan`` / ``key_counts``: all of it as the fused decoder layer takes it (None where
+    no row completes a group).
     """
 
     def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
@@ -103,13 +105,20 @@ class WritePlan:
                     prev_rows.extend(range(first, first + ct))
                 self.prev_groups[b] = start - r + full - ct
                 gathered += r
-        # The tail rows a completing group needs, read (and evaluated) before the step writes
-        # the tails: a scatter whose target is still read in the same graph is not in place.
-        self.gathered = None
-        if gather:
-            index = _index(gather)
-            self.gathered = [tails[index] for tails in arena.tails]
-            mx.eval(self.gathered)
+        self.key_plan, self.key_counts = None, None
+        if completing:  # the fused layer's form (csrc/ops.h, decoder_layer)
+            parts = [direct, direct_src, gather, group_src, group_rows, rest_src, rest_rows]
+            self.key_plan = mx.array(np.asarray(sum(parts + [prev_src, prev_rows], []), np.int32))
+            self.key_counts = [
+                len(direct),
+                len(gather),
+                len(group_src),
+                len(rest_src),
+                len(prev_src),
+            ]
+        self._arena = arena
+        self._gather = _index(gather)
+        self._gathered: list[mx.array] | None = None
         self.group_src = _index(group_src)
         self.group_rows = _index(group_rows)
         self.rest_src = _index(rest_src)
@@ -118,6 +127,16 @@ class WritePlan:
         self.prev_rows = _index(prev_rows)
         for table, group in zip(tables, self.prev_groups):
             table.prev_group = group  # what its previous-group rows hold after this step
+
+    @property
+    def gathered(self) -> list[mx.array] | None:
+        """Every layer's tail rows that the completing groups need (``KVArena.append``), read
+        and evaluated at first use, before the step writes any tail: a scatter whose target
+        is still read in the same graph is not in place. (The fused layer reads them itself.)"""
+        if self._gather is not None and self._gathered is None:
+            self._gathered = [tails[self._gather] for tails in self._arena.tails]
+            mx.eval(self._gathered)
+        return self._gathered
 
 
 def _index(values: list[int]) -> mx.array | None:

@@ -88,16 +88,13 @@ class PagedStep:
 
     def _fusable(self) -> bool:
         """Whether a block can run this step as one operation (``_ext.decoder_layer``): on
-        CPU, format 2 with 2/4/8-bit values, and no row completing a channel group (those
-        steps, one in 64 of a decode, take the layer's separate operations)."""
+        CPU, format 2 with 2/4/8-bit values (a row completing a channel group included)."""
         quant = self.quant
         return (
             mx.default_device() == mx.cpu
             and os.environ.get(ATTENTION_ENV) != "reference"
             and quant.channel_keys
             and quant.value_bits in (2, 4, 8)
-            and self.plan.group_src is None
-            and self.plan.direct is not None
         )
 
 
@@ -181,6 +178,14 @@ class PagedLayerCache(CacheBase):
         arena, quant, plan = step.arena, self.quant, step.plan
         # KVSwap: the next layer's query, predicted here, starts that layer's reads
         predict = layer.predict if step.reading_ahead and layer.predict is not None else {}
+        keys = {"tail_rows": plan.direct}  # where the new keys go
+        if plan.key_plan is not None:  # a row completes a channel group
+            keys = {
+                "tail_rows": None,
+                "key_plan": plan.key_plan,
+                "key_counts": plan.key_counts,
+                "prevs": arena.prevs[self.layer],
+            }
         out = _ext.decoder_layer(
             x,
             **layer.arguments,
@@ -191,7 +196,7 @@ class PagedLayerCache(CacheBase):
             lengths=step.lengths,
             tail_slots=plan.tail_slots,
             rows=plan.rows,
-            tail_rows=plan.direct,
+            **keys,
             key_bits=quant.key_bits,
             value_bits=quant.value_bits,
             group=quant.group_size,
