@@ -106,7 +106,7 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
     """
 
-def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0) -> mlx.core.array:
+def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array | None, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0, key_plan: mlx.core.array | None = None, key_counts: Sequence[int] = [], prevs: mlx.core.array | None = None) -> mlx.core.array:
     """
     One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h.
     """
@@ -114,6 +114,11 @@ def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float
 def hadamard_rows(x: mlx.core.array, scale: float) -> mlx.core.array:
     """
     mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's thread pool: x float32 [..., n], n a power of two.
+    """
+
+def quantize_channels(x: mlx.core.array, bits: int) -> tuple[mlx.core.array, mlx.core.array, mlx.core.array]:
+    """
+    Format 2's per-channel key quantization of one channel group from agentkv's CPU code (for tests): x float16 [tokens, dim] -> (words, scales, biases).
     """
 
 def quantize_rows(x: mlx.core.array, bits: int, group: int) -> tuple[mlx.core.array, mlx.core.array, mlx.core.array]:
