@@ -26,7 +26,8 @@ SIGTERM and is started again on the same cache directory.
 
 Per server: end-to-end wall time (the workflow, restart included) and its parts, TTFT p50 /
 p95 of the text turns by turn kind (first turns, later turns, each agent's first turn after
-the restart) and, for the tool-call turns, the time to the whole call (agentkv sends a call
+the restart; a reply with no output has no first token and is counted in ``empty_replies``
+instead) and, for the tool-call turns, the time to the whole call (agentkv sends a call
 once it is written; llama-cpp-python streams its arguments: the whole call is what a client
 can act on),
 decode tokens/s of the text turns (tokens after the first over the time after the first;
@@ -251,7 +252,9 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
             "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
         }
     return {
-        "ttft_ms": round(((first or done) - sent) * 1000, 1),
+        # None where nothing came back (an empty reply has no first token: its whole time
+        # would flatter whoever answers it fastest)
+        "ttft_ms": round((first - sent) * 1000, 1) if first is not None else None,
         "seconds": round(done - sent, 3),
         "ms": round((done - sent) * 1000, 1),
         "completion_tokens": counted,
@@ -273,7 +276,9 @@ def _turn(client, model, agent, messages, max_tokens, tool) -> dict:
 def _server_row(server, turns, wall, startup) -> dict:
     def spread(kind, calls, key):
         values = sorted(
-            t[key] for t in turns if t["kind"] == kind and bool(t["tool_call"]) == calls
+            t[key]
+            for t in turns
+            if t["kind"] == kind and bool(t["tool_call"]) == calls and t[key] is not None
         )
         if not values:
             return None
@@ -295,6 +300,7 @@ def _server_row(server, turns, wall, startup) -> dict:
         # send a call in one piece once it is written, as agentkv does)
         "ttft_ms": {kind: spread(kind, False, "ttft_ms") for kind in kinds},
         "tool_call_ms": {kind: spread(kind, True, "ms") for kind in kinds},
+        "empty_replies": sum(t["ttft_ms"] is None for t in turns),
         "decode_tps_p50": round(statistics.median(decode), 2) if decode else None,
         "generated_tokens": generated,
         "usage_reported": all(t["usage_reported"] for t in turns),

@@ -63,5 +63,7 @@ def test_bench_peers_runs_the_workflow_over_a_restart_and_reports_a_peer_it_cann
     asked = [t for t in turns if t["tool_asked"]]
     assert len(asked) == 2 and ours["tool_calls_made"] == 2  # every named call made
     assert ours["ttft_ms"]["first"]["n"] + ours["tool_call_ms"]["first"]["n"] == 2
+    # every turn answered something (a reply with nothing in it has no TTFT: counted apart)
+    assert ours["empty_replies"] == 0 and all(t["ttft_ms"] > 0 for t in turns)
     assert ours["peak_rss_bytes"] > 100 << 20
     assert result["summary"] == {}  # no peer ran: nothing to compare
