@@ -11,7 +11,8 @@ steps per arm, each arm's decode attention seeing the first group, the last bloc
   tail         rule, plus each dropped group as its mean value at its exact log-sum-exp
 
 Top-1 agreement with the model attending to everything, and perplexity. Slow (the float
-prefill: ~5 minutes a text on 2 cores). argv: slots (11), arms (rule,mass), texts (2)."""
+prefill: ~5 minutes a text on 2 cores). argv: slots (11), arms (rule,mass), texts (2), group
+size G (64; a finer G with slots * 64 / G keeps the same budget)."""
 
 import sys
 
@@ -23,10 +24,11 @@ from mlx_lm.models.cache import KVCache
 from agentkv.benchmarks.kv_candidates import texts
 from agentkv.model.load import load_model
 
-CONTEXT, DECODE, G, BLOCK = 8192, 128, 64, 256
+CONTEXT, DECODE, BLOCK = 8192, 128, 256
 slots = int(sys.argv[1]) if len(sys.argv) > 1 else 11
 arms = ["full"] + (sys.argv[2] if len(sys.argv) > 2 else "rule,mass").split(",")
 count = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+G = int(sys.argv[4]) if len(sys.argv) > 4 else 64
 loaded = load_model(weights="float32")
 model, mode = loaded.model, {"arm": "full"}
 
