@@ -1,5 +1,5 @@
 """Peers: one scripted multi-agent workflow, driven through the official ``openai`` SDK,
-against three real server processes on 127.0.0.1, one after another (issue 21):
+against real server processes on 127.0.0.1, one after another (issue 21):
 
 - ``agentkv``: ``agentkv serve`` on the embedded model (the default engine: 4-bit weights,
   KV format 2 on disk);
@@ -7,6 +7,10 @@ against three real server processes on 127.0.0.1, one after another (issue 21):
   agentkv home (``bench compute``'s, with the ``[server]`` extra), on the same GGUF file and
   thread count, its prompt cache on (``--cache true``, RAM: the cache its docs name; it has
   one sequence, so no slots to set);
+- ``llama.cpp-disk``: the same with its other prompt cache, on disk (``--cache_type disk``,
+  in the server's working directory, kept over the restart), so after the restart it can
+  load a stored state instead of prefilling the conversation again. Both run: which of the
+  two is llama.cpp's best depends on the turn (session T measured both);
 - ``mlx-lm``: ``mlx_lm.server`` on the same weights dequantized to float32 (agentkv's float32
   import of the GGUF, an MLX model directory), its prompt cache on (the default), the same
   OpenBLAS agentkv gives MLX (``import agentkv`` before ``mlx_lm``: nothing else of agentkv
@@ -54,7 +58,7 @@ import httpx
 from .common import emit, progress
 from .server_process import ServerProcess, free_port
 
-SERVERS = ("agentkv", "llama.cpp", "mlx-lm")
+SERVERS = ("agentkv", "llama.cpp", "llama.cpp-disk", "mlx-lm")
 ROLES = ("planner", "coder", "reviewer", "tester")
 TOOLS = [
     {
@@ -350,6 +354,8 @@ def _server(name: str, root: Path, peer: str):
         return _Agentkv(root)
     if name == "llama.cpp":
         return _LlamaCpp(root, _llama_python(peer))
+    if name == "llama.cpp-disk":
+        return _LlamaCppDisk(root, _llama_python(peer))
     if name == "mlx-lm":
         return _MlxLm(root)
     raise SystemExit(f"agentkv: error: --servers takes {', '.join(SERVERS)}, not {name!r}")
@@ -471,6 +477,7 @@ def _llama_python(peer: str) -> Path:
 
 class _LlamaCpp(_Process):
     name = "llama.cpp"
+    cache_type = "ram"
 
     def __init__(self, root: Path, python: Path):
         super().__init__(root)
@@ -491,9 +498,24 @@ class _LlamaCpp(_Process):
             "--host", "127.0.0.1", "--port", str(self.port),
             "--n_ctx", "8192",
             "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
-            "--cache", "true", "--cache_type", "ram",
+            "--cache", "true", "--cache_type", self.cache_type,
             "--verbose", "false",
         ]  # fmt: skip
+
+
+class _LlamaCppDisk(_LlamaCpp):
+    """The same server with llama-cpp-python's other prompt cache: its states on disk (the
+    server's working directory, the same before and after the restart), so it can resume a
+    conversation after a restart instead of prefilling it again."""
+
+    name = "llama.cpp-disk"
+    cache_type = "disk"
+
+    def __init__(self, root: Path, python: Path):
+        super().__init__(root, python)
+        self.configuration = self.configuration.replace(
+            "prompt cache on (RAM, 2 GiB)", "prompt cache on (disk, 2 GiB, kept over the restart)"
+        )
 
 
 class _MlxLm(_Process):

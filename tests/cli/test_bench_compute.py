@@ -38,15 +38,18 @@ def test_bench_peers_runs_the_workflow_over_a_restart_and_reports_a_peer_it_cann
 ):
     run = subprocess.run(
         [sys.executable, "-m", "agentkv.cli.main", "bench", "peers", "--servers",
-         "agentkv,llama.cpp", "--peer", "none", "--agents", "2", "--rounds", "2",
+         "agentkv,llama.cpp,llama.cpp-disk", "--peer", "none", "--agents", "2", "--rounds", "2",
          "--system-tokens", "120", "--max-tokens", "8", "--json"],
         env=python_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert (result["agents"], result["rounds"], result["restart_after_round"]) == (2, 2, 1)
-    ours, peer = result["rows"]
-    assert peer == {"server": "llama.cpp", "ran": False, "reason": "not asked for (--peer none)"}
+    ours, *peers = result["rows"]
+    assert peers == [
+        {"server": name, "ran": False, "reason": "not asked for (--peer none)"}
+        for name in ("llama.cpp", "llama.cpp-disk")
+    ]
     assert ours["server"] == "agentkv" and ours["ran"] and len(ours["startup_s"]) == 2
     turns = ours["turns"]
     assert [(t["round"], t["agent"], t["kind"]) for t in turns] == [

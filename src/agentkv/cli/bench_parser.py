@@ -70,7 +70,8 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     """One scripted multi-agent workflow (agents sharing a system prompt and three tools, each
     turn carrying the previous agent's reply, a named tool call per agent every two rounds,
     the server restarted halfway) through the official openai SDK against agentkv serve,
-    llama.cpp's server (llama-cpp-python, same GGUF and threads, prompt cache on) and
+    llama.cpp's server (llama-cpp-python, same GGUF and threads, prompt cache on: in RAM, and
+    again on disk, kept over the restart) and
     mlx_lm.server (the same weights dequantized to float32, MLX's fastest CPU path; prompt
     cache on), one after another: wall time, TTFT by turn kind, time to a whole tool call,
     decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
@@ -81,8 +82,9 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     add_count(peers, "--max-tokens", 64, "max_tokens of every turn (default 64)")
     peers.add_argument(
         "--servers",
-        default="agentkv,llama.cpp,mlx-lm",
-        help="which servers, comma-separated (default: agentkv,llama.cpp,mlx-lm)",
+        default="agentkv,llama.cpp,llama.cpp-disk,mlx-lm",
+        help="which servers, comma-separated (default: agentkv,llama.cpp,llama.cpp-disk,mlx-lm; "
+        "llama.cpp-disk: llama.cpp with its prompt cache on disk, kept over the restart)",
     )
     _add_peer(peers, " (adding its [server] extra there)")
 
