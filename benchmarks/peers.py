@@ -478,6 +478,7 @@ def _llama_python(peer: str) -> Path:
 class _LlamaCpp(_Process):
     name = "llama.cpp"
     cache_type = "ram"
+    cache_note = "RAM, 2 GiB"
 
     def __init__(self, root: Path, python: Path):
         super().__init__(root)
@@ -485,7 +486,7 @@ class _LlamaCpp(_Process):
         self.threads = os.cpu_count() or 1
         self.configuration = (
             f"llama-cpp-python server ({python.parent.parent}), the embedded GGUF, "
-            f"n_ctx 8192, {self.threads} threads, f16 KV, prompt cache on (RAM, 2 GiB), one "
+            f"n_ctx 8192, {self.threads} threads, f16 KV, prompt cache on ({self.cache_note}), one "
             "sequence (no slots in llama-cpp-python's server)"
         )
 
@@ -510,12 +511,7 @@ class _LlamaCppDisk(_LlamaCpp):
 
     name = "llama.cpp-disk"
     cache_type = "disk"
-
-    def __init__(self, root: Path, python: Path):
-        super().__init__(root, python)
-        self.configuration = self.configuration.replace(
-            "prompt cache on (RAM, 2 GiB)", "prompt cache on (disk, 2 GiB, kept over the restart)"
-        )
+    cache_note = "disk, 2 GiB, kept over the restart"
 
 
 class _MlxLm(_Process):

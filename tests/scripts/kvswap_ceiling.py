@@ -1,8 +1,8 @@
-"""How well can any choice of whole 64-token groups do at KVSwap's 1/8 budget? (benchmarks/
-RESULTS.md, session S.) The embedded model with float32 weights and float KV through mlx-lm's
-own cache; the `bench kvswap` texts at 8K: prefill 8K - 128 tokens, then 128 teacher-forced
-steps per arm, each arm's decode attention seeing the first group, the last block and
-`slots` chosen groups (11: `bench kvswap`'s 1/8), chosen from exact keys:
+"""How well can any choice of whole groups of tokens (64, or G) do at KVSwap's 1/8 budget?
+(benchmarks/RESULTS.md, sessions S and T.) The embedded model with float32 weights and float
+KV through mlx-lm's own cache; the `bench kvswap` texts at 8K: prefill 8K - 128 tokens, then
+128 teacher-forced steps per arm, each arm's decode attention seeing the first group, the last
+block and `slots` chosen groups (11: `bench kvswap`'s 1/8), chosen from exact keys:
 
   rule         agentkv's (per query head a softmax over the groups' best scores, summed)
   perhead      the same per KV head
