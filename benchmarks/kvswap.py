@@ -394,11 +394,13 @@ def _reload(pool, files, seed: int):
 
 
 def drop_page_cache(files) -> None:
-    """Drop each block file (``.path``) from the page cache, so its next reads go to disk
-    (clean pages only: a file written without fsync keeps its dirty ones)."""
+    """Drop each block file (``.path``) from the page cache, so its next reads go to disk.
+    The kernel drops clean pages only, so each file is flushed first: a page still dirty or
+    under writeback would stay and answer a "cold" read from memory."""
     for f in files:
         fd = os.open(f.path, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

@@ -500,6 +500,7 @@ nb::dict kvswap_stats(const agentkv::KVSwapSet& s) {
   d["predicted"] = st.predicted;
   d["read_ahead"] = st.read_ahead;
   d["ahead_used"] = st.ahead_used;
+  d["disk_reads"] = st.disk_reads;
   return d;
 }
 
@@ -598,6 +599,11 @@ void bind_kvswap(nb::module_& m) {
           },
           "The first layer read ahead from a query predicted in the layer before (the "
           "number of layers: none); steps read ahead only while reads go to disk.")
+      .def_prop_rw("read_ahead_always", &KVSwapSet::read_ahead_always,
+                   &KVSwapSet::set_read_ahead_always,
+                   "Read ahead from predict_from on whether or not reads go to disk (off: only "
+                   "while they do; RWF_NOWAIT decides, and storage that serves a dropped page "
+                   "within the call counts as cached).")
       .def_prop_ro(
           "reading_ahead", [](const KVSwapSet& s) { return s.predicts(s.predict_from()); },
           "Whether the next steps should read ahead (predict_from is set and a read went to "

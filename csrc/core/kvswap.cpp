@@ -650,6 +650,7 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
       if (got == kNotCached) {
         got = read_extent(e, extent_.data());
         last_disk_tick_ = tick;
+        ++stats_.disk_reads;
       }
       stats_.bytes_read += e.size;
       src = extent_.data();
@@ -696,8 +697,11 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
 
 bool KVSwapSet::predicts(int layer) const {
   // only while reads go to disk: from the page cache, reading costs less than predicting
-  return error_.empty() && layer >= predict_from_ && layer < layers_ && last_disk_tick_ > 0 &&
-         tick_ < last_disk_tick_ + static_cast<uint64_t>(kAheadSteps) * layers_;
+  if (!error_.empty() || layer < predict_from_ || layer >= layers_) {
+    return false;
+  }
+  return ahead_always_ || (last_disk_tick_ > 0 &&
+                           tick_ < last_disk_tick_ + static_cast<uint64_t>(kAheadSteps) * layers_);
 }
 
 bool KVSwapSet::predict(int layer, const float* q) {
@@ -731,6 +735,7 @@ bool KVSwapSet::predict(int layer, const float* q) {
     stats_.wait_ns += spent;
     if (!later.empty()) {
       last_disk_tick_ = tick_;
+      stats_.disk_reads += later.size();
       if (!io_) {
         io_ = std::make_unique<IoThread>();
       }

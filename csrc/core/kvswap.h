@@ -51,6 +51,7 @@ struct SwapStats {
   uint64_t predicted = 0;   // stage calls that found reads ahead for their layer
   uint64_t read_ahead = 0;  // groups read ahead (chosen from a predicted query)
   uint64_t ahead_used = 0;  // of them, groups the layer's own query chose
+  uint64_t disk_reads = 0;  // groups the page cache could not give (read from the file)
 };
 
 class IoThread;
@@ -100,7 +101,8 @@ class KVSwapSet {
   bool predict(int layer, const float* q);
   // Whether a step should read ahead for `layer`: at or above predict_from, and while
   // reads go to disk (a read in the last kAheadSteps steps missed the page cache): from the
-  // page cache, reading costs less than predicting.
+  // page cache, reading costs less than predicting. With read_ahead_always, at or above
+  // predict_from whatever the reads cost.
   bool predicts(int layer) const;
   static constexpr int kAheadSteps = 4;
   // The first layer read ahead (layers_: none, the default).
@@ -108,6 +110,15 @@ class KVSwapSet {
     return predict_from_;
   }
   void set_predict_from(int layer);
+  // Read ahead whether or not reads go to disk. Off by default: whether a read "went to
+  // disk" is RWF_NOWAIT's answer, and storage that serves a dropped page while the call
+  // waits answers "cached"; the tests pin the read-ahead path with it.
+  bool read_ahead_always() const {
+    return ahead_always_;
+  }
+  void set_read_ahead_always(bool on) {
+    ahead_always_ = on;
+  }
 
   // Which evicted group each of a layer's slots holds (-1: empty).
   const std::vector<int32_t>& slot_groups(int layer) const {
@@ -216,6 +227,7 @@ class KVSwapSet {
   std::vector<Layer> layer_state_;
   int predict_from_;
   uint64_t last_disk_tick_ = 0;  // the last stage call (tick) whose reads missed the page cache
+  bool ahead_always_ = false;
   std::unique_ptr<Ahead> ahead_;
   std::unique_ptr<IoThread> io_;
   uint64_t tick_ = 0;

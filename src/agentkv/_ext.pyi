@@ -40,6 +40,15 @@ class KVSwapSet:
     def predict_from(self, arg: int, /) -> None: ...
 
     @property
+    def read_ahead_always(self) -> bool:
+        """
+        Read ahead from predict_from on whether or not reads go to disk (off: only while they do; RWF_NOWAIT decides, and storage that serves a dropped page within the call counts as cached).
+        """
+
+    @read_ahead_always.setter
+    def read_ahead_always(self, arg: bool, /) -> None: ...
+
+    @property
     def reading_ahead(self) -> bool:
         """
         Whether the next steps should read ahead (predict_from is set and a read went to disk lately).

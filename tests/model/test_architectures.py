@@ -572,6 +572,7 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
                     query_heads=runner.loaded.query_heads,
                     staging=2,
                 )
+                swap.swapset.read_ahead_always = arm == "read ahead"
             token, steps = 11, []
             for _ in range(3):
                 if arm == "read ahead":

@@ -114,7 +114,8 @@ def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(
     projections = dataclasses.replace(_identity(loaded.spec), predict_from=predict_from)
     swap = _swapped(setup, tmp_path, evict=4, staging=4, projections=projections)
     if predict_from is not None:
-        disk_reads(swap.files)  # reads go to disk: the steps read ahead
+        swap.swapset.read_ahead_always = True  # the steps read ahead
+        disk_reads(swap.files)  # from the storage, on the I/O thread
     plain = base.fork()
     tokens = [17]
     for _ in range(3):
@@ -127,8 +128,8 @@ def test_a_buffer_holding_every_evicted_group_gives_the_in_memory_bits(
     assert stats["misses"] + stats["fills"] == pool.spec.num_layers * 4 * GROUPS_PER_BLOCK
     assert stats["bytes_read"] > 0
     assert all(swap.swapset.slot_groups(layer) == list(range(16)) for layer in range(30))
-    # the fused steps read layers 1.. ahead once a read went to disk (the channel group's
-    # step runs the separate operations, which predict nothing)
+    # the fused steps read layers 1.. ahead (the channel group's step runs the separate
+    # operations, which predict nothing)
     assert (stats["predicted"] > 0) == (predict_from is not None)
     swap.release()
     plain.release()
@@ -160,12 +161,13 @@ def test_a_swapped_row_gives_the_same_bits_alone_or_batched(setup, tmp_path):
 
 def test_reading_ahead_gives_the_same_bits(setup, tmp_path):
     """A swapped agent reading ahead (every layer from 1, its block files' pages dropped
-    before each step, so reads go to disk and run on the I/O thread) against a twin that
-    reads nothing ahead: the same logits, step by step, with groups chosen by the queries
-    (1 staging block for 4 evicted ones)."""
+    before each step, so reads go to the storage and run on the I/O thread) against a twin
+    that reads nothing ahead: the same logits, step by step, with groups chosen by the
+    queries (1 staging block for 4 evicted ones)."""
     loaded, pool, _ = setup
     projections = dataclasses.replace(_identity(loaded.spec), predict_from=1)
     ahead = _swapped(setup, tmp_path / "ahead", evict=4, staging=1, projections=projections)
+    ahead.swapset.read_ahead_always = True
     inline = _swapped(setup, tmp_path / "inline", evict=4, staging=1)
     tokens = [51]
     for _ in range(4):
@@ -179,6 +181,34 @@ def test_reading_ahead_gives_the_same_bits(setup, tmp_path):
     ahead.release()
     inline.release()
     pool.blocks.check()
+
+
+def test_steps_read_ahead_only_while_reads_go_to_disk(setup, tmp_path):
+    """Left to itself, a set reads ahead only while reads go to disk: never while every
+    group comes from the page cache (the files were just written), and from a step after a
+    read missed it. Whether a read missed is RWF_NOWAIT's answer, which storage that serves
+    a dropped page within the call gives as "cached"; where every read came back so, the
+    cold half cannot be seen and the test says so."""
+    loaded, _, _ = setup
+    projections = dataclasses.replace(_identity(loaded.spec), predict_from=1)
+    swap = _swapped(setup, tmp_path, evict=4, staging=1, projections=projections)
+    assert not swap.swapset.read_ahead_always
+    tokens = [23]
+    for _ in range(2):
+        tokens = [int(_step(setup, [swap.table], [swap], tokens)[0].argmax())]
+    warm = swap.stats()
+    assert warm["disk_reads"] == 0 and warm["predicted"] == 0
+    assert not swap.swapset.reading_ahead
+    for _ in range(3):
+        disk_reads(swap.files)
+        tokens = [int(_step(setup, [swap.table], [swap], tokens)[0].argmax())]
+    cold = swap.stats()
+    assert swap.error == ""
+    if cold["disk_reads"] == 0:
+        swap.release()
+        pytest.skip("the storage served every dropped page within its RWF_NOWAIT read")
+    assert cold["predicted"] > 0
+    swap.release()
 
 
 def _exact_ranking(keys: np.ndarray, q: np.ndarray, scale: float, groups: int) -> np.ndarray:
