@@ -15,9 +15,12 @@ block pool; docs/kvswap.md describes the mechanism.
   bytes, bytes read and reuse hit rate per token, time reading (on either thread) and
   choosing, the share of the read time hidden behind compute (``read_hidden_pct``), the
   model thread's wait for reads as a share of the step (``read_share_pct``) and the share
-  of layer steps that found reads ahead (``read_ahead_pct``). ``cold`` (first text):
-  ``cold_steps`` more steps with the swapped agents' block files dropped from the page
-  cache (``posix_fadvise(DONTNEED)``) before every step, so each miss is a disk read.
+  of layer steps that found reads ahead (``read_ahead_pct``), and the groups a token read
+  that the page cache could not give (``disk_reads_per_token``, as ``RWF_NOWAIT`` judges:
+  storage that serves a dropped page within the call counts it as cached). ``cold`` (first
+  text): ``cold_steps`` more steps with the swapped agents' block files dropped from the
+  page cache (flushed, then ``posix_fadvise(DONTNEED)``) before every step, so each miss
+  reads the storage.
 * **agents**: ``agents`` agents of ``context`` tokens (random KV written through the
   forward pass's scatters, as ``bench save``) in a pool that holds 2 of them in full.
   Swapped: all decode together in one batch, ``agent_decode`` steps. Evict and reload
@@ -354,13 +357,15 @@ class _Setup:
 def _read_figures(stats: dict, steps: int, seconds: float) -> dict:
     """Reads per token: their time (on either thread), the share of it hidden behind
     compute (read ahead while the layer before computed), the model thread's wait as a
-    share of the step, and the share of layer steps whose groups were read ahead."""
+    share of the step, the share of layer steps whose groups were read ahead, and the
+    groups the page cache could not give."""
     read, wait = stats["read_ns"], stats["wait_ns"]
     return {
         "read_ms_per_token": round(read / steps / 1e6, 2),
         "read_hidden_pct": round(max(0.0, 100 * (read - wait) / read), 1) if read else None,
         "read_share_pct": round(100 * wait / 1e9 / seconds, 1),
         "read_ahead_pct": round(100 * stats["predicted"] / max(stats["steps"], 1), 1),
+        "disk_reads_per_token": round(stats["disk_reads"] / steps, 1),
     }
 
 
