@@ -1,14 +1,16 @@
 """GGUF import: the embedded model's files, its tokenizer against llama.cpp's, a synthetic model."""
 
 import json
+import os
 
 import mlx.core as mx
 import pytest
 from helpers import DATA
 
 from agentkv.errors import ModelImportError
+from agentkv.model import gguf
 from agentkv.model.gguf import import_gguf
-from agentkv.model.load import ensure_embedded_model
+from agentkv.model.load import ensure_embedded_model, weights_identity
 
 
 def test_embedded_import_writes_an_mlx_lm_llama_directory():
@@ -120,6 +122,44 @@ def test_a_synthetic_llama_gguf_imports_and_serves(tmp_path):
             max_tokens=3,
         )
         assert again.stats.cache == "hot"
+
+
+def test_a_start_reuses_an_import_without_reading_its_unchanged_file(tmp_path, monkeypatch):
+    """The import records the file's size, mtime and inode: while they hold, a start reuses
+    it without hashing the file; a touched file is hashed once more (the same bytes: reused,
+    its new stat recorded); new bytes import again. The weights' identity (what stored
+    caches are kept under) never includes the stat, so a record from before it had one
+    names the same weights."""
+    src = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    dest = tmp_path / "tiny-model"
+    first = import_gguf(src, dest, weight_dtype="float32")
+    identity = weights_identity(dest)
+    record = json.loads((dest / gguf.IMPORT_INFO_FILE).read_text())
+    assert record[gguf.SOURCE_STAT]["size"] == src.stat().st_size
+    hashed = []
+    real = gguf.file_sha256
+    monkeypatch.setattr(gguf, "file_sha256", lambda path: hashed.append(path) or real(path))
+
+    again = import_gguf(src, dest, weight_dtype="float32")
+    assert again.reused and again.source_sha256 == first.source_sha256 and hashed == []
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, the same bytes
+    assert import_gguf(src, dest, weight_dtype="float32").reused and len(hashed) == 1
+    assert import_gguf(src, dest, weight_dtype="float32").reused and len(hashed) == 1
+    assert weights_identity(dest) == identity
+    del record[gguf.SOURCE_STAT]  # a record written before the stat was kept
+    (dest / gguf.IMPORT_INFO_FILE).write_text(json.dumps(record))
+    assert weights_identity(dest) == identity
+    assert import_gguf(src, dest, weight_dtype="float32").reused and len(hashed) == 2
+
+    with open(src, "r+b") as f:  # other bytes of the same size: a new import
+        f.seek(-4, os.SEEK_END)
+        tail = f.read(4)
+        f.seek(-4, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    changed = import_gguf(src, dest, weight_dtype="float32")
+    assert not changed.reused and changed.source_sha256 != first.source_sha256
+    assert weights_identity(dest) != identity
 
 
 def test_import_errors_are_clear(tmp_path):

@@ -30,7 +30,7 @@ from ..errors import ModelImportError
 from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
-from .gguf import import_gguf, read_import_info
+from .gguf import SOURCE_STAT, import_gguf, read_import_info
 
 EMBEDDED_NAME = embedded.NAME
 Weights = Literal["quantized", "float32"]
@@ -154,7 +154,8 @@ def resolve_model(
 def weights_identity(path: Path) -> str:
     """A stable id of a model directory's weights (content, not location)."""
     info = read_import_info(path)
-    if info is not None:
+    if info is not None:  # what was imported, not where its file lies
+        info = {k: v for k, v in info.items() if k != SOURCE_STAT}
         canonical = json.dumps(info, sort_keys=True).encode()
         return "import:" + hashlib.sha256(canonical).hexdigest()
     files = sorted(path.glob("*.safetensors"))
