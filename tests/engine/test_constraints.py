@@ -109,6 +109,40 @@ def test_eos_is_allowed_exactly_when_the_grammar_accepts(engine):
     assert done.done
 
 
+def test_greedy_argmax_is_the_masked_argmax_whether_or_not_the_best_token_is_allowed(engine):
+    """A greedy turn's grammar skips the mask where the row's own best token is allowed; the
+    token is always the argmax of the masked row: along a tool call (text, the call's
+    opening, its JSON), with random rows whose best token the grammar allows or forbids,
+    rows of ties, and EOS once the grammar accepts."""
+    tok = engine.token_text.tokenizer
+    vocab, eos = len(tok), min(engine.eos_ids)
+    auto = Constraint.tool_calls({"get_weather": WEATHER}, required=False)
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+    text += '"days": 2, "unit": "celsius"}}\n</tool_call>'
+    rng = np.random.default_rng(7)
+    grammar, twin = engine.grammars.start(auto), engine.grammars.start(auto)
+    forbidden = allowed = 0
+    for token in tok.encode(text, add_special_tokens=False) + [eos]:
+        rows = [rng.normal(0, 3, vocab).astype(np.float32) for _ in range(3)]
+        rows.append(np.zeros(vocab, np.float32))  # all tied: the first allowed index
+        favoured = rows[0].copy()
+        favoured[token] = 100.0  # the text's own next token, which the grammar allows
+        rows.append(favoured)
+        for row in rows:
+            logits = mx.array(row[None])
+            expected = int(mx.argmax(twin.mask(logits), axis=-1).item())
+            best = int(np.argmax(row))
+            ok = bool(np.array(twin.mask(logits))[0, best] == row[best])
+            forbidden, allowed = forbidden + (not ok), allowed + ok
+            assert int(grammar.argmax(logits).item()) == expected
+        if token == eos:
+            assert int(grammar.argmax(mx.array(favoured[None])).item()) == eos
+            break
+        grammar.advance(token)
+        twin.advance(token)
+    assert forbidden > 0 and allowed > 0  # both paths taken
+
+
 def test_a_reply_prefix_already_in_the_prompt_is_where_the_grammar_starts(engine):
     calls = Constraint.tool_calls({"get_weather": WEATHER})
     prefix = '<tool_call>\n{"name": "get_weather", "arguments": '

@@ -3,11 +3,13 @@
 A caller asks for a ``Constraint`` (a JSON schema, any JSON object, a regex, a Lark grammar,
 or tool calls in a format such as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``);
 the engine's ``GrammarCompiler`` turns it into a ``TokenGrammar`` for one turn. At every step
-the turn's row of logits is masked with the grammar's allowed tokens before sampling, and the
-sampled token moves the grammar on. Each row of a batched decode has its own grammar (or
-none), so constrained and free agents decode in one batch and a free agent's tokens are the
-ones it gets alone. EOS is allowed exactly when the grammar accepts, and the turn stops as
-soon as the grammar can take nothing more (``finish_reason`` ``"stop"``).
+the turn's row of logits is masked with the grammar's allowed tokens before sampling (a greedy
+turn takes the row's own argmax where the grammar allows it, the same token, and masks only
+where it does not), and the sampled token moves the grammar on. Each row of a batched decode
+has its own grammar (or none), so constrained and free agents decode in one batch and a free
+agent's tokens are the ones it gets alone. EOS is allowed exactly when the grammar accepts,
+and the turn stops as soon as the grammar can take nothing more (``finish_reason``
+``"stop"``).
 
 JSON is written the way ``json.dumps`` writes it (``", "`` and ``": "``, no other
 whitespace), so a small model cannot wander off into endless blank lines, and a tool call
@@ -297,9 +299,28 @@ class TokenGrammar:
 
     def mask(self, logits: mx.array) -> mx.array:
         """``logits`` (one row) with every token the grammar forbids set to -inf."""
+        self._compute()
+        return self._masked(logits)
+
+    def argmax(self, logits: mx.array) -> mx.array:
+        """``mx.argmax(self.mask(logits), axis=-1)``, the same token, without masking the row
+        where the row's own argmax is allowed (nearly every step): a masked argmax is the
+        first allowed index of the largest allowed value, and an allowed global argmax is
+        that index. Saves the mask's ~0.1 ms of unpacking and the ``where`` over the
+        vocabulary a token."""
+        self._compute()
+        best = mx.argmax(logits, axis=-1)
+        token = int(best.item())
+        if 0 <= token < self._bits.size * 32 and self._bits[token >> 5] >> (token & 31) & 1:
+            return best
+        return mx.argmax(self._masked(logits), axis=-1)
+
+    def _compute(self) -> None:
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
             raise GrammarError(f"the output grammar failed: {self._matcher.get_error()}")
+
+    def _masked(self, logits: mx.array) -> mx.array:
         vocab = logits.shape[-1]
         allowed = np.unpackbits(self._bits.view(np.uint8), count=vocab, bitorder="little")
         return mx.where(mx.array(allowed.view(np.bool_)), logits, -mx.inf)

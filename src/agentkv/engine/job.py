@@ -175,6 +175,8 @@ class Job:
 
     def sample(self, logits: mx.array) -> mx.array:
         if self.grammar is not None:
+            if self.params.temperature == 0.0:  # greedy: the same token, mostly unmasked
+                return self.grammar.argmax(logits)
             logits = self.grammar.mask(logits)
         return self._sample(logits)
 
