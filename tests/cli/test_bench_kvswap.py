@@ -29,7 +29,6 @@ def test_bench_kvswap_runs_every_part(python_env):
         # reading ahead never changes what is chosen: the same tokens, the same quality
         assert plain["ppl_swap"] == ahead["ppl_swap"] and plain["top1_pct"] == ahead["top1_pct"]
         assert plain["read_ahead_pct"] == 0 and plain["read_hidden_pct"] in (0, None)
-        assert plain["disk_reads_per_token"] == 0  # the files were just written: all cached
     assert cold["arm"] == "swap, cold page cache" and cold["steps"] > 0
     assert cold["read_kb_per_token"] > 0  # every step's misses read from disk
     assert cold_ahead["arm"] == "swap, reading ahead, cold page cache"
