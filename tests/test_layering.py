@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "agentkv"
 
 # Lowest first. A package may import its own modules and any package of a lower layer.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("_faults", "_quiet", "_blas", "_ext", "errors"),
+    ("_faults", "_quiet", "_blas", "_numerics", "_ext", "errors"),
     ("agent_id", "paths"),
     ("progress",),
     ("format",),

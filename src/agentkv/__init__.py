@@ -6,6 +6,7 @@ Import agentkv before mlx: on Linux it first gives MLX's CPU backend a fast BLAS
 
 from ._blas import STATUS as BLAS_STATUS  # noqa: I001  (must run before mlx.core loads)
 from . import _quiet  # noqa: F401  (drops known third-party noise before it is logged)
+from . import _numerics  # noqa: F401  (float32 matmuls in full precision, before mlx.core)
 
 import mlx.core  # noqa: F401
 

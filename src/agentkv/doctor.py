@@ -10,6 +10,7 @@ import time
 import mlx.core as mx
 
 from . import BLAS_STATUS, __version__, _ext
+from ._numerics import tf32_allowed
 from .paths import agentkv_home
 
 # MLX's bundled reference BLAS runs a float32 matmul at ~3 GFLOP/s on this class of CPU and
@@ -143,7 +144,7 @@ def report() -> dict:
         "agentkv": __version__,
         "python": sys.version.split()[0],
         "platform": f"{platform.system()} {platform.machine()}",
-        "mlx": {"version": mx.__version__, **_backend()},
+        "mlx": {"version": mx.__version__, **_backend(), "tf32": tf32_allowed()},
         "blas": {
             "in_use": BLAS_STATUS.description,
             "library": BLAS_STATUS.library,

@@ -90,6 +90,18 @@ def test_doctor_reports_the_fast_blas_and_the_extension(python_env):
     )
     assert kernels["quantized_matmul"]["weight_gbps"] > 0 and kernels["attention"]["kv_gbps"] > 0
     assert info["warnings"] == []
+    assert info["mlx"]["tf32"] is False  # agentkv's default: float32 batches keep a row's bits
+
+
+def test_float32_matmuls_stay_float32_unless_the_environment_says_otherwise(python_env):
+    code = "import os, agentkv._numerics as n; print(os.environ[n.TF32_ENV], n.tf32_allowed())"
+    env = {k: v for k, v in python_env.items() if k != "MLX_ENABLE_TF32"}
+    for value, expected in ((None, "0 False"), ("1", "1 True"), ("0", "0 False")):
+        run_env = env if value is None else dict(env, MLX_ENABLE_TF32=value)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=run_env, timeout=60
+        )
+        assert out.stdout.split("\n")[0] == expected, out.stderr
 
 
 def test_doctor_warns_when_the_preload_is_off(python_env):

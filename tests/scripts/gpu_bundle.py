@@ -9,6 +9,8 @@ its CUDA fat binary holds machine code for several GPU generations. ``--arch`` k
 keeps its layout and the zeros compress away (the bundle is ~40 MB).
 
     python tests/scripts/gpu_bundle.py .devkit   # then, there: bash tests/scripts/gpu_check.sh
+
+``.devkit/`` is git-ignored: carry it to the machine (the device tool's ``carry``).
 """
 
 from __future__ import annotations

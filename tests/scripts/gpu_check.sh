@@ -18,9 +18,13 @@ $PY -m pip install -q --no-deps --no-index /tmp/agentkv-wheel/agentkv-*.whl || e
 $PY -c "import mlx.core as mx; from agentkv import kernels; print(mx.default_device(), kernels.available_backends())" || exit 1
 export AGENTKV_TEST_TOKENIZER=$PWD/$BUNDLE/tokenizer PYTHONUNBUFFERED=1
 T="-p no:cacheprovider -v -rfE --tb=short --timeout=${TEST_TIMEOUT:-120} --timeout-method=thread"
-timeout 200 $PY -m pytest $T --junitxml="$OUT/gpu.xml" tests/gpu \
-  "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu.log" 2>&1
+# The two runs share the GPU and run side by side; the architectures split over workers
+# (first uses of MLX's CUDA kernels compile them, which is CPU work).
+timeout ${GPU_LIMIT:-300} $PY -m pytest $T --junitxml="$OUT/gpu.xml" tests/gpu \
+  "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu.log" 2>&1 &
+GPU_RUN=$!
+timeout ${ARCH_LIMIT:-360} $PY -m pytest $T -n ${ARCH_WORKERS:-6} --junitxml="$OUT/arch.xml" \
+  tests/model/test_architectures.py > "$OUT/arch.log" 2>&1 &
+wait $GPU_RUN $!  # not a bare wait: it would also wait for the tee above, which never ends
 tail -c 3000 "$OUT/gpu.log"
-timeout 300 $PY -m pytest $T --junitxml="$OUT/arch.xml" tests/model/test_architectures.py \
-  > "$OUT/arch.log" 2>&1
 tail -c 4000 "$OUT/arch.log"
