@@ -193,6 +193,25 @@ def table_arrays(pool, table, tokens: int | None = None) -> list[np.ndarray]:
     return out
 
 
+def held_kv(eng, agent: str, tokens: int) -> tuple[list[np.ndarray], int]:
+    """The agent's KV in the pool for tokens [0, tokens), every (layer, component) as
+    [heads, n, width]; and the first token its sliding layers still hold (the rows of the
+    blocks before it were handed back when the window passed them)."""
+    from agentkv.format.geometry import BLOCK_TOKENS
+
+    table = eng.residency.get(agent).table
+    arrays = table_arrays(eng.pool, table, tokens)
+    arena = eng.pool.arena
+    if arena.ct:  # format 2: the filling group's keys are the tail's, not the arena rows'
+        full = tokens // arena.ct * arena.ct
+        per_layer = len(arena.components[0])
+        arrays = [
+            a[:, :full] if i % per_layer < arena.key_parts else a for i, a in enumerate(arrays)
+        ]
+        arrays += list(arena.read_tail(table.tail, tokens - full))
+    return arrays, table.window_from * BLOCK_TOKENS
+
+
 def cache_arrays(caches: list[AgentKVCache]) -> list[np.ndarray]:
     """The same arrays from contiguous caches (``AgentStore.load_caches``)."""
     return [x[0] for c in caches for x in held_arrays(c)]

@@ -17,11 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import copy_tokenizer, table_arrays
+from helpers import copy_tokenizer, held_kv
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from agentkv import Engine, mlx_adapter
 from agentkv.cli.main import main as agentkv_main
+from agentkv.engine.drafts import ContextDrafter
 from agentkv.errors import InvalidRequestError, ModelImportError
 from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.spec import LayerKind
@@ -116,8 +117,10 @@ def arch(request, tmp_path_factory):
     return name, build_model_dir(tmp_path_factory.mktemp(name) / "model", config)
 
 
-def engine_on(model: Path, cache_dir: Path) -> Engine:
-    return Engine(model=str(model), cache_dir=cache_dir, pool_bytes=POOL_BYTES, warmup=False)
+def engine_on(model: Path, cache_dir: Path, **options) -> Engine:
+    return Engine(
+        model=str(model), cache_dir=cache_dir, pool_bytes=POOL_BYTES, warmup=False, **options
+    )
 
 
 def log_prompt(topic: str, lines: int = 36) -> list[dict]:
@@ -132,23 +135,6 @@ def follow_up(messages: list[dict], reply: str, question: str) -> list[dict]:
         {"role": "assistant", "content": reply},
         {"role": "user", "content": question},
     ]
-
-
-def held_kv(eng: Engine, agent: str, tokens: int) -> tuple[list[np.ndarray], int]:
-    """The agent's KV in the pool for tokens [0, tokens), every (layer, component) as
-    [heads, n, width]; and the first token its sliding layers still hold (the rows of the
-    blocks before it were handed back when the window passed them)."""
-    table = eng.residency.get(agent).table
-    arrays = table_arrays(eng.pool, table, tokens)
-    arena = eng.pool.arena
-    if arena.ct:  # format 2: the filling group's keys are the tail's, not the arena rows'
-        full = tokens // arena.ct * arena.ct
-        per_layer = len(arena.components[0])
-        arrays = [
-            a[:, :full] if i % per_layer < arena.key_parts else a for i, a in enumerate(arrays)
-        ]
-        arrays += list(arena.read_tail(table.tail, tokens - full))
-    return arrays, table.window_from * BLOCK_TOKENS
 
 
 def kept_rows(eng: Engine, arrays: list[np.ndarray], first: int) -> list[np.ndarray]:
@@ -223,6 +209,38 @@ def test_a_batch_equals_each_agent_alone(arch, tmp_path):
     assert [r.stats.cache for r in alone] == ["cold"] * 3
     assert len({tuple(r.tokens) for r in alone}) == 3  # the contexts matter
     assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
+def test_drafted_steps_give_the_tokens_and_kv_of_one_token_a_step(arch, tmp_path, monkeypatch):
+    """Random weights copy nothing from their context, so an oracle drafts here: the reply
+    one token a step gives, with every third draft wrong halfway (engine/drafts.py). The
+    drafted turn keeps and cuts drafts on every layer kind (sliding windows, sinks, experts)
+    and ends with the same tokens and the same KV."""
+    _, model = arch
+    messages = log_prompt("draft", 20)
+
+    def turn(name: str, **options):
+        with engine_on(model, tmp_path / name, **options) as eng:
+            result = eng.chat("d", messages, max_tokens=24)
+            return result, held_kv(eng, "d", eng.residency.get("d").size)
+
+    step, (before, first_before) = turn("step", draft_tokens=0)
+    calls = []
+
+    def oracle(self, generated, limit):
+        draft = step.tokens[len(generated) : len(generated) + min(limit, self.size)]
+        calls.append(draft)
+        if len(calls) % 3 == 0 and draft:
+            draft[len(draft) // 2] ^= 1  # a token greedy decoding does not pick
+        return draft
+
+    monkeypatch.setattr(ContextDrafter, "propose", oracle)
+    drafted, (after, first_after) = turn("drafted")
+    assert drafted.tokens == step.tokens and len(step.tokens) == 24
+    assert 0 < drafted.stats.accepted_draft_tokens < drafted.stats.draft_tokens
+    assert first_before == first_after
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

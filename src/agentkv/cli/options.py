@@ -37,6 +37,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argument type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its error for a non-integer
+    return parse
+
+
 def byte_size(text: str) -> int:
     """``2GiB``, ``512MiB``, ``1.5G``, ``1000000``: a positive number of bytes."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .. import __version__
+from ..engine.drafts import DEFAULT_DRAFT_TOKENS, MAX_DRAFT
 from .bench_parser import BENCHES
 from .options import (
     JSON_LIST,
@@ -22,6 +23,7 @@ from .options import (
     byte_size,
     command,
     common_options,
+    int_between,
     positive_int,
     with_parents,
 )
@@ -145,6 +147,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         help="with --kv-swap-budget: start each layer's reads during the layer before, from "
         "a predicted query, while reads go to disk (for slow disks; the same tokens either "
         "way)",
+    )
+    serve.add_argument(
+        "--draft-tokens",
+        type=int_between(0, MAX_DRAFT),
+        default=DEFAULT_DRAFT_TOKENS,
+        help="the most tokens a greedy turn decoding alone drafts from its context and checks "
+        f"in one step: the same tokens in fewer steps (default {DEFAULT_DRAFT_TOKENS}; 0: off)",
     )
     serve.add_argument(
         "--schedule",

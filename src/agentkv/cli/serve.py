@@ -102,6 +102,7 @@ def _engine_factory(args):
         "pool_bytes": args.pool_memory,
         "kv_swap_budget": args.kv_swap_budget,
         "kv_swap_read_ahead": args.kv_swap_read_ahead,
+        "draft_tokens": args.draft_tokens,
         "max_batch": args.max_batch,
         "max_queue": args.max_queue,
         "schedule": args.schedule,

@@ -11,6 +11,7 @@ from ..errors import InvalidRequestError
 from ..format.quant import KVQuant
 from ..model.load import WEIGHTS
 from ..text.matcher import DEFAULT_MIN_REUSE
+from .drafts import DEFAULT_DRAFT_TOKENS, MAX_DRAFT
 from .scheduler import POLICIES
 
 KV_FORMATS = (1, 2)
@@ -49,6 +50,9 @@ class EngineConfig:
     ``kv_swap_read_ahead``: with a swap budget, start each layer's reads during the layer
     before, from a predicted query, while reads go to disk (for slow disks; the same tokens
     either way; off by default: on this project's machines it costs more than it hides).
+    ``draft_tokens``: the most tokens a greedy turn decoding alone drafts from its context
+    and checks in one step (engine/drafts.py: the same tokens, fewer steps where replies
+    copy their context); 0 turns drafting off.
     """
 
     model: str | os.PathLike | None = None
@@ -69,6 +73,7 @@ class EngineConfig:
     kv_wide_layers: Sequence[int] | None = None
     kv_swap_budget: int | None = None
     kv_swap_read_ahead: bool = False
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
 
     def __post_init__(self):
         if self.weights is not None and self.weights not in WEIGHTS:
@@ -99,6 +104,9 @@ class EngineConfig:
             raise InvalidRequestError("kv_swap_read_ahead must be True or False")
         if self.kv_swap_read_ahead and budget is None:
             raise InvalidRequestError("kv_swap_read_ahead needs a kv_swap_budget")
+        draft = self.draft_tokens
+        if isinstance(draft, bool) or not isinstance(draft, int) or not 0 <= draft <= MAX_DRAFT:
+            raise InvalidRequestError(f"draft_tokens must be an integer in [0, {MAX_DRAFT}]")
         if self.kv_wide_layers is not None:  # the indices now; against the model's layers later
             wide = KVQuant(wide_layers=self.kv_wide_layers).wide_layers
             object.__setattr__(self, "kv_wide_layers", wide)

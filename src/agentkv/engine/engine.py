@@ -48,6 +48,7 @@ from ..tools import ToolFormat, tool_format
 from ..tools.render import render_prompt
 from .config import EngineConfig
 from .constraints import Constraint, GrammarCompiler
+from .drafts import DEFAULT_DRAFT_TOKENS
 from .generation import SamplingParams
 from .job import DONE, Job
 from .messages import check_salt, check_text, validate_messages
@@ -131,6 +132,7 @@ class Engine:
         weights: str | None = None,
         kv_swap_budget: int | None = None,
         kv_swap_read_ahead: bool = False,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
         options = EngineConfig(
             model=model,
@@ -151,6 +153,7 @@ class Engine:
             kv_wide_layers=kv_wide_layers,
             kv_swap_budget=kv_swap_budget,
             kv_swap_read_ahead=kv_swap_read_ahead,
+            draft_tokens=draft_tokens,
         )
         self.config = _one_config(config, options)
         # Not a bound method: the runner holds it, and a method would tie the runner back to
@@ -219,6 +222,7 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             agent_lock=self._agent_lock,
             swapper=self.swapper,
+            draft_tokens=config.draft_tokens,
         )
         self.residency.save = self.runner.save
 

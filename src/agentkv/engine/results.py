@@ -14,7 +14,9 @@ class TurnStats:
     ``stored_tokens`` is what the stored state held, ``reused_tokens`` what this
     turn did not prefill: the agent's own tokens it kept, plus ``shared_tokens`` taken
     from blocks other agents made (a shared system prompt). Whenever a hot or warm state
-    is not reused in full, ``reuse_note`` says why.
+    is not reused in full, ``reuse_note`` says why. ``draft_tokens``: tokens drafted from
+    the context and checked in the decode steps (engine/drafts.py), ``accepted_draft_tokens``
+    those kept: each saved one step.
     """
 
     cache: str
@@ -32,6 +34,8 @@ class TurnStats:
     kv_format: str
     reuse_note: str | None = None
     shared_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

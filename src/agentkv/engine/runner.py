@@ -24,6 +24,7 @@ from ..pool.step import PagedStep
 from ..store.agent_store import build_save_job
 from ..store.writer import BackgroundWriter
 from ..text.tokens import TokenText
+from .drafts import DEFAULT_DRAFT_TOKENS, ContextDrafter, room
 from .generation import LAST_CHUNK_MAX
 from .job import Job, Resumed
 from .residency import Residency
@@ -46,8 +47,10 @@ class TurnRunner:
         prefill_chunk: int,
         agent_lock: Callable[[str], threading.Lock],
         swapper: Swapper | None = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
         self.loaded = loaded
+        self.draft_tokens = draft_tokens
         self.swapper = swapper
         self.resumer = resumer
         self.eos_ids = eos_ids
@@ -110,13 +113,20 @@ class TurnRunner:
     # -- forward passes ---------------------------------------------------------------------
 
     def forward(
-        self, tables, ids: list[list[int]], *, reservations=None, logits: bool = True, swaps=None
+        self,
+        tables,
+        ids: list[list[int]],
+        *,
+        reservations=None,
+        logits: bool | str = True,
+        swaps=None,
     ):
         """Feed ``ids`` (as many per row) through the model on these block tables, growing
         each from its reservation; the logits after each row's last token, or None
         (``logits=False``: a prefill chunk that is not the last, whose output projection
-        is then never computed). ``swaps``: each row's KVSwap state or None (a row whose
-        reads failed gets NaN logits and its state's ``error``: ``check_swap``)."""
+        is then never computed), or ``logits="every"``: after each token, [B, n, vocab] (a
+        drafted step). ``swaps``: each row's KVSwap state or None (a row whose reads failed
+        gets NaN logits and its state's ``error``: ``check_swap``)."""
         count = len(ids[0])
         arena = self.pool.arena
         for table, reservation in zip(tables, reservations or [None] * len(tables)):
@@ -124,7 +134,10 @@ class TurnRunner:
         step = PagedStep(arena, self.loaded.spec, tables, count, swaps=swaps)
         last = None
         try:
-            if logits:
+            if logits == "every":
+                last = self.model(mx.array(ids), cache=step.caches)
+                mx.eval(last)
+            elif logits:
                 last = mlx_adapter.last_logits(self.model, mx.array(ids), step.caches)
                 mx.eval(last)
             else:  # the graph's KV writes run at settle; its logits are never computed
@@ -136,6 +149,18 @@ class TurnRunner:
         for table, row in zip(tables, ids):
             table.written(row)
         return last
+
+    def draft_for(self, job: Job) -> list[int]:
+        """A draft for the decoding ``job``'s next step, [] where it takes none
+        (engine/drafts.py): greedy, no KVSwap, within its channel group and its tokens."""
+        if self.draft_tokens < 1 or job.params.temperature != 0.0 or job.state.swap is not None:
+            return []
+        limit = min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1)
+        if limit < 1:
+            return []
+        if job.drafter is None:
+            job.drafter = ContextDrafter(job.state.tokens, self.draft_tokens)
+        return job.drafter.propose(job.generated, limit)
 
     # -- KVSwap -------------------------------------------------------------------------------
 

@@ -294,6 +294,9 @@ class Scheduler:
         jobs = self._decoding
         if not jobs:
             return
+        if len(jobs) == 1 and (draft := self.runner.draft_for(jobs[0])):
+            self._decode_drafted(jobs[0], draft)
+            return
         try:
             logits = self.runner.forward(
                 [j.state.table for j in jobs],
@@ -328,6 +331,35 @@ class Scheduler:
                     self._finish(job)
                 else:
                     self._fail(job, exc)
+
+    def _decode_drafted(self, job: Job, draft: list[int]) -> None:
+        """One step feeding the turn's last token and a draft (engine/drafts.py): each
+        position sampled as a step would, the draft kept while it matches, the rows of the
+        rest cut from the table."""
+        table = job.state.table
+        start = table.length
+        ids = [job.last_token, *draft]
+        over = False
+        try:
+            logits = self.runner.forward(
+                [table], [ids], reservations=[job.reservation], logits="every"
+            )[0]
+            for kept, wanted in enumerate([*draft, None]):
+                token = job.sample(logits[kept : kept + 1]).item()
+                over = job.take(token)
+                if over or token != wanted:
+                    break
+            job.drafted += len(draft)
+            job.accepted += kept
+            job.drafter.observe(len(draft), kept)
+            table.trim(start + kept + 1)  # the rows of the draft tokens not kept
+        except Exception as exc:
+            self._decoding = []
+            self._fail(job, exc)
+            return
+        if over:
+            self._decoding = []
+            self._finish(job)
 
     # -- ends ---------------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""Drafts from the context (engine/drafts.py): a greedy turn decoding alone checks several
+tokens a step, and gives the tokens, the text and the KV of decoding one token a step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import held_kv
+
+from agentkv import Constraint, Engine, InvalidRequestError
+from agentkv.cli.parser import build_parser
+from agentkv.engine.drafts import FIRST_DRAFT, ContextDrafter, room
+from agentkv.format.geometry import BLOCK_TOKENS
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+CODE = "def parse(text):\n    return [line.split(',') for line in text.splitlines()]\n"
+# (agent, messages, options): free text, code that quotes its prompt, a reply under a tool
+# grammar (auto: free text until a call starts) and a call it requires, a stop string, a reply
+# cut by max_tokens.
+TURNS = [
+    ("poem", [{"role": "user", "content": "Write a short poem about the sea."}], {}),
+    ("code", [{"role": "user", "content": CODE + "\nAdd a docstring and type hints."}], {}),
+    (
+        "tool",
+        [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        {"constraint": Constraint.tool_calls({"get_weather": WEATHER}, required=False)},
+    ),
+    (
+        "call",
+        [{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+        {"constraint": Constraint.tool_calls({"get_weather": WEATHER})},
+    ),
+    ("stop", [{"role": "user", "content": "List five sea birds."}], {"stop": ["5."]}),
+    ("short", [{"role": "user", "content": CODE + "\nRepeat the code."}], {"max_tokens": 9}),
+]
+
+
+def test_drafted_turns_give_the_tokens_text_and_kv_of_one_token_a_step(engine, tmp_path):
+    plain = Engine(cache_dir=tmp_path / "kv", draft_tokens=0)
+    drafted = kept = 0
+    try:
+        for agent, messages, options in TURNS:
+            options = {"max_tokens": 96, **options}
+            ours = engine.chat(f"draft-{agent}", messages, **options)
+            step = plain.chat(f"draft-{agent}", messages, **options)
+            assert ours.tokens == step.tokens, agent
+            assert (ours.text, ours.finish_reason, ours.stop_sequence) == (
+                step.text,
+                step.finish_reason,
+                step.stop_sequence,
+            )
+            assert step.stats.draft_tokens == 0
+            assert 0 <= ours.stats.accepted_draft_tokens <= ours.stats.draft_tokens
+            drafted += ours.stats.draft_tokens
+            kept += ours.stats.accepted_draft_tokens
+            size = engine.residency.get(f"draft-{agent}").size
+            assert size == plain.residency.get(f"draft-{agent}").size
+            for a, b in zip(
+                held_kv(engine, f"draft-{agent}", size)[0],
+                held_kv(plain, f"draft-{agent}", size)[0],
+            ):
+                np.testing.assert_array_equal(a, b)
+        # and the next turn on the drafted KV is the next turn on the stepped one
+        follow = [*TURNS[1][1], {"role": "assistant", "content": step.text}]
+        follow.append({"role": "user", "content": "Now add a test."})
+        assert (
+            engine.chat("draft-code", follow, max_tokens=48).tokens
+            == plain.chat("draft-code", follow, max_tokens=48).tokens
+        )
+    finally:
+        plain.close()
+    assert kept > 0 and drafted > kept  # drafts were kept, and some were cut
+
+
+def test_a_draft_is_what_followed_the_latest_match_of_the_longest_suffix():
+    drafter = ContextDrafter([1, 2, 3, 9, 1, 2, 3, 7, 8], most=8)
+    assert drafter.propose([1, 2, 3], limit=4) == [7, 8, 1, 2]  # [1 2 3] last seen at 4
+    assert drafter.propose([1, 2, 3], limit=1) == [7]
+    assert drafter.propose([5, 9], limit=4) == [1, 2, 3, 7]  # [5 9] never; [9] at 3
+    assert drafter.propose([6], limit=4) == []  # nowhere before
+    assert drafter.propose([], limit=4) == [] and drafter.propose([1], limit=0) == []
+    assert ContextDrafter([], most=8).propose([4], limit=4) == []
+
+
+def test_drafts_grow_while_kept_shrink_when_cut_and_pause_when_nothing_is_kept():
+    drafter = ContextDrafter(list(range(50)) * 2, most=8)
+    assert drafter.size == FIRST_DRAFT
+    drafter.observe(FIRST_DRAFT, FIRST_DRAFT)
+    assert drafter.size == 8
+    drafter.observe(8, 8)
+    assert drafter.size == 8  # never past the engine's most
+    drafter.observe(8, 2)
+    assert drafter.size == 3
+    assert len(drafter.propose([10], limit=30)) == 3
+    pauses = []
+    for _ in range(3):
+        drafter.observe(3, 0)
+        steps = 0
+        while drafter.propose([10], limit=30) == []:
+            steps += 1
+        pauses.append(steps)
+    assert pauses == [1, 3, 7] and drafter.size == 1
+    drafter.observe(1, 1)
+    drafter.observe(2, 0)
+    assert drafter.propose([10], limit=30) == []  # one miss after a kept draft: one step
+
+
+class _Table:
+    def __init__(self, length, ct):
+        self.length = length
+        self.tails = None if ct is None else type("Arena", (), {"ct": ct})()
+
+
+@pytest.mark.parametrize(
+    "length,ct,expected",
+    [(0, 32, 30), (30, 32, 0), (31, 32, -1), (32, 64, 30), (63, 64, -1), (100, None, 154)],
+)
+def test_a_draft_never_completes_a_channel_group_or_a_block(length, ct, expected):
+    # the step feeds the last token and the draft: length + 1 + draft stays inside the group
+    assert room(_Table(length, ct)) == expected
+    unit = ct or BLOCK_TOKENS
+    if expected >= 0:
+        assert (length + 1 + expected) // unit == length // unit
+
+
+def test_draft_tokens_are_checked():
+    with pytest.raises(InvalidRequestError, match="draft_tokens"):
+        Engine(draft_tokens=31)
+    with pytest.raises(InvalidRequestError, match="draft_tokens"):
+        Engine(draft_tokens=-1)
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--draft-tokens", "0"]).draft_tokens == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--draft-tokens", "31"])
