@@ -4,7 +4,8 @@ the same GGUF file and thread count (issue 20).
 Arms, run in interleaved rounds (every arm once per round, medians reported):
 
 - ``agentkv-float32``, ``agentkv-quantized``: the engine in this process, a fresh engine and
-  cache directory per round, the default KV format;
+  cache directory per round, the default KV format, drafts from the context off
+  (``draft_tokens=0``: one token a step, as llama.cpp decodes here; docs/drafts.md);
 - ``llama.cpp``, ``llama.cpp-q4``: llama-cpp-python in its own venv (``peer_llama.py``, a new
   process per round), its default f16 KV cache, and a q4_0 K/V cache with flash attention.
 
@@ -198,7 +199,7 @@ def _run_agentkv(weights: str, work: dict) -> dict:
 
     n = work["decode_tokens"]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-compute-") as tmp:
-        with Engine(cache_dir=tmp, weights=weights) as eng:
+        with Engine(cache_dir=tmp, weights=weights, draft_tokens=0) as eng:
 
             def turn(agent: str, text: str, tokens: int) -> dict:
                 result = eng.generate(agent, text, max_tokens=tokens, temperature=0.0)
