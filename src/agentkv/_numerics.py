@@ -17,7 +17,17 @@ import os
 
 TF32_ENV = "MLX_ENABLE_TF32"
 
+SET_HERE = TF32_ENV not in os.environ  # agentkv's setting, not the user's
 os.environ.setdefault(TF32_ENV, "0")
+
+
+def environ_as_found() -> dict[str, str]:
+    """The environment without agentkv's setting: for other programs (the benchmarks' peers),
+    which should run as they would without agentkv."""
+    env = dict(os.environ)
+    if SET_HERE:
+        env.pop(TF32_ENV, None)
+    return env
 
 
 def tf32_allowed() -> bool:

@@ -94,9 +94,13 @@ def test_doctor_reports_the_fast_blas_and_the_extension(python_env):
 
 
 def test_float32_matmuls_stay_float32_unless_the_environment_says_otherwise(python_env):
-    code = "import os, agentkv._numerics as n; print(os.environ[n.TF32_ENV], n.tf32_allowed())"
+    """And the benchmarks' peers get the environment as it was (``environ_as_found``)."""
+    code = (
+        "import os, agentkv._numerics as n; "
+        "print(os.environ[n.TF32_ENV], n.tf32_allowed(), n.environ_as_found().get(n.TF32_ENV))"
+    )
     env = {k: v for k, v in python_env.items() if k != "MLX_ENABLE_TF32"}
-    for value, expected in ((None, "0 False"), ("1", "1 True"), ("0", "0 False")):
+    for value, expected in ((None, "0 False None"), ("1", "1 True 1"), ("0", "0 False 0")):
         run_env = env if value is None else dict(env, MLX_ENABLE_TF32=value)
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=run_env, timeout=60

@@ -153,7 +153,8 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         type=int_between(0, MAX_DRAFT),
         default=DEFAULT_DRAFT_TOKENS,
         help="the most tokens a greedy turn decoding alone drafts from its context and checks "
-        f"in one step: the same tokens in fewer steps (default {DEFAULT_DRAFT_TOKENS}; 0: off)",
+        f"in one step: the same tokens in fewer steps (CPU; default {DEFAULT_DRAFT_TOKENS}; "
+        "0: off)",
     )
     serve.add_argument(
         "--schedule",

@@ -52,7 +52,7 @@ class EngineConfig:
     either way; off by default: on this project's machines it costs more than it hides).
     ``draft_tokens``: the most tokens a greedy turn decoding alone drafts from its context
     and checks in one step (engine/drafts.py: the same tokens, fewer steps where replies
-    copy their context); 0 turns drafting off.
+    copy their context; CPU only); 0 turns drafting off.
     """
 
     model: str | os.PathLike | None = None

@@ -15,8 +15,9 @@ One thing would differ: a cut inside a channel group whose keys were already qua
 them back dequantized (``BlockTable.trim``). So a drafted step never completes a channel group
 (nor a block): ``room`` bounds the draft to the group the step starts in.
 
-Where it runs and where not: one decoding turn (a batch's rows would need drafts of one
-length), temperature 0, no KVSwap. ``Engine(draft_tokens=0)`` turns it off.
+Where it runs and where not: on the CPU (on a GPU MLX's matmuls take other kernels by row
+count), one decoding turn (a batch's rows would need drafts of one length), temperature 0, no
+KVSwap. ``Engine(draft_tokens=0)`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..format.geometry import BLOCK_TOKENS
 
 DEFAULT_DRAFT_TOKENS = 8
-MAX_DRAFT = 30  # a step's draft stays inside one channel group (32 tokens at most)
+MAX_DRAFT = 30  # a step's draft stays inside one channel group (32 or 64 tokens): at most 30
 LONGEST_MATCH = 3  # the most trailing tokens looked up; then fewer, down to one
 FIRST_DRAFT = 4  # a turn's first draft; then sized by how its drafts fared
 MAX_PAUSE = 15  # the most steps drafting pauses after drafts that kept nothing
@@ -49,8 +50,8 @@ class ContextDrafter:
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to ``limit`` (and this turn's current size) tokens that followed the latest
-        earlier occurrence of the context's last ``LONGEST_MATCH`` tokens (or fewer, down to
-        one); [] where none, or while drafting pauses."""
+        earlier occurrence (it may overlap them) of the context's last ``LONGEST_MATCH``
+        tokens (or fewer, down to one); [] where none, or while drafting pauses."""
         if self._pause:
             self._pause -= 1
             return []

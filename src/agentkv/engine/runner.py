@@ -50,7 +50,9 @@ class TurnRunner:
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
         self.loaded = loaded
-        self.draft_tokens = draft_tokens
+        # Drafted steps give one-token steps' bits where every matmul reduces each row alone:
+        # agentkv's CPU path. MLX's GPU matmuls take other kernels by row count.
+        self.draft_tokens = draft_tokens if mx.default_device() == mx.cpu else 0
         self.swapper = swapper
         self.resumer = resumer
         self.eos_ids = eos_ids

@@ -294,9 +294,16 @@ class Scheduler:
         jobs = self._decoding
         if not jobs:
             return
-        if len(jobs) == 1 and (draft := self.runner.draft_for(jobs[0])):
-            self._decode_drafted(jobs[0], draft)
-            return
+        if len(jobs) == 1:
+            try:
+                draft = self.runner.draft_for(jobs[0])
+            except Exception as exc:  # the turn's own failure, as a step's would be
+                self._decoding = []
+                self._fail(jobs[0], exc)
+                return
+            if draft:
+                self._decode_drafted(jobs[0], draft)
+                return
         try:
             logits = self.runner.forward(
                 [j.state.table for j in jobs],
@@ -344,10 +351,14 @@ class Scheduler:
             logits = self.runner.forward(
                 [table], [ids], reservations=[job.reservation], logits="every"
             )[0]
-            for kept, wanted in enumerate([*draft, None]):
+            kept = 0  # draft tokens sampled as drafted
+            for wanted in [*draft, None]:
                 token = job.sample(logits[kept : kept + 1]).item()
                 over = job.take(token)
-                if over or token != wanted:
+                if token != wanted:
+                    break
+                kept += 1
+                if over:
                     break
             job.drafted += len(draft)
             job.accepted += kept
