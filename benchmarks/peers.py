@@ -11,6 +11,9 @@ against real server processes on 127.0.0.1, one after another (issue 21):
   in the server's working directory, kept over the restart), so after the restart it can
   load a stored state instead of prefilling the conversation again. Both run: which of the
   two is llama.cpp's best depends on the turn (session T measured both);
+- ``llama.cpp-lookup``: the RAM-cache server with its speculative decoding by prompt lookup
+  (``--draft_model prompt-lookup-decoding``, 2 tokens a draft: its README's advice for
+  CPU-only machines), the peer of agentkv's drafts from the context (docs/drafts.md);
 - ``mlx-lm``: ``mlx_lm.server`` on the same weights dequantized to float32 (agentkv's float32
   import of the GGUF, an MLX model directory), its prompt cache on (the default), the same
   OpenBLAS agentkv gives MLX (``import agentkv`` before ``mlx_lm``: nothing else of agentkv
@@ -55,10 +58,12 @@ from pathlib import Path
 
 import httpx
 
+from agentkv._numerics import environ_as_found
+
 from .common import emit, progress
 from .server_process import ServerProcess, free_port
 
-SERVERS = ("agentkv", "llama.cpp", "llama.cpp-disk", "mlx-lm")
+SERVERS = ("agentkv", "llama.cpp", "llama.cpp-disk", "llama.cpp-lookup", "mlx-lm")
 ROLES = ("planner", "coder", "reviewer", "tester")
 TOOLS = [
     {
@@ -356,6 +361,8 @@ def _server(name: str, root: Path, peer: str):
         return _LlamaCpp(root, _llama_python(peer))
     if name == "llama.cpp-disk":
         return _LlamaCppDisk(root, _llama_python(peer))
+    if name == "llama.cpp-lookup":
+        return _LlamaCppLookup(root, _llama_python(peer))
     if name == "mlx-lm":
         return _MlxLm(root)
     raise SystemExit(f"agentkv: error: --servers takes {', '.join(SERVERS)}, not {name!r}")
@@ -422,7 +429,9 @@ class _Process:
     def start(self, timeout: float = 300) -> float:
         t = time.perf_counter()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), cwd=self.root, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(
+                self.command(), cwd=self.root, env=environ_as_found(), stdout=log, stderr=log
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -500,8 +509,10 @@ class _LlamaCpp(_Process):
             "--n_ctx", "8192",
             "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
             "--cache", "true", "--cache_type", self.cache_type,
-            "--verbose", "false",
+            "--verbose", "false", *self.extra_args,
         ]  # fmt: skip
+
+    extra_args: tuple[str, ...] = ()
 
 
 class _LlamaCppDisk(_LlamaCpp):
@@ -512,6 +523,16 @@ class _LlamaCppDisk(_LlamaCpp):
     name = "llama.cpp-disk"
     cache_type = "disk"
     cache_note = "disk, 2 GiB, kept over the restart"
+
+
+class _LlamaCppLookup(_LlamaCpp):
+    """The RAM-cache server drafting by prompt lookup (``LlamaPromptLookupDecoding``): 2
+    tokens a draft, what llama-cpp-python's README advises for CPU-only machines (10, its
+    default, for GPUs)."""
+
+    name = "llama.cpp-lookup"
+    cache_note = "RAM, 2 GiB; drafts by prompt lookup, 2 tokens"
+    extra_args = ("--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "2")
 
 
 class _MlxLm(_Process):

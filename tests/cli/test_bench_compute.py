@@ -38,8 +38,9 @@ def test_bench_peers_runs_the_workflow_over_a_restart_and_reports_a_peer_it_cann
 ):
     run = subprocess.run(
         [sys.executable, "-m", "agentkv.cli.main", "bench", "peers", "--servers",
-         "agentkv,llama.cpp,llama.cpp-disk", "--peer", "none", "--agents", "2", "--rounds", "2",
-         "--system-tokens", "120", "--max-tokens", "8", "--json"],
+         "agentkv,llama.cpp,llama.cpp-disk,llama.cpp-lookup", "--peer", "none",
+         "--agents", "2", "--rounds", "2", "--system-tokens", "120", "--max-tokens", "8",
+         "--json"],
         env=python_env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
@@ -48,7 +49,7 @@ def test_bench_peers_runs_the_workflow_over_a_restart_and_reports_a_peer_it_cann
     ours, *peers = result["rows"]
     assert peers == [
         {"server": name, "ran": False, "reason": "not asked for (--peer none)"}
-        for name in ("llama.cpp", "llama.cpp-disk")
+        for name in ("llama.cpp", "llama.cpp-disk", "llama.cpp-lookup")
     ]
     assert ours["server"] == "agentkv" and ours["ran"] and len(ours["startup_s"]) == 2
     turns = ours["turns"]

@@ -82,9 +82,10 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     add_count(peers, "--max-tokens", 64, "max_tokens of every turn (default 64)")
     peers.add_argument(
         "--servers",
-        default="agentkv,llama.cpp,llama.cpp-disk,mlx-lm",
-        help="which servers, comma-separated (default: agentkv,llama.cpp,llama.cpp-disk,mlx-lm; "
-        "llama.cpp-disk: llama.cpp with its prompt cache on disk, kept over the restart)",
+        default="agentkv,llama.cpp,llama.cpp-disk,llama.cpp-lookup,mlx-lm",
+        help="which servers, comma-separated (default: agentkv,llama.cpp,llama.cpp-disk,"
+        "llama.cpp-lookup,mlx-lm; llama.cpp-disk: llama.cpp with its prompt cache on disk, "
+        "kept over the restart; llama.cpp-lookup: llama.cpp drafting by prompt lookup)",
     )
     _add_peer(peers, " (adding its [server] extra there)")
 
