@@ -3,6 +3,7 @@ tokens a step, and gives the tokens, the text and the KV of decoding one token a
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import held_kv
@@ -10,7 +11,9 @@ from helpers import held_kv
 from agentkv import Constraint, Engine, InvalidRequestError
 from agentkv.cli.parser import build_parser
 from agentkv.engine.drafts import FIRST_DRAFT, ContextDrafter, room
+from agentkv.engine.generation import SamplingParams
 from agentkv.format.geometry import BLOCK_TOKENS
+from agentkv.mlx_adapter import top_p_filter
 
 WEATHER = {
     "type": "object",
@@ -74,6 +77,38 @@ def test_drafted_turns_give_the_tokens_text_and_kv_of_one_token_a_step(engine, t
     finally:
         plain.close()
     assert kept > 0 and drafted > kept  # drafts were kept, and some were cut
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_a_drafted_position_samples_the_one_token_samplers_distribution(temperature, top_p):
+    """Speculative sampling with a one-token draft: the draft token with its probability,
+    else the rest renormalized; every token's frequency is its probability under the turn's
+    sampling, whichever token was drafted (seeded: the same draws every run)."""
+    mx.random.seed(11)
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    params = SamplingParams.create(temperature=temperature, top_p=top_p)
+    draw, n = params.draft_sampler(), 4000
+    x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    x = top_p_filter(x, top_p) if top_p < 1.0 else x
+    p = np.array(mx.softmax(x / temperature, axis=-1))[0]
+    for wanted in (5, 0, 4):  # the likeliest, a middling one, one top-p may cut
+        seen = np.bincount([draw(logits, wanted).item() for _ in range(n)], minlength=6) / n
+        assert np.all(np.abs(seen - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (wanted, seen, p)
+    greedy = SamplingParams.create().draft_sampler()
+    assert greedy(logits, 0).item() == 5
+
+
+def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
+    """At a temperature the draws differ from one token a step's, so what holds is the table:
+    after a sampled turn with drafts kept and cut, it holds exactly the agent's tokens."""
+    mx.random.seed(5)
+    messages = [{"role": "user", "content": CODE + "\nRepeat the code, then explain it."}]
+    result = engine.chat("draft-sampled", messages, max_tokens=96, temperature=0.6)
+    assert result.stats.accepted_draft_tokens > 0
+    state = engine.residency.get("draft-sampled")
+    assert state.table.length == state.size
+    fed = state.size - result.stats.prompt_tokens  # all but the last token (and an EOS)
+    assert fed in (len(result.tokens) - 1, len(result.tokens))
 
 
 def test_a_draft_is_what_followed_the_latest_match_of_the_longest_suffix():

@@ -50,9 +50,9 @@ class EngineConfig:
     ``kv_swap_read_ahead``: with a swap budget, start each layer's reads during the layer
     before, from a predicted query, while reads go to disk (for slow disks; the same tokens
     either way; off by default: on this project's machines it costs more than it hides).
-    ``draft_tokens``: the most tokens a greedy turn decoding alone drafts from its context
-    and checks in one step (engine/drafts.py: the same tokens, fewer steps where replies
-    copy their context; CPU only); 0 turns drafting off.
+    ``draft_tokens``: the most tokens a turn decoding alone drafts from its context and
+    checks in one step (engine/drafts.py: greedy, the same tokens; at a temperature, the same
+    distribution; fewer steps where replies copy their context; CPU only); 0: off.
     """
 
     model: str | os.PathLike | None = None

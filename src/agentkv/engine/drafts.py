@@ -1,14 +1,16 @@
-"""Drafts from the context: a greedy turn decoding alone checks several tokens a step.
+"""Drafts from the context: a turn decoding alone checks several tokens a step.
 
 Agents' replies copy their context: a tool's output quoted back, a file's lines, the tag that
-opened the agent's earlier replies. When one turn decodes alone and greedily, the scheduler
-looks up the reply's last few tokens earlier in the agent's context (its prompt and what it
-has generated), takes the tokens that followed their latest occurrence as a draft, and feeds
-the turn's last token and the draft in one forward pass. The draft is kept up to the first
-token greedy decoding picks otherwise, plus the token greedy decoding picks after it; the rows
-of the draft tokens not kept are cut from the agent's table.
+opened the agent's earlier replies. When one turn decodes alone, the scheduler looks up the
+reply's last few tokens earlier in the agent's context (its prompt and what it has
+generated), takes the tokens that followed their latest occurrence as a draft, and feeds the
+turn's last token and the draft in one forward pass. The draft is kept up to the first
+position that samples another token, plus the token sampled there (greedy: the argmax; at a
+temperature, speculative sampling, ``SamplingParams.draft_sampler``); the rows of the draft
+tokens not kept are cut from the agent's table.
 
-The tokens are those of decoding one step at a time, bit for bit: agentkv's matmuls reduce
+Greedy, the tokens are those of decoding one step at a time, bit for bit (at a temperature,
+their distribution is): agentkv's matmuls reduce
 each row alone, a query's attention does not depend on the chunk it arrives in, and each
 position is sampled as a step would sample it (a grammar advanced by the tokens before it).
 One thing would differ: a cut inside a channel group whose keys were already quantized puts
@@ -16,8 +18,8 @@ them back dequantized (``BlockTable.trim``). So a drafted step never completes a
 (nor a block): ``room`` bounds the draft to the group the step starts in.
 
 Where it runs and where not: on the CPU (on a GPU MLX's matmuls take other kernels by row
-count), one decoding turn (a batch's rows would need drafts of one length), temperature 0, no
-KVSwap. ``Engine(draft_tokens=0)`` turns it off.
+count), one decoding turn (a batch's rows would need drafts of one length), no KVSwap.
+``Engine(draft_tokens=0)`` turns it off.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class Job:
         self._scanner = StopScanner(params.stop)
         self._detok = None
         self._sample = None
+        self._sample_drafted = None
         self._eos: frozenset = frozenset()
 
     # -- setup ------------------------------------------------------------------
@@ -136,6 +137,7 @@ class Job:
         self._detok.reset()
         self._eos = eos_ids
         self._sample = self.params.sampler()
+        self._sample_drafted = self.params.draft_sampler()
         self.chunks = plan_chunks(
             len(resumed.prefill_ids),
             self.state.size,
@@ -182,6 +184,15 @@ class Job:
                 return self.grammar.argmax(logits)
             logits = self.grammar.mask(logits)
         return self._sample(logits)
+
+    def sample_drafted(self, logits: mx.array, wanted: int | None) -> mx.array:
+        """``sample`` at a drafted step's position, whose draft token is ``wanted`` (None: the
+        position after the draft): the same distribution (``SamplingParams.draft_sampler``)."""
+        if wanted is None or self.params.temperature == 0.0:
+            return self.sample(logits)
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
+        return self._sample_drafted(logits, wanted)
 
     def take(self, token: int) -> bool:
         """Record a generated token and stream its text; True when the turn is over."""

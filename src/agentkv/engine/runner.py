@@ -154,8 +154,8 @@ class TurnRunner:
 
     def draft_for(self, job: Job) -> list[int]:
         """A draft for the decoding ``job``'s next step, [] where it takes none
-        (engine/drafts.py): greedy, no KVSwap, within its channel group and its tokens."""
-        if self.draft_tokens < 1 or job.params.temperature != 0.0 or job.state.swap is not None:
+        (engine/drafts.py): no KVSwap, within its channel group and its tokens."""
+        if self.draft_tokens < 1 or job.state.swap is not None:
             return []
         limit = min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1)
         if limit < 1:

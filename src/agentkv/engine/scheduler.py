@@ -353,7 +353,7 @@ class Scheduler:
             )[0]
             kept = 0  # draft tokens sampled as drafted
             for wanted in [*draft, None]:
-                token = job.sample(logits[kept : kept + 1]).item()
+                token = job.sample_drafted(logits[kept : kept + 1], wanted).item()
                 over = job.take(token)
                 if token != wanted:
                     break
