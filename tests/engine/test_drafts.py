@@ -47,7 +47,7 @@ def test_drafted_turns_give_the_tokens_text_and_kv_of_one_token_a_step(engine, t
     drafted = kept = 0
     try:
         for agent, messages, options in TURNS:
-            options = {"max_tokens": 96, **options}
+            options = {"max_tokens": 64, **options}
             ours = engine.chat(f"draft-{agent}", messages, **options)
             step = plain.chat(f"draft-{agent}", messages, **options)
             assert ours.tokens == step.tokens, agent

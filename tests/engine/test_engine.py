@@ -106,7 +106,8 @@ def test_turns_reuse_hot_then_warm(engine, monkeypatch, caplog):
     assert logged == [
         f"turn of tiers: warm, {t.reused_tokens} tokens reused, {t.prefill_tokens} prefilled; "
         f"load {t.load_ms:.1f} ms, prefill {t.prefill_ms:.1f} ms, first token {t.ttft_ms:.1f} "
-        f"ms; {t.generated_tokens} generated at {t.decode_tps:.1f} tokens/s"
+        f"ms; {t.generated_tokens} generated at {t.decode_tps:.1f} tokens/s; "
+        f"{t.accepted_draft_tokens} of {t.draft_tokens} drafted kept"
     ]
     assert (t.cache, t.match) == ("warm", "extend")
     assert t.reused_tokens == t.stored_tokens > s.prompt_tokens and t.shared_tokens == 0

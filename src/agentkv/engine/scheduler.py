@@ -381,10 +381,10 @@ class Scheduler:
             self.runner.finish(job, failed=False)
             log.info(  # before close: a caller that waited on the turn finds it logged
                 "turn of %s: %s, %d tokens reused, %d prefilled; load %.1f ms, prefill %.1f ms, "
-                "first token %.1f ms; %d generated at %.1f tokens/s",
+                "first token %.1f ms; %d generated at %.1f tokens/s; %d of %d drafted kept",
                 job.agent_id, stats.cache, stats.reused_tokens, stats.prefill_tokens,
                 stats.load_ms, stats.prefill_ms, stats.ttft_ms, stats.generated_tokens,
-                stats.decode_tps,
+                stats.decode_tps, stats.accepted_draft_tokens, stats.draft_tokens,
             )  # fmt: skip
             job.close()
         except Exception as exc:
