@@ -7,6 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import held_kv
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentkv import Constraint, Engine, InvalidRequestError
 from agentkv.cli.parser import build_parser
@@ -112,13 +114,38 @@ def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
 
 
 def test_a_draft_is_what_followed_the_latest_match_of_the_longest_suffix():
-    drafter = ContextDrafter([1, 2, 3, 9, 1, 2, 3, 7, 8], most=8)
-    assert drafter.propose([1, 2, 3], limit=4) == [7, 8, 1, 2]  # [1 2 3] last seen at 4
-    assert drafter.propose([1, 2, 3], limit=1) == [7]
-    assert drafter.propose([5, 9], limit=4) == [1, 2, 3, 7]  # [5 9] never; [9] at 3
-    assert drafter.propose([6], limit=4) == []  # nowhere before
-    assert drafter.propose([], limit=4) == [] and drafter.propose([1], limit=0) == []
+    def draft(reply, limit=4):  # a turn's drafter, its reply so far
+        return ContextDrafter([1, 2, 3, 9, 1, 2, 3, 7, 8], most=8).propose(reply, limit)
+
+    assert draft([1, 2, 3]) == [7, 8, 1, 2]  # [1 2 3] last seen at 4
+    assert draft([1, 2, 3], limit=1) == [7]
+    assert draft([5, 9]) == [1, 2, 3, 7]  # [5 9] never; [9] at 3
+    assert draft([6]) == []  # nowhere before
+    assert draft([]) == [] and draft([1], limit=0) == []
     assert ContextDrafter([], most=8).propose([4], limit=4) == []
+
+
+def _latest_match(context: list[int], limit: int) -> list[int]:
+    """The draft by its definition: the tokens after the latest earlier occurrence of the
+    context's last 3 tokens, else 2, else 1 (an occurrence ends before the last token)."""
+    for n in range(min(3, len(context) - 1), 0, -1):
+        for end in range(len(context) - 2, n - 2, -1):
+            if context[end - n + 1 : end + 1] == context[-n:]:
+                return context[end + 1 : end + 1 + limit]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), max_size=40),
+    replies=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), min_size=1, max_size=8),
+)
+def test_drafts_follow_the_latest_match_step_after_step(prompt, replies):
+    drafter, generated = ContextDrafter(prompt, most=8), []
+    for tokens in replies:  # the reply grows between steps, as a turn's does
+        generated += tokens
+        drafter.size, drafter._pause = 8, 0
+        assert drafter.propose(generated, 5) == _latest_match(prompt + generated, 5)
 
 
 def test_drafts_grow_while_kept_shrink_when_cut_and_pause_when_nothing_is_kept():

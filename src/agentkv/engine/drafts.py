@@ -25,7 +25,6 @@ count), one decoding turn (a batch's rows would need drafts of one length), no K
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..format.geometry import BLOCK_TOKENS
 
@@ -44,7 +43,9 @@ class ContextDrafter:
     drafting for 1, 3, 7, 15 steps in a row."""
 
     def __init__(self, prompt: list[int], most: int):
-        self._prompt = np.asarray(prompt, dtype=np.int64)
+        self._context = np.asarray(prompt, dtype=np.int64)  # room for the reply grows in it
+        self._length = len(prompt)  # the context's tokens so far: the prompt, then the reply
+        self._prompt = len(prompt)
         self.most = most
         self.size = min(FIRST_DRAFT, most)
         self._pause = 0
@@ -53,22 +54,42 @@ class ContextDrafter:
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to ``limit`` (and this turn's current size) tokens that followed the latest
         earlier occurrence (it may overlap them) of the context's last ``LONGEST_MATCH``
-        tokens (or fewer, down to one); [] where none, or while drafting pauses."""
+        tokens (or fewer, down to one); [] where none, or while drafting pauses.
+        ``generated`` is the turn's reply so far: it only grows from call to call. One pass
+        over the context a step: the last token's earlier places, then the longer matches
+        among them."""
         if self._pause:
             self._pause -= 1
             return []
         limit = min(limit, self.size)
         if limit < 1 or not generated:
             return []
-        context = np.concatenate([self._prompt, np.asarray(generated, dtype=np.int64)])
-        for n in range(min(LONGEST_MATCH, len(context) - 1), 0, -1):
-            # every n-token window but the trailing one itself
-            windows = sliding_window_view(context[:-1], n)
-            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return context[start : start + limit].tolist()
-        return []
+        context = self._extend(generated)
+        ends = np.flatnonzero(context[:-1] == context[-1])  # where the last token was before
+        for n in range(min(LONGEST_MATCH, len(context) - 1), 1, -1):
+            ends_n = ends[ends >= n - 1]
+            match = np.ones(len(ends_n), dtype=bool)
+            for back in range(1, n):
+                match &= context[ends_n - back] == context[-1 - back]
+            if match.any():
+                ends = ends_n[match]
+                break
+        if not ends.size:
+            return []
+        start = int(ends[-1]) + 1
+        return context[start : start + limit].tolist()
+
+    def _extend(self, generated: list[int]) -> np.ndarray:
+        """The context: the prompt, then ``generated`` (which only grows within a turn)."""
+        length = self._prompt + len(generated)
+        if length > len(self._context):
+            grown = np.empty(max(length, 2 * len(self._context), 64), dtype=np.int64)
+            grown[: self._length] = self._context[: self._length]
+            self._context = grown
+        new = generated[self._length - self._prompt :]
+        self._context[self._length : length] = new
+        self._length = length
+        return self._context[:length]
 
     def observe(self, drafted: int, kept: int) -> None:
         """How a step's draft of ``drafted`` tokens fared: ``kept`` of them matched."""
