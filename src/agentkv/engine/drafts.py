@@ -10,9 +10,9 @@ temperature, speculative sampling, ``SamplingParams.draft_sampler``); the rows o
 tokens not kept are cut from the agent's table.
 
 Greedy, the tokens are those of decoding one step at a time, bit for bit (at a temperature,
-their distribution is): agentkv's matmuls reduce
-each row alone, a query's attention does not depend on the chunk it arrives in, and each
-position is sampled as a step would sample it (a grammar advanced by the tokens before it).
+their distribution is): agentkv's matmuls reduce each row alone, a query's attention does not
+depend on the chunk it arrives in, and each position is sampled as a step would sample it (a
+grammar advanced by the tokens before it).
 One thing would differ: a cut inside a channel group whose keys were already quantized puts
 them back dequantized (``BlockTable.trim``). So a drafted step never completes a channel group
 (nor a block): ``room`` bounds the draft to the group the step starts in.
@@ -50,6 +50,8 @@ class ContextDrafter:
         self.size = min(FIRST_DRAFT, most)
         self._pause = 0
         self._misses = 0
+        self.drafted = 0  # draft tokens fed this turn, and those kept (TurnStats)
+        self.kept = 0
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to ``limit`` (and this turn's current size) tokens that followed the latest
@@ -93,6 +95,8 @@ class ContextDrafter:
 
     def observe(self, drafted: int, kept: int) -> None:
         """How a step's draft of ``drafted`` tokens fared: ``kept`` of them matched."""
+        self.drafted += drafted
+        self.kept += kept
         if kept == drafted:
             self.size = min(self.size * 2, self.most)
         else:

@@ -101,9 +101,7 @@ class Job:
         self.fed_prompt = 0
         self.generated: list[int] = []
         self.last_token: int | None = None
-        self.drafter = None  # a ContextDrafter, made at the turn's first drafted step
-        self.drafted = 0  # draft tokens fed (engine/drafts.py), and those kept
-        self.accepted = 0
+        self.drafter = None  # a ContextDrafter (engine/drafts.py), made at its first draft
         self.finish_reason = "length"
         self.max_new = params.max_tokens
         self.text = ""
@@ -279,8 +277,8 @@ class Job:
             kv_format=self.state.quant.label,
             reuse_note=r.note,
             shared_tokens=r.shared_tokens,
-            draft_tokens=self.drafted,
-            accepted_draft_tokens=self.accepted,
+            draft_tokens=self.drafter.drafted if self.drafter else 0,
+            accepted_draft_tokens=self.drafter.kept if self.drafter else 0,
         )
         visible = [t for t in self.generated if t not in eos_ids]
         self.result = ChatResult(

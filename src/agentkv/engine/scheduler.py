@@ -360,8 +360,6 @@ class Scheduler:
                 kept += 1
                 if over:
                     break
-            job.drafted += len(draft)
-            job.accepted += kept
             job.drafter.observe(len(draft), kept)
             table.trim(start + kept + 1)  # the rows of the draft tokens not kept
         except Exception as exc:
