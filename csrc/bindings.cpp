@@ -655,8 +655,10 @@ NB_MODULE(_ext, m) {
       "Drop every cached segment mapping (the next loads map their files again).");
   m.def("kernel_paged_attention", &agentkv::kernels::paged_attention, "q"_a, "keys"_a, "values"_a,
         "tables"_a, "lengths"_a, "dims"_a, "sinks"_a = nb::none(), "scale"_a = 1.0f,
-        "threads"_a = 2, "tail"_a = nb::none(), "tail_slots"_a = nb::none(),
-        "kernels/paged_attention.metal on CPU (for tests against the others).");
+        "threads"_a = 2, "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "vectors"_a = 4,
+        "lanes_per_key"_a = 8,
+        "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
+        "threadgroup's lanes as a loop (for tests against the others).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,

@@ -14,6 +14,7 @@
 #include "core/half.h"
 #include "core/thread_pool.h"
 #include "kernels/shim.h"
+#include "simt.h"
 
 namespace agentkv::kernels {
 namespace {
@@ -21,10 +22,17 @@ namespace {
 // One grid point of each kernel: the kernel body, verbatim, as a function body.
 // The chunk is the whole span (grid x = 1): each call copies whole planes.
 
-// The helpers the paged attention body names, on the host (Metal and CUDA get theirs from
-// the header agentkv/kernels/gpu.py passes).
+// The helpers the paged attention bodies name, on the host (Metal and CUDA get theirs from
+// kernels/metal.h and kernels/cuda.h). Each thread of a threadgroup is a coroutine that
+// suspends at barriers and shuffles (simt.h), so the lanes run as a loop.
 inline float kv_half(uint16_t h) {
   return half_to_float(h);
+}
+inline float kv_half_bits(unsigned int bits) {
+  return half_to_float(static_cast<uint16_t>(bits));
+}
+inline float kv_float(float x) {
+  return x;
 }
 inline float kv_exp(float x) {
   return std::exp(x);
@@ -33,15 +41,37 @@ inline float kv_max(float a, float b) {
   return a > b ? a : b;
 }
 constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
+#define KV_SHARED_ARRAY(type, name, count) type* name = kv_ctx.shared<type>(kv_shared, (count))
+#define KV_BARRIER() \
+  co_await simt::Barrier {}
+#define KV_SHUFFLE_XOR(x, mask) (co_await simt::Shuffle<float>{(x), (mask)})
+#define KV_RETURN co_return
 
-void paged_attention_point(const float* q, const uint32_t* kw, const uint16_t* ks,
-                           const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
-                           const uint16_t* vb, const int* tables, const int* lengths,
-                           const int* dims, const float* sinks, const float* scale,
-                           const uint16_t* tail, const int* tail_slots, float* out,
-                           uint3 thread_position_in_grid) {
+// One thread of pass 1 (kernels/paged_attention.metal), as a coroutine.
+template <int NQ, int KL, int TG>
+simt::Thread paged_attention_thread(simt::Group& kv_ctx, unsigned int kv_tid, uint3 kv_group,
+                                    const float* q_in, const uint32_t* kw, const uint16_t* ks,
+                                    const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
+                                    const uint16_t* vb, const int* tables, const int* lengths,
+                                    const int* dims, const float* sinks, const float* scale,
+                                    const uint16_t* tail, const int* tail_slots, float* out,
+                                    float* stats) {
+  using T = float;
+  int kv_shared = 0;
 #include "kernels/paged_attention.metal"
 }
+
+// One grid point of pass 2 (kernels/paged_attention_merge.metal).
+void paged_attention_merge_point(const float* parts, const float* stats, const float* sinks,
+                                 const int* dims, float* out, uint3 thread_position_in_grid) {
+  using T = float;
+#include "kernels/paged_attention_merge.metal"
+}
+
+#undef KV_SHARED_ARRAY
+#undef KV_BARRIER
+#undef KV_SHUFFLE_XOR
+#undef KV_RETURN
 
 template <typename T>
 void merge_point(const T* const* srcs, const int* rows, const int* dims, T* out,
@@ -92,23 +122,95 @@ struct Column {
 
 }  // namespace
 
+namespace {
+
+// The pointers one pass-1 threadgroup reads and writes.
+struct PagedArgs {
+  const float* q;
+  const uint32_t* kw;
+  const uint16_t* ks;
+  const uint16_t* kb;
+  const uint32_t* vw;
+  const uint16_t* vs;
+  const uint16_t* vb;
+  const int* tables;
+  const int* lengths;
+  const int* dims;
+  const float* sinks;
+  const float* scale;
+  const uint16_t* tail;
+  const int* tail_slots;
+  float* out;
+  float* stats;
+};
+
+constexpr int kThreadgroup = 128;  // kernels/gpu.py's THREADGROUP for paged attention
+
+template <int NQ, int KL>
+void run_paged_group(const PagedArgs& a, uint3 group) {
+  simt::Group g;
+  g.run(kThreadgroup, [&](int t) {
+    return paged_attention_thread<NQ, KL, kThreadgroup>(
+        g, static_cast<unsigned>(t), group, a.q, a.kw, a.ks, a.kb, a.vw, a.vs, a.vb, a.tables,
+        a.lengths, a.dims, a.sinks, a.scale, a.tail, a.tail_slots, a.out, a.stats);
+  });
+}
+
+template <int NQ>
+void run_paged_group(const PagedArgs& a, uint3 group, int lanes_per_key) {
+  switch (lanes_per_key) {
+    case 4:
+      return run_paged_group<NQ, 4>(a, group);
+    case 8:
+      return run_paged_group<NQ, 8>(a, group);
+    case 16:
+      return run_paged_group<NQ, 16>(a, group);
+    default:
+      return run_paged_group<NQ, 32>(a, group);
+  }
+}
+
+void run_paged_group(const PagedArgs& a, uint3 group, int vectors, int lanes_per_key) {
+  switch (vectors) {
+    case 1:
+      return run_paged_group<1>(a, group, lanes_per_key);
+    case 2:
+      return run_paged_group<2>(a, group, lanes_per_key);
+    case 4:
+      return run_paged_group<4>(a, group, lanes_per_key);
+    default:
+      return run_paged_group<8>(a, group, lanes_per_key);
+  }
+}
+
+bool power_of_two_in(int x, int lo, int hi) {
+  return x >= lo && x <= hi && (x & (x - 1)) == 0;
+}
+
+}  // namespace
+
 mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables_in,
-                          const mx::array& lengths_in, const std::array<int, 14>& dims,
+                          const mx::array& lengths_in, const std::array<int, 15>& dims,
                           const std::optional<mx::array>& sinks_in, float scale_value, int threads,
                           const std::optional<mx::array>& tail_in,
-                          const std::optional<mx::array>& tail_slots_in) {
+                          const std::optional<mx::array>& tail_slots_in, int vectors,
+                          int lanes_per_key) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
   const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
-              group, window, has_sinks, channel_tokens] = dims;
-  auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8; };
+              group, window, has_sinks, channel_tokens, splits] = dims;
+  auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
+  auto grouped = [&](int bits, int d) { return bits == 16 || (group >= 1 && d % group == 0); };
   if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
-      dim > 256 || dim_v < 1 || dim_v > 256 || block_tokens < 1 || !supported(kbits) ||
-      !supported(vbits) || group < 1 || dim % group || dim_v % group || window < 0 ||
-      has_sinks != (sinks_in ? 1 : 0) ||
-      (channel_tokens != 0 && (channel_tokens < 8 || dim % channel_tokens ||
+      dim_v < 1 || block_tokens < 1 || !supported(kbits) || !supported(vbits) ||
+      !grouped(kbits, dim) || !grouped(vbits, dim_v) || dim * kbits % 32 || dim_v * vbits % 32 ||
+      window < 0 || has_sinks != (sinks_in ? 1 : 0) || splits < 1 ||
+      !power_of_two_in(vectors, 1, 8) || !power_of_two_in(lanes_per_key, 4, 32) ||
+      (dim + lanes_per_key - 1) / lanes_per_key > 8 ||
+      (dim_v + lanes_per_key - 1) / lanes_per_key > 8 ||
+      (channel_tokens != 0 && (channel_tokens < 8 || kbits == 16 || dim % channel_tokens ||
                                block_tokens % channel_tokens || !tail_in || !tail_slots_in))) {
     throw std::invalid_argument("paged attention: bad dims");
   }
@@ -161,18 +263,49 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       }
     }
   }
+  const int rep = q_heads / kv_heads;
+  const int tiles = (n_queries * rep + vectors - 1) / vectors;
+  const size_t outputs = static_cast<size_t>(n_rows) * q_heads * n_queries;
   mx::array out = new_array({n_rows, q_heads, n_queries, dim_v}, mx::float32);
+  mx::array parts_out =
+      splits > 1 ? new_array({static_cast<int>(outputs), splits, dim_v}, mx::float32) : out;
+  mx::array stats = new_array({static_cast<int>(outputs), splits, 2}, mx::float32);
   const float scale[1] = {scale_value};
-  run_columns(static_cast<size_t>(n_rows) * q_heads * n_queries, threads, [&](size_t k) {
-    const uint3 point{static_cast<unsigned>(k % n_queries),
-                      static_cast<unsigned>(k / n_queries % q_heads),
-                      static_cast<unsigned>(k / n_queries / q_heads)};
-    paged_attention_point(q.data<float>(), parts[0].data<uint32_t>(), parts[1].data<uint16_t>(),
-                          parts[2].data<uint16_t>(), parts[3].data<uint32_t>(),
-                          parts[4].data<uint16_t>(), parts[5].data<uint16_t>(), tbl, len,
-                          dims.data(), sinks.data<float>(), scale, tail.data<uint16_t>(),
-                          tail_slots.data<int>(), out.data<float>(), point);
+  const PagedArgs args{q.data<float>(),
+                       parts[0].data<uint32_t>(),
+                       parts[1].data<uint16_t>(),
+                       parts[2].data<uint16_t>(),
+                       parts[3].data<uint32_t>(),
+                       parts[4].data<uint16_t>(),
+                       parts[5].data<uint16_t>(),
+                       tbl,
+                       len,
+                       dims.data(),
+                       sinks.data<float>(),
+                       scale,
+                       tail.data<uint16_t>(),
+                       tail_slots.data<int>(),
+                       parts_out.data<float>(),
+                       stats.data<float>()};
+  const int across = splits * tiles;
+  run_columns(static_cast<size_t>(across) * kv_heads * n_rows, threads, [&](size_t k) {
+    const uint3 group{static_cast<unsigned>(k % across),
+                      static_cast<unsigned>(k / across % kv_heads),
+                      static_cast<unsigned>(k / across / kv_heads)};
+    run_paged_group(args, group, vectors, lanes_per_key);
   });
+  if (splits > 1) {
+    const int merge_dims[6] = {n_rows, q_heads, n_queries, dim_v, splits, has_sinks};
+    run_columns(static_cast<size_t>(n_rows) * q_heads * n_queries, threads, [&](size_t k) {
+      for (int d = 0; d < dim_v; ++d) {
+        const uint3 point{static_cast<unsigned>(d),
+                          static_cast<unsigned>(k % (q_heads * n_queries)),
+                          static_cast<unsigned>(k / (q_heads * n_queries))};
+        paged_attention_merge_point(parts_out.data<float>(), stats.data<float>(),
+                                    sinks.data<float>(), merge_dims, out.data<float>(), point);
+      }
+    });
+  }
   return out;
 }
 

@@ -14,13 +14,17 @@ namespace agentkv::kernels {
 
 namespace mx = mlx::core;
 
-// kernels/paged_attention.metal over its grid: dims as the body documents them.
+// kernels/paged_attention.metal over its grid (each threadgroup's lanes as a loop: simt.h),
+// then kernels/paged_attention_merge.metal where dims[14] (splits) > 1: dims as the body
+// documents them; `vectors` and `lanes_per_key` are its NQ and KL. Keys and values are
+// (words, scales, biases); 16-bit kinds pass their float16 rows as words and any scales.
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
-                          const mx::array& lengths, const std::array<int, 14>& dims,
+                          const mx::array& lengths, const std::array<int, 15>& dims,
                           const std::optional<mx::array>& sinks, float scale, int threads,
-                          const std::optional<mx::array>& tail = std::nullopt,
-                          const std::optional<mx::array>& tail_slots = std::nullopt);
+                          const std::optional<mx::array>& tail,
+                          const std::optional<mx::array>& tail_slots, int vectors,
+                          int lanes_per_key);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

@@ -1,20 +1,26 @@
-// paged_attention: the queries of a jagged batch attend over keys and values stored in
-// pool blocks, found through each row's block table. One thread per query vector.
+// paged_attention: the queries of a jagged batch attend over keys and values stored in pool
+// blocks, found through each row's block table. Pass 1 of 2 (docs/gpu-attention.md).
 //
-// This is a kernel *body* (see gather/merge/extract): mx.fast.metal_kernel / cuda_kernel
-// declare the names below; csrc/kernels_cpu.cpp compiles this very file for CPU through
-// shim.h. Helpers the backends spell differently come from the header each passes:
-// kv_half(x) (a stored float16 -> float), kv_exp(x), kv_max(a, b), KV_NEG_INF.
+// A kernel *body*: mx.fast.metal_kernel / cuda_kernel declare the inputs and outputs below,
+// and the backend's header (kernels/metal.h, kernels/cuda.h; csrc/kernels_cpu.cpp on the
+// host, which runs the lanes as a loop through csrc/simt.h) gives the helpers: kv_half(x)
+// (a stored float16 -> float), kv_half_bits(u) (16 bits -> float), kv_float(x) (a query
+// element -> float), kv_exp, kv_max, KV_NEG_INF, kv_tid (the thread's index in its
+// threadgroup), kv_group (the threadgroup's position), KV_SHARED_ARRAY(type, name, count),
+// KV_BARRIER(), KV_SHUFFLE_XOR(x, mask) (a float from lane ^ mask of the SIMD group of 32),
+// KV_RETURN. Compile-time constants: NQ (query vectors a threadgroup holds), KL (lanes per
+// key: a power of two, at most 32), TG (threads per threadgroup, a multiple of 32), T (the
+// output's type).
 //
-// inputs:  q       float[B * Hq * L * D]       row b's L queries are its last L tokens
-//          kw      uint32[rows * D * kbits / 32]   key words; row = (block * Hkv + head)
-//          ks, kb  half[rows * D / group]           * block_tokens + token in block
-//          vw      uint32[rows * Dv * vbits / 32]  value words
-//          vs, vb  half[rows * Dv / group]
+// inputs:  q_in    [B * Hq * L * D]                row b's L queries are its last L tokens
+//          kw      uint32[rows * D * kbits / 32]   key words (16 bits: two float16 a word);
+//          ks, kb  half[rows * D / group]          row = (block * Hkv + head) * block_tokens
+//          vw      uint32[rows * Dv * vbits / 32]          + token in block
+//          vs, vb  half[rows * Dv / group]         (16 bits: unread)
 //          tables  int[B * M]    row b's blocks, in token order
 //          lengths int[B]        tokens of row b, these queries included
-//          dims    int[14]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
-//                                group, window (0: none), has_sinks, channel_tokens
+//          dims    int[15]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
+//                                group, window (0: none), has_sinks, channel_tokens, splits
 //          sinks   float[Hq]     (read only if has_sinks)
 //          scale   float[1]
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
@@ -23,8 +29,58 @@
 // channel per group of channel_tokens tokens, spread over the group's rows (D /
 // channel_tokens per row); the tokens after the row's last complete group are float16
 // keys in its tail slot. Rotation (format 2) is the caller's: queries in, output out.
-// output:  out     float[B * Hq * L * Dv]
-// grid:    (L, Hq, B)
+// outputs: splits == 1: out T[B * Hq * L * Dv], the attention; stats unwritten.
+//          splits > 1:  out float[B * Hq * L * splits * Dv], each split's sum of
+//                       exp(score - m) * value, and stats float[B * Hq * L * splits * 2]
+//                       its (m, sum of exp(score - m)); paged_attention_merge.metal ends it.
+// grid:    threadgroups (splits * tiles, Hkv, B), TG threads each. A threadgroup holds NQ of
+//          the L * Hq / Hkv query vectors of its (row, KV head) (tile), and one of `splits`
+//          equal parts of the keys they see. Its KL-lane teams each take one key at a time:
+//          a lane dequantizes its ceil(D / KL) key channels and its ceil(Dv / KL) value
+//          channels once for all NQ queries, the team sums the dot products by shuffles,
+//          and each team keeps its own online softmax; teams, then SIMD groups, merge at
+//          the end.
+// The bits of a lane's `count` (<= 8) channels from `first` of a stored row: each lies in one
+// word (bits divides 32), the lane's lie in at most 5 consecutive words, loaded once.
+#define KV_LANE_BITS(raw, words, row_words, row, first, count, bits)                          \
+  {                                                                                         \
+    const unsigned int bit0 = (unsigned int)((count) > 0 ? (first) : 0) * (unsigned int)(bits); \
+    const unsigned int at = (row) * (row_words) + bit0 / 32u;                                 \
+    const unsigned int span = (bit0 % 32u + (unsigned int)(count) * (unsigned int)(bits) + 31u) / 32u; \
+    const unsigned int w0 = words[at];                                                        \
+    const unsigned int w1 = span > 1u ? words[at + 1u] : 0u;                                  \
+    const unsigned int w2 = span > 2u ? words[at + 2u] : 0u;                                  \
+    const unsigned int w3 = span > 3u ? words[at + 3u] : 0u;                                  \
+    const unsigned int w4 = span > 4u ? words[at + 4u] : 0u;                                  \
+    const unsigned int mask = (1u << (unsigned int)(bits)) - 1u;                              \
+    for (int e = 0; e < 8; ++e) {                                                             \
+      const unsigned int pos = bit0 % 32u + (unsigned int)e * (unsigned int)(bits);           \
+      const unsigned int wi = pos / 32u;                                                      \
+      const unsigned int word =                                                               \
+          wi == 0u ? w0 : (wi == 1u ? w1 : (wi == 2u ? w2 : (wi == 3u ? w3 : w4)));           \
+      raw[e] = e < (count) ? (word >> (pos % 32u)) & mask : 0u;                               \
+    }                                                                                         \
+  }
+// raw * scale + bias, a scale and a bias per `group` channels from group `base`: the
+// lane's channels usually share one group, loaded once.
+#define KV_LANE_AFFINE(out, raw, scales, biases, base, first, count)                          \
+  {                                                                                         \
+    const int fa = (count) > 0 ? (first) : 0;                                                 \
+    const unsigned int ga = (base) + (unsigned int)(fa / group);                              \
+    const unsigned int gz = (base) + (unsigned int)((fa + ((count) > 0 ? (count) - 1 : 0)) / group); \
+    const float sa = kv_half(scales[ga]);                                                     \
+    const float ba = kv_half(biases[ga]);                                                     \
+    for (int e = 0; e < 8; ++e) {                                                             \
+      float sc = sa;                                                                          \
+      float bi = ba;                                                                          \
+      if (gz != ga && e < (count)) {                                                          \
+        const unsigned int g = (base) + (unsigned int)((fa + e) / group);                     \
+        sc = kv_half(scales[g]);                                                              \
+        bi = kv_half(biases[g]);                                                              \
+      }                                                                                       \
+      out[e] = (float)raw[e] * sc + bi;                                                       \
+    }                                                                                         \
+  }
 const int n_rows = dims[0];
 const int q_heads = dims[1];
 const int kv_heads = dims[2];
@@ -39,41 +95,69 @@ const int group = dims[10];
 const int window = dims[11];
 const int has_sinks = dims[12];
 const int channel_tokens = dims[13];
-const int i = (int)thread_position_in_grid.x;
-const int h = (int)thread_position_in_grid.y;
-const int b = (int)thread_position_in_grid.z;
-if (i >= n_queries || h >= q_heads || b >= n_rows) {
-  return;
+const int n_splits = dims[14];
+const int rep = q_heads / kv_heads;
+const int n_vectors = n_queries * rep;
+const int tid = (int)kv_tid;
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int team_lane = lane % KL;  // this lane's part of a key
+const int team = tid / KL;        // one key at a time per team
+const int n_teams = TG / KL;
+const int split = (int)kv_group.x % n_splits;
+const int tile = (int)kv_group.x / n_splits;
+const int kvh = (int)kv_group.y;
+const int b = (int)kv_group.z;
+KV_SHARED_ARRAY(float, warp_m, NQ * (TG / 32));
+KV_SHARED_ARRAY(float, warp_l, NQ * (TG / 32));
+KV_SHARED_ARRAY(float, merged, NQ * 8 * KL);
+if (b >= n_rows || tile * NQ >= n_vectors) {
+  KV_RETURN;  // the whole threadgroup
 }
-const int kvh = h / (q_heads / kv_heads);
 const int length = lengths[b];
-const int p = length - n_queries + i;
-int lo = 0;
-if (window > 0 && p - window + 1 > 0) {
-  lo = p - window + 1;
+const int per_lane = (dim + KL - 1) / KL;  // at most 8 (the host picks KL)
+const int per_lane_v = (dim_v + KL - 1) / KL;
+const int d0 = team_lane * per_lane;
+const int dv0 = team_lane * per_lane_v;
+const int key_count = d0 < dim ? (dim - d0 < per_lane ? dim - d0 : per_lane) : 0;
+const int value_count = dv0 < dim_v ? (dim_v - dv0 < per_lane_v ? dim_v - dv0 : per_lane_v) : 0;
+
+// The tile's query vectors: vector v = query i of head kvh * rep + v % rep, i = v / rep.
+float q[NQ][8];
+int first_key[NQ];  // what query j sees: keys first_key[j] ..= last_key[j]
+int last_key[NQ];
+int k_lo = length;
+int k_hi = 0;
+for (int j = 0; j < NQ; ++j) {
+  const int v = tile * NQ + j;
+  const int i = v / rep;
+  const int h = kvh * rep + v % rep;
+  const bool real = v < n_vectors;
+  const int p = length - n_queries + i;
+  int lo = 0;
+  if (window > 0 && p - window + 1 > 0) {
+    lo = p - window + 1;
+  }
+  first_key[j] = real ? lo : 1;
+  last_key[j] = real ? p : 0;
+  if (real) {
+    k_lo = lo < k_lo ? lo : k_lo;
+    k_hi = p + 1 > k_hi ? p + 1 : k_hi;
+  }
+  const unsigned int q0 = (unsigned int)(((b * q_heads + h) * n_queries + i) * dim);
+  for (int e = 0; e < 8; ++e) {
+    const int d = d0 + e;
+    q[j][e] = real && e < key_count ? kv_float(q_in[q0 + (unsigned int)d]) * scale[0] : 0.0f;
+  }
 }
-const unsigned int q0 = (unsigned int)((b * q_heads + h) * n_queries + i);
-float qv[256];
-for (int d = 0; d < dim; ++d) {
-  qv[d] = q[q0 * (unsigned int)dim + (unsigned int)d] * scale[0];
-}
-float acc[256];
-for (int d = 0; d < dim_v; ++d) {
-  acc[d] = 0.0f;
-}
-float m = KV_NEG_INF;
-float l = 0.0f;
-if (has_sinks) {
-  m = sinks[h];
-  l = 1.0f;
-}
-const int k_per = 32 / kbits;
-const int v_per = 32 / vbits;
-const unsigned int k_mask = (1u << kbits) - 1u;
-const unsigned int v_mask = (1u << vbits) - 1u;
-const unsigned int k_words = (unsigned int)(dim / k_per);
-const unsigned int v_words = (unsigned int)(dim_v / v_per);
+const int chunk = (k_hi - k_lo + n_splits - 1) / n_splits;
+const int s0 = k_lo + split * chunk;
+const int s1 = s0 + chunk < k_hi ? s0 + chunk : k_hi;
+
+const unsigned int k_words = (unsigned int)(dim * kbits / 32);
+const unsigned int v_words = (unsigned int)(dim_v * vbits / 32);
 const unsigned int k_groups = (unsigned int)(dim / (channel_tokens > 0 ? channel_tokens : group));
+const unsigned int v_groups = (unsigned int)(dim_v / group);
 int complete = length + 1;  // per-channel keys: tokens from here on are in the tail
 unsigned int tail0 = 0u;
 if (channel_tokens > 0) {
@@ -81,48 +165,179 @@ if (channel_tokens > 0) {
   tail0 = ((unsigned int)tail_slots[b] * (unsigned int)kv_heads + (unsigned int)kvh) *
           (unsigned int)channel_tokens;
 }
-const unsigned int v_groups = (unsigned int)(dim_v / group);
-for (int t = lo; t <= p; ++t) {
+
+float m[NQ];
+float l[NQ];
+float acc[NQ][8];
+for (int j = 0; j < NQ; ++j) {
+  m[j] = KV_NEG_INF;
+  l[j] = 0.0f;
+  for (int e = 0; e < 8; ++e) {
+    acc[j][e] = 0.0f;
+  }
+}
+// Every thread runs the same number of steps (the shuffles need all 32 lanes); a team past
+// the end reads the split's first key and keeps nothing of it.
+for (int base = s0; base < s1; base += n_teams) {
+  const int t_want = base + team;
+  const bool in = t_want < s1;
+  const int t = in ? t_want : s0;
   const int block = tables[b * table_width + t / block_tokens];
   const unsigned int row =
       ((unsigned int)block * (unsigned int)kv_heads + (unsigned int)kvh) *
           (unsigned int)block_tokens +
       (unsigned int)(t % block_tokens);
-  float s = 0.0f;
+  unsigned int raw[8];
+  float x[8];
   if (t >= complete) {
-    const unsigned int at = (tail0 + (unsigned int)(t - complete)) * (unsigned int)dim;
-    for (int d = 0; d < dim; ++d) {
-      s += qv[d] * kv_half(tail[at + (unsigned int)d]);
+    for (int e = 0; e < 8; ++e) {
+      const int d = e < key_count ? d0 + e : 0;
+      x[e] = kv_half(tail[(tail0 + (unsigned int)(t - complete)) * (unsigned int)dim +
+                          (unsigned int)d]);
     }
-  } else if (channel_tokens > 0) {
-    const unsigned int first = (row - (unsigned int)(t % channel_tokens)) * k_groups;
-    for (int d = 0; d < dim; ++d) {
-      const unsigned int word = kw[row * k_words + (unsigned int)(d / k_per)];
-      const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
-      const unsigned int g = first + (unsigned int)d;
-      s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
+  } else if (kbits == 16) {
+    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, 16);
+    for (int e = 0; e < 8; ++e) {
+      x[e] = kv_half_bits(raw[e]);
+    }
+  } else if (channel_tokens > 0) {  // a scale and a bias per channel of the group's rows
+    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
+    const unsigned int g0 = (row - (unsigned int)(t % channel_tokens)) * k_groups + d0;
+    for (int e = 0; e < 8; ++e) {
+      const unsigned int g = e < key_count ? g0 + (unsigned int)e : g0;
+      x[e] = (float)raw[e] * kv_half(ks[g]) + kv_half(kb[g]);
     }
   } else {
-    for (int d = 0; d < dim; ++d) {
-      const unsigned int word = kw[row * k_words + (unsigned int)(d / k_per)];
-      const float x = (float)((word >> ((d % k_per) * kbits)) & k_mask);
-      const unsigned int g = row * k_groups + (unsigned int)(d / group);
-      s += qv[d] * (x * kv_half(ks[g]) + kv_half(kb[g]));
+    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
+    KV_LANE_AFFINE(x, raw, ks, kb, row * k_groups, d0, key_count);
+  }
+  for (int e = 0; e < 8; ++e) {
+    x[e] = e < key_count ? x[e] : 0.0f;
+  }
+  float s[NQ];
+  for (int j = 0; j < NQ; ++j) {
+    float dot = 0.0f;
+    for (int e = 0; e < 8; ++e) {
+      dot += q[j][e] * x[e];
+    }
+    s[j] = dot;
+  }
+  for (int offset = 1; offset < KL; offset *= 2) {
+    for (int j = 0; j < NQ; ++j) {
+      s[j] += KV_SHUFFLE_XOR(s[j], offset);
     }
   }
-  const float m_new = kv_max(m, s);
-  const float correction = (m == KV_NEG_INF) ? 0.0f : kv_exp(m - m_new);
-  const float e = kv_exp(s - m_new);
-  l = l * correction + e;
-  for (int d = 0; d < dim_v; ++d) {
-    const unsigned int word = vw[row * v_words + (unsigned int)(d / v_per)];
-    const float x = (float)((word >> ((d % v_per) * vbits)) & v_mask);
-    const unsigned int g = row * v_groups + (unsigned int)(d / group);
-    acc[d] = acc[d] * correction + e * (x * kv_half(vs[g]) + kv_half(vb[g]));
+  float y[8];
+  if (vbits == 16) {
+    KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, 16);
+    for (int e = 0; e < 8; ++e) {
+      y[e] = e < value_count ? kv_half_bits(raw[e]) : 0.0f;
+    }
+  } else {
+    KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, vbits);
+    KV_LANE_AFFINE(y, raw, vs, vb, row * v_groups, dv0, value_count);
   }
-  m = m_new;
+  for (int j = 0; j < NQ; ++j) {
+    if (in && t >= first_key[j] && t <= last_key[j]) {
+      if (s[j] > m[j]) {
+        const float c = kv_exp(m[j] - s[j]);
+        l[j] *= c;
+        for (int e = 0; e < 8; ++e) {
+          acc[j][e] *= c;
+        }
+        m[j] = s[j];
+      }
+      const float p = kv_exp(s[j] - m[j]);
+      l[j] += p;
+      for (int e = 0; e < 8; ++e) {
+        acc[j][e] += p * y[e];
+      }
+    }
+  }
 }
-const float inv = (l > 0.0f) ? 1.0f / l : 0.0f;
-for (int d = 0; d < dim_v; ++d) {
-  out[q0 * (unsigned int)dim_v + (unsigned int)d] = acc[d] * inv;
+
+// The teams of a SIMD group merge (lanes team_lane of each team hold the same channels).
+for (int offset = KL; offset < 32; offset *= 2) {
+  for (int j = 0; j < NQ; ++j) {
+    const float m_other = KV_SHUFFLE_XOR(m[j], offset);
+    const float l_other = KV_SHUFFLE_XOR(l[j], offset);
+    const float m_both = kv_max(m[j], m_other);
+    const float ours = m_both == KV_NEG_INF ? 0.0f : kv_exp(m[j] - m_both);
+    const float theirs = m_both == KV_NEG_INF ? 0.0f : kv_exp(m_other - m_both);
+    l[j] = l[j] * ours + l_other * theirs;
+    for (int e = 0; e < 8; ++e) {
+      const float acc_other = KV_SHUFFLE_XOR(acc[j][e], offset);
+      acc[j][e] = acc[j][e] * ours + acc_other * theirs;
+    }
+    m[j] = m_both;
+  }
 }
+// Then the SIMD groups, through threadgroup memory, in a fixed order.
+if (lane == team_lane) {
+  for (int j = 0; j < NQ; ++j) {
+    warp_m[warp * NQ + j] = m[j];
+    warp_l[warp * NQ + j] = l[j];
+  }
+}
+KV_BARRIER();
+float m_all[NQ];
+float l_all[NQ];
+float mine[NQ];
+for (int j = 0; j < NQ; ++j) {
+  float top = KV_NEG_INF;
+  for (int w = 0; w < TG / 32; ++w) {
+    top = kv_max(top, warp_m[w * NQ + j]);
+  }
+  float sum = 0.0f;
+  for (int w = 0; w < TG / 32; ++w) {
+    const float mw = warp_m[w * NQ + j];
+    sum += top == KV_NEG_INF ? 0.0f : warp_l[w * NQ + j] * kv_exp(mw - top);
+  }
+  m_all[j] = top;
+  l_all[j] = sum;
+  mine[j] = top == KV_NEG_INF ? 0.0f : kv_exp(m[j] - top);
+}
+for (int w = 0; w < TG / 32; ++w) {
+  if (warp == w && lane == team_lane) {
+    for (int j = 0; j < NQ; ++j) {
+      for (int e = 0; e < 8; ++e) {  // a fixed count: acc stays in registers
+        if (e < value_count) {
+          const int d = dv0 + e;
+          const float part = acc[j][e] * mine[j];
+          merged[j * 8 * KL + d] = w == 0 ? part : merged[j * 8 * KL + d] + part;
+        }
+      }
+    }
+  }
+  KV_BARRIER();
+}
+for (int k = tid; k < NQ * dim_v; k += TG) {
+  const int j = k / dim_v;
+  const int d = k % dim_v;
+  const int v = tile * NQ + j;
+  if (v < n_vectors) {
+    const int i = v / rep;
+    const int h = kvh * rep + v % rep;
+    const unsigned int o = (unsigned int)((b * q_heads + h) * n_queries + i);
+    const float sum = merged[j * 8 * KL + d];
+    if (n_splits == 1) {
+      float total = l_all[j];
+      float keep = 1.0f;
+      if (has_sinks) {  // the sink's logit joins the softmax, its value is zero
+        const float top = kv_max(m_all[j], sinks[h]);
+        keep = m_all[j] == KV_NEG_INF ? 0.0f : kv_exp(m_all[j] - top);
+        total = total * keep + kv_exp(sinks[h] - top);
+      }
+      out[o * (unsigned int)dim_v + (unsigned int)d] = (T)(total > 0.0f ? sum * keep / total : 0.0f);
+    } else {
+      const unsigned int at = o * (unsigned int)n_splits + (unsigned int)split;
+      out[at * (unsigned int)dim_v + (unsigned int)d] = (T)sum;
+      if (d == 0) {
+        stats[at * 2u] = m_all[j];
+        stats[at * 2u + 1u] = l_all[j];
+      }
+    }
+  }
+}
+#undef KV_LANE_BITS
+#undef KV_LANE_AFFINE

@@ -96,8 +96,10 @@ def clear_mappings() -> None:
     Drop every cached segment mapping (the next loads map their files again).
     """
 
-def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:
-    """kernels/paged_attention.metal on CPU (for tests against the others)."""
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8) -> mlx.core.array:
+    """
+    kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
+    """
 
 def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/merge.metal on CPU, for many outputs at once."""

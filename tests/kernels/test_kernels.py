@@ -94,10 +94,15 @@ def test_bad_merge_rows_are_refused_not_read_out_of_bounds():
         kernels.merge([RowSource(cache, 0, 5, 8)], used=8, capacity=20)
 
 
-CUDA_TEMPLATE = """
+# As mx.fast.cuda_kernel writes a kernel (mlx/backend/cuda/custom_kernel.cpp): the header,
+# then in namespace mlx::core::cu a __global__ function of the inputs and outputs by dtype,
+# its template arguments as `using` / `constexpr`, then the preamble and the body.
+CUDA_HEADER = """
 #include <cstdint>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 {helpers}
+namespace mlx::core::cu {{
 template <typename T>
 __global__ void merge(const T* src0, const T* src1, const int* rows, const int* dims, T* out) {{
 {preamble}const T* srcs[2] = {{src0, src1}};
@@ -107,34 +112,59 @@ template <typename T>
 __global__ void extract(const T* batch, const int* meta, const int* dims, T* out) {{
 {preamble}{extract}
 }}
-__global__ void paged_attention(const float* q, const uint32_t* kw, const __half* ks,
-                                const __half* kb, const uint32_t* vw, const __half* vs,
-                                const __half* vb, const int* tables, const int* lengths,
-                                const int* dims, const float* sinks, const float* scale,
-                                const __half* tail, const int* tail_slots, float* out) {{
-{preamble}{paged}
-}}
 template __global__ void merge<uint32_t>(const uint32_t*, const uint32_t*, const int*, const int*,
                                          uint32_t*);
 template __global__ void extract<uint16_t>(const uint16_t*, const int*, const int*, uint16_t*);
 """
+CUDA_PAGED = """
+__global__ void paged_attention_{n}(const {q}* q_in, const uint32_t* kw, const __half* ks,
+    const __half* kb, const uint32_t* vw, const __half* vs, const __half* vb,
+    const int32_t* tables, const int32_t* lengths, const int32_t* dims, const float* sinks,
+    const float* scale, const __half* tail, const int32_t* tail_slots, {t}* out, float* stats) {{
+  using T = {t};
+  constexpr int NQ = {nq};
+  constexpr int KL = {kl};
+  constexpr int TG = 128;
+{group_ids}{body}
+}}
+__global__ void paged_attention_merge_{n}(const float* parts, const float* stats,
+    const float* sinks, const int32_t* dims, {t}* out) {{
+  using T = {t};
+{preamble}{merge}
+}}
+"""
+# (query dtype, output dtype, NQ, KL): the shapes the engine launches, and the extremes
+CUDA_SHAPES = [
+    ("__half", "__half", 4, 8),
+    ("float", "float", 8, 32),
+    ("__nv_bfloat16", "__nv_bfloat16", 1, 16),
+    ("__half", "float", 2, 4),
+]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (compiles; runs no GPU)")
 def test_the_same_bodies_compile_as_cuda(tmp_path):
     from agentkv.kernels import gpu
 
-    source = CUDA_TEMPLATE.format(
-        helpers=gpu.HELPERS["cuda"].replace("#include <cuda_fp16.h>\n", ""),
+    source = CUDA_HEADER.format(
+        helpers=gpu.helpers("cuda"),
         preamble=gpu.CUDA_THREAD_ID,
         merge=gpu.body("merge"),
         extract=gpu.body("extract"),
-        paged=gpu.body("paged_attention"),
     )
+    for n, (q, t, nq, kl) in enumerate(CUDA_SHAPES):
+        source += CUDA_PAGED.format(
+            n=n, q=q, t=t, nq=nq, kl=kl,
+            group_ids=gpu.GROUP_IDS["cuda"],
+            body=gpu.body("paged_attention"),
+            preamble=gpu.CUDA_THREAD_ID,
+            merge=gpu.body("paged_attention_merge"),
+        )  # fmt: skip
+    source += "}  // namespace mlx::core::cu\n"
     path = tmp_path / "kernels.cu"
     path.write_text(source)
     out = subprocess.run(
-        ["nvcc", "-c", "-o", str(tmp_path / "kernels.o"), str(path)],
+        ["nvcc", "-arch=sm_90", "-c", "-o", str(tmp_path / "kernels.o"), str(path)],
         capture_output=True,
         text=True,
         timeout=300,

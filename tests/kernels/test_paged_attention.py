@@ -92,12 +92,53 @@ def test_a_nan_or_infinite_query_gives_nan_for_its_head_alone(fmt):
     np.testing.assert_array_equal(out[~hit], np.array(clean)[~hit])
 
 
-def test_float16_caches_take_the_reference_beside_the_fused_kernel():
-    quant = KVQuant(16, 16, **V1)
-    pool, _, q, paged = jagged_batch(quant, [300, 70], queries=2)
-    close(fused(q, paged), kernels.reference.paged_attention(q, paged, scale=0.125))
-    with pytest.raises(Exception, match="quantized"):
-        kernels.paged_attention_body(q, paged, scale=0.125)
+@pytest.mark.parametrize("fmt", [(16, 16, 64), (4, 16, 64), (16, 8, 32)])
+def test_float16_kinds_run_through_the_fused_kernel_and_the_body(fmt):
+    """kv_bits=16 (and mixed widths): the GPU path reads them through the same body."""
+    pool, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), [300, 70], queries=2, q_heads=8)
+    reference = kernels.reference.paged_attention(q, paged, scale=0.125)
+    close(fused(q, paged), reference)
+    with kernels.use_backend("cpu"):
+        close(kernels.paged_attention_body(q, paged, scale=0.125), reference)
+
+
+# (format, head dim, query heads, queries): every lane count (KL 8, 16, 32), a head dim whose
+# lanes straddle words (96: 6 channels a lane), 8 query vectors a threadgroup, several tiles
+SHAPES = [
+    ((4, 4, 64), 128, 8, 1),
+    ((8, 4, 64), 256, 4, 2),
+    ((4, 4, 32), 96, 16, 3),
+    ((2, 2, 32), 128, 2, 5),
+]
+
+
+@pytest.mark.parametrize("fmt,dim,q_heads,queries", SHAPES)
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_the_body_agrees_with_the_reference_however_the_keys_are_split(
+    fmt, dim, q_heads, queries, splits
+):
+    """Pass 1 alone (1 split) and pass 1 then the merge pass (more splits, some of them
+    empty for the short rows), in the launch shapes of the GPU (kernels/types.py)."""
+    lengths = [1030, queries, 257]
+    _, _, q, paged = jagged_batch(
+        KVQuant(*fmt, **V1), lengths, queries=queries, q_heads=q_heads, dim=dim
+    )
+    sinks = mx.array(np.linspace(-1, 1, q_heads).astype(np.float32))
+    paged = paged._replace(sinks=sinks, window=300 if splits == 3 else 0)
+    launch = paged.launch(q, splits=splits)
+    assert launch.lanes_per_key == max(4, 1 << (dim // 8 - 1).bit_length())
+    body = cpu.paged_attention(q, paged, scale=0.125, launch=launch)
+    close(body, kernels.reference.paged_attention(q, paged, scale=0.125))
+
+
+def test_the_launch_splits_long_contexts_and_fills_a_gpu():
+    """About TARGET_GROUPS threadgroups, no split under MIN_SPLIT_KEYS keys, the host's span."""
+    _, _, q, paged = jagged_batch(KVQuant(**V1), [40], q_heads=4)
+    assert paged.launch(q, groups=512).splits == 1  # 40 keys: one part
+    paged = paged._replace(span=32768)
+    wide = paged.launch(q, groups=512)
+    assert wide.splits == 128 and wide.vectors == 2  # 2 KV heads x 2 query heads each
+    assert paged.launch(q, groups=64).splits == 32
 
 
 def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(monkeypatch):

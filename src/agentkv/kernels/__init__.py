@@ -117,10 +117,8 @@ def _impl():
 
 
 def paged_attention_body(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-    """The shared body kernels/paged_attention.metal on the selected backend (quantized keys
-    and values): a jagged batch's queries over the pool's arenas, through block tables."""
-    if paged.key_bits == 16 or paged.value_bits == 16:
-        raise InvalidRequestError("the paged attention kernel reads quantized keys and values")
+    """The shared body kernels/paged_attention.metal on the selected backend: a jagged
+    batch's queries over the pool's arenas, through block tables."""
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
         raise InvalidRequestError("per-channel keys need their tails and tail slots")
     return _impl().paged_attention(queries, paged, scale=scale)

@@ -14,7 +14,7 @@ Each call takes one of three paths, counted by ``paths_used``:
   result in one fixed order whether it runs alone or in a batch. They recompute the mask from
   the cache, so they run only for masks an agentkv cache made (``kernels/masks.py``).
 * ``gpu_kernel`` — on Metal and CUDA, the shared body ``kernels/paged_attention.metal``
-  (``kernels/gpu.py``), for the block pool's quantized KV.
+  (``kernels/gpu.py``, docs/gpu-attention.md), for the block pool's KV in every format.
 * ``quantized_matmul`` — everywhere else, the pure-MLX reference (``kernels/reference.py``).
   ``AGENTKV_ATTENTION=reference`` forces it.
 
@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from ..format.quant import FLOAT_BITS, KVQuant
+from ..format.quant import KVQuant
 from . import backend, cpu, gpu, reference
 from .masks import NOT_OURS, mask_window
 from .types import PagedQuery
@@ -141,8 +141,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     if fused_takes(quant, queries):
         _PATHS[FUSED] += 1
         return cpu.fused_paged_attention(queries, paged, scale=scale)
-    quantized = FLOAT_BITS not in (quant.key_bits, quant.value_bits)
-    if quantized and os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
+    if os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
         _PATHS[KERNEL] += 1
         return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
     _PATHS[REFERENCE] += 1

@@ -16,24 +16,32 @@ import mlx.core as mx
 
 from .. import _ext
 from ..format.quant import KVQuant
-from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
+from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
-def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+def paged_attention(
+    queries: mx.array, paged: PagedQuery, *, scale: float, launch: Launch | None = None
+) -> mx.array:
+    """The GPU body on the host, each threadgroup's lanes as a loop (csrc/simt.h), in the
+    launch shape the GPU would take (or ``launch``'s)."""
+    launch = launch or paged.launch(queries)
+    parts = paged.kernel_parts()
     return _ext.kernel_paged_attention(
         queries,
-        list(paged.keys),
-        list(paged.values),
+        list(parts[:3]),
+        list(parts[3:]),
         paged.tables,
         paged.lengths,
-        paged.dims(queries),
+        paged.dims(queries, launch.splits),
         paged.sinks,
         scale,
         THREADS,
         paged.tail,
         paged.tail_slots,
+        launch.vectors,
+        launch.lanes_per_key,
     )
 
 

@@ -15,13 +15,15 @@ an H100 through CUDA; benchmarks/RESULTS.md, "GPU").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 
-from .types import ExtractRow, PagedQuery, RowSource, as_units, from_units
+from .types import THREADGROUP as PAGED_THREADGROUP
+from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
 THREADGROUP = (256, 1, 1)
 CUDA_THREAD_ID = (
@@ -29,24 +31,14 @@ CUDA_THREAD_ID = (
     "blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y, "
     "blockIdx.z * blockDim.z + threadIdx.z);\n"
 )
-
-
-# What kernels/paged_attention.metal calls, spelled for each backend (the host's are in
-# csrc/kernels_cpu.cpp).
-HELPERS = {
+# What a body that works by threadgroups reads first: its thread and its threadgroup
+# (Metal declares an attribute only where the source names it).
+GROUP_IDS = {
     "metal": (
-        "inline float kv_half(half x) { return float(x); }\n"
-        "inline float kv_exp(float x) { return metal::exp(x); }\n"
-        "inline float kv_max(float a, float b) { return metal::max(a, b); }\n"
-        "constant float KV_NEG_INF = -INFINITY;\n"
+        "const uint kv_tid = thread_index_in_threadgroup;\n"
+        "const uint3 kv_group = threadgroup_position_in_grid;\n"
     ),
-    "cuda": (
-        "#include <cuda_fp16.h>\n"
-        "__device__ inline float kv_half(__half x) { return __half2float(x); }\n"
-        "__device__ inline float kv_exp(float x) { return expf(x); }\n"
-        "__device__ inline float kv_max(float a, float b) { return fmaxf(a, b); }\n"
-        "#define KV_NEG_INF (-INFINITY)\n"
-    ),
+    "cuda": "const unsigned int kv_tid = threadIdx.x;\nconst uint3 kv_group = blockIdx;\n",
 }
 
 
@@ -64,45 +56,63 @@ def body(name: str) -> str:
     return resources.files("agentkv").joinpath("_kernel_sources", f"{name}.metal").read_text()
 
 
+@cache
+def helpers(backend: str) -> str:
+    """The helpers the paged attention bodies name, for ``backend`` (kernels/<backend>.h)."""
+    return resources.files("agentkv").joinpath("_kernel_sources", f"{backend}.h").read_text()
+
+
 def _pointers(backend: str, n: int) -> str:
     qualifier = "const device T*" if backend == "metal" else "const T*"
     names = ", ".join(f"src{i}" for i in range(n))
     return f"{qualifier} srcs[{n}] = {{{names}}};\n"
 
 
+INPUTS = {
+    "paged_attention": [
+        "q_in", "kw", "ks", "kb", "vw", "vs", "vb", "tables", "lengths", "dims", "sinks",
+        "scale", "tail", "tail_slots",
+    ],
+    "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
+    "extract": ["batch", "meta", "dims"],
+}  # fmt: skip
+OUTPUTS = {"paged_attention": ["out", "stats"]}
+
+
 @cache
 def _kernel(backend: str, name: str, sources: int = 0):
-    inputs = {
-        "paged_attention": [
-            "q",
-            "kw",
-            "ks",
-            "kb",
-            "vw",
-            "vs",
-            "vb",
-            "tables",
-            "lengths",
-            "dims",
-            "sinks",
-            "scale",
-            "tail",
-            "tail_slots",
-        ],
-        "merge": [f"src{i}" for i in range(sources)] + ["rows", "dims"],
-        "extract": ["batch", "meta", "dims"],
-    }[name]
-    preamble = CUDA_THREAD_ID if backend == "cuda" else ""
+    inputs = [f"src{i}" for i in range(sources)] + ["rows", "dims"]
+    inputs = INPUTS.get(name, inputs)
+    if name == "paged_attention":
+        preamble = GROUP_IDS[backend]
+    else:
+        preamble = CUDA_THREAD_ID if backend == "cuda" else ""
     if name == "merge":
         preamble += _pointers(backend, sources)
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(
         name=f"agentkv_{name}{sources or ''}",
         input_names=inputs,
-        output_names=["out"],
+        output_names=OUTPUTS.get(name, ["out"]),
         source=preamble + body(name),
-        header=HELPERS[backend] if name == "paged_attention" else "",
+        header=helpers(backend) if name.startswith("paged_attention") else "",
     )
+
+
+@lru_cache(maxsize=512)
+def _ints(values: tuple[int, ...]) -> mx.array:
+    """A small constant argument, made once (data on the host: any thread's graph takes it)."""
+    return mx.array(np.asarray(values, dtype=np.int32))
+
+
+@lru_cache(maxsize=64)
+def _floats(values: tuple[float, ...]) -> mx.array:
+    return mx.array(np.asarray(values, dtype=np.float32))
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    return mx.array(np.zeros(n, dtype=np.dtype(str(dtype).split(".")[-1])))
 
 
 def _run(backend, name, inputs, grid, shape, dtype, sources=0):
@@ -119,28 +129,51 @@ def _run(backend, name, inputs, grid, shape, dtype, sources=0):
 
 
 def for_backend(backend: str) -> SimpleNamespace:
-    def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
-        dims = paged.dims(queries)
-        B, q_heads, L, dim_v = dims[0], dims[1], dims[3], dims[5]
-        sinks = paged.sinks if paged.sinks is not None else mx.zeros((q_heads,), mx.float32)
-        kernel = _kernel(backend, "paged_attention")
-        return kernel(
+    def paged_attention(
+        queries: mx.array, paged: PagedQuery, *, scale: float, launch: Launch | None = None
+    ) -> mx.array:
+        """Pass 1 over (splits * tiles, KV heads, rows) threadgroups, then pass 2 where the
+        keys were split; the result in the queries' dtype (docs/gpu-attention.md)."""
+        launch = launch or paged.launch(queries)
+        B, q_heads, L, _ = queries.shape
+        dim_v, splits = paged.value_dim, launch.splits
+        tiles = -(-L * (q_heads // paged.kv_heads) // launch.vectors)
+        sinks = paged.sinks.astype(mx.float32) if paged.sinks is not None else _zeros(q_heads)
+        vectors = B * q_heads * L
+        out_dtype = queries.dtype if splits == 1 else mx.float32
+        first, stats = _kernel(backend, "paged_attention")(
             inputs=[
-                queries.astype(mx.float32),
-                *paged.keys,
-                *paged.values,
-                paged.tables.astype(mx.int32),
-                paged.lengths.astype(mx.int32),
-                mx.array(dims, dtype=mx.int32),
-                sinks.astype(mx.float32),
-                mx.array([scale], dtype=mx.float32),
-                paged.tail if paged.tail is not None else mx.zeros((1,), mx.float16),
-                paged.tail_slots if paged.tail_slots is not None else mx.zeros((B,), mx.int32),
+                queries,
+                *paged.kernel_parts(),
+                paged.tables,
+                paged.lengths,
+                _ints(paged.dims(queries, splits)),
+                sinks,
+                _floats((scale,)),
+                paged.tail if paged.tail is not None else _zeros(1, mx.float16),
+                paged.tail_slots if paged.tail_slots is not None else _zeros(B, mx.int32),
             ],
-            grid=(L, q_heads, B),
-            threadgroup=(min(L, 32), 1, 1),
+            template=[
+                ("T", out_dtype),
+                ("NQ", launch.vectors),
+                ("KL", launch.lanes_per_key),
+                ("TG", PAGED_THREADGROUP),
+            ],
+            grid=(splits * tiles * PAGED_THREADGROUP, paged.kv_heads, B),
+            threadgroup=(PAGED_THREADGROUP, 1, 1),
+            output_shapes=[(vectors * splits * dim_v,), (vectors * splits * 2,)],
+            output_dtypes=[out_dtype, mx.float32],
+        )
+        if splits == 1:
+            return first.reshape(B, q_heads, L, dim_v)
+        has_sinks = int(paged.sinks is not None)
+        return _kernel(backend, "paged_attention_merge")(
+            inputs=[first, stats, sinks, _ints((B, q_heads, L, dim_v, splits, has_sinks))],
+            template=[("T", queries.dtype)],
+            grid=(dim_v, q_heads * L, B),
+            threadgroup=(dim_v, 1, 1),
             output_shapes=[(B, q_heads, L, dim_v)],
-            output_dtypes=[mx.float32],
+            output_dtypes=[queries.dtype],
         )[0]
 
     def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:

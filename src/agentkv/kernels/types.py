@@ -6,8 +6,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
-from ..format.quant import V1, V2, KVQuant
+from ..format.quant import FLOAT_BITS, V1, V2, KVQuant
 
 
 class PagedQuery(NamedTuple):
@@ -31,22 +32,24 @@ class PagedQuery(NamedTuple):
     channel_tokens: int = 0
     tail: mx.array | None = None
     tail_slots: mx.array | None = None
+    # the longest row's length where the host knows it (a step does), else 0: the GPU kernel's
+    # split of the keys then reads it from ``lengths`` (a host synchronisation)
+    span: int = 0
 
     def quant(self) -> KVQuant:
         """The KV format these arenas hold."""
         return _paged_quant(self.key_bits, self.value_bits, self.group, self.channel_tokens)
 
-    def dims(self, queries: mx.array) -> tuple[int, ...]:
+    def dims(self, queries: mx.array, splits: int = 1) -> tuple[int, ...]:
         """The kernel's dims, in the order paged_attention.metal reads them."""
         B, q_heads, L, dim = queries.shape
-        dim_v = self.values[0].shape[-1] * 32 // self.value_bits
         return (
             B,
             q_heads,
             self.kv_heads,
             L,
             dim,
-            dim_v,
+            self.value_dim,
             self.tables.shape[1],
             self.block_tokens,
             self.key_bits,
@@ -55,7 +58,65 @@ class PagedQuery(NamedTuple):
             self.window,
             int(self.sinks is not None),
             self.channel_tokens,
+            splits,
         )
+
+    @property
+    def value_dim(self) -> int:
+        words = self.values[0].shape[-1]
+        return words if self.value_bits == FLOAT_BITS else words * 32 // self.value_bits
+
+    def launch(self, queries: mx.array, *, groups: int = 0, splits: int = 0) -> Launch:
+        """How paged_attention.metal covers these queries (docs/gpu-attention.md): NQ query
+        vectors a threadgroup, KL lanes a key, and ``splits`` parts of the keys, enough that
+        the grid has about ``groups`` (default ``TARGET_GROUPS``) threadgroups without giving a
+        part fewer than ``MIN_SPLIT_KEYS`` keys. ``splits`` > 0 forces it."""
+        B, q_heads, L, dim = queries.shape
+        vectors = L * (q_heads // self.kv_heads)
+        nq = min(MAX_VECTORS, 1 << max(0, vectors - 1).bit_length())
+        widest = max(dim, self.value_dim)
+        kl = min(32, max(4, 1 << max(0, -(-widest // 8) - 1).bit_length()))
+        if not splits:
+            tiles = -(-vectors // nq)
+            span = self.span or int(mx.max(self.lengths).item())
+            want = -(-(groups or TARGET_GROUPS) // (B * self.kv_heads * tiles))
+            splits = max(1, min(want, -(-span // MIN_SPLIT_KEYS), MAX_SPLITS))
+        return Launch(nq, kl, splits)
+
+    def kernel_parts(self) -> tuple[mx.array, ...]:
+        """Keys then values as (words, scales, biases) for the kernel: a 16-bit kind's float16
+        rows viewed as uint32 words, with placeholder scales and biases it never reads."""
+        return (*_kernel_kind(self.keys), *_kernel_kind(self.values))
+
+
+# The GPU kernel's grid (docs/gpu-attention.md): threadgroups of THREADGROUP threads holding
+# up to MAX_VECTORS query vectors; a grid of about TARGET_GROUPS threadgroups fills a large
+# GPU (an H100 has 132 multiprocessors, an M-series Max 40 cores).
+THREADGROUP = 128
+MAX_VECTORS = 8
+TARGET_GROUPS = 512
+MIN_SPLIT_KEYS = 64
+MAX_SPLITS = 128
+
+
+class Launch(NamedTuple):
+    """paged_attention.metal's compile-time shape and its split of the keys."""
+
+    vectors: int  # NQ: query vectors a threadgroup holds
+    lanes_per_key: int  # KL
+    splits: int
+
+
+_PLACEHOLDER: dict[str, mx.array] = {}
+
+
+def _kernel_kind(parts: tuple[mx.array, ...]) -> tuple[mx.array, mx.array, mx.array]:
+    if len(parts) == 3:
+        return parts
+    if "half" not in _PLACEHOLDER:
+        _PLACEHOLDER["half"] = mx.array(np.zeros(1, np.float16))
+    words = mx.view(parts[0], mx.uint32)
+    return words, _PLACEHOLDER["half"], _PLACEHOLDER["half"]
 
 
 @lru_cache(maxsize=64)

@@ -68,12 +68,12 @@ class PagedStep:
         self.tables = mx.array(table)
         # What attention reads; a swapped row reads its staging blocks, then its resident
         # ones (pool/swap.py), and RoPE takes its true positions (`positions`).
-        self.lengths = mx.array(
-            np.asarray(
-                [e if s is None else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
-                dtype=np.int32,
-            )
+        lengths = np.asarray(
+            [e if s is None else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
+            dtype=np.int32,
         )
+        self.lengths = mx.array(lengths)
+        self.span = int(lengths.max())  # the GPU kernel splits the keys by it, unsynchronised
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
         # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers
         # then take the next one's query weights, to predict its query)
@@ -152,6 +152,7 @@ class PagedLayerCache(CacheBase):
             channel_tokens=quant.channel_tokens if quant.channel_keys else 0,
             tail=step.arena.tails[self.layer] if channel else None,
             tail_slots=step.plan.tail_slots if channel else None,
+            span=step.span,
         )
         rotate = quant.rotate
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)

@@ -1,0 +1,17 @@
+// The helpers the kernel bodies name, spelled for CUDA (mx.fast.cuda_kernel's header;
+// cuda_fp16.h and cuda_bf16.h come with MLX's own). kernels/gpu.py puts `kv_tid` and
+// `kv_group` (and `thread_position_in_grid`) in front of each body.
+__device__ inline float kv_half(__half x) { return __half2float(x); }
+__device__ inline float kv_half_bits(unsigned int x) {
+  return __half2float(__ushort_as_half((unsigned short)x));
+}
+__device__ inline float kv_float(float x) { return x; }
+__device__ inline float kv_float(__half x) { return __half2float(x); }
+__device__ inline float kv_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float kv_exp(float x) { return expf(x); }
+__device__ inline float kv_max(float a, float b) { return fmaxf(a, b); }
+#define KV_NEG_INF (-INFINITY)
+#define KV_SHARED_ARRAY(type, name, count) __shared__ type name[count]
+#define KV_BARRIER() __syncthreads()
+#define KV_SHUFFLE_XOR(x, mask) __shfl_xor_sync(0xffffffffu, (x), (mask))
+#define KV_RETURN return
