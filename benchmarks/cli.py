@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|compute|peers|kernels|batch|pool|serve|constrained|
+"""``agentkv bench reload|ttft|save|compute|peers|kernels|gpu|batch|pool|serve|constrained|
 quality|kv-candidates|kvswap``."""
 
 from __future__ import annotations
@@ -70,6 +70,21 @@ def run_bench(args) -> int:
         from .kernels import run
 
         run(_counts(args.batches, "--batches"), repeats=args.repeats, as_json=args.json)
+    elif name == "gpu":
+        from .gpu import SHAPES, run
+
+        run(
+            tuple(_names(args.shapes, SHAPES, "--shapes")),
+            tuple(_counts(args.contexts, "--contexts")),
+            decode_tokens=args.decode_tokens,
+            prefill_context=args.prefill_context,
+            hot_tokens=args.hot_tokens,
+            batch=args.batch,
+            batch_context=args.batch_context,
+            kernel_context=args.kernel_context,
+            tokenizer=args.tokenizer,
+            as_json=args.json,
+        )
     elif name == "batch":
         from .batch import run
 

@@ -191,7 +191,7 @@ bool power_of_two_in(int x, int lo, int hi) {
 
 mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables_in,
-                          const mx::array& lengths_in, const std::array<int, 15>& dims,
+                          const mx::array& lengths_in, const std::array<int, 16>& dims,
                           const std::optional<mx::array>& sinks_in, float scale_value, int threads,
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in, int vectors,
@@ -200,13 +200,13 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
   const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
-              group, window, has_sinks, channel_tokens, splits] = dims;
+              group, window, has_sinks, channel_tokens, splits, split_keys] = dims;
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   auto grouped = [&](int bits, int d) { return bits == 16 || (group >= 1 && d % group == 0); };
   if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
       dim_v < 1 || block_tokens < 1 || !supported(kbits) || !supported(vbits) ||
       !grouped(kbits, dim) || !grouped(vbits, dim_v) || dim * kbits % 32 || dim_v * vbits % 32 ||
-      window < 0 || has_sinks != (sinks_in ? 1 : 0) || splits < 1 ||
+      window < 0 || has_sinks != (sinks_in ? 1 : 0) || splits < 1 || split_keys < 1 ||
       !power_of_two_in(vectors, 1, 8) || !power_of_two_in(lanes_per_key, 4, 32) ||
       (dim + lanes_per_key - 1) / lanes_per_key > 8 ||
       (dim_v + lanes_per_key - 1) / lanes_per_key > 8 ||

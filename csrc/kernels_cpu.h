@@ -20,7 +20,7 @@ namespace mx = mlx::core;
 // (words, scales, biases); 16-bit kinds pass their float16 rows as words and any scales.
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
-                          const mx::array& lengths, const std::array<int, 15>& dims,
+                          const mx::array& lengths, const std::array<int, 16>& dims,
                           const std::optional<mx::array>& sinks, float scale, int threads,
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots, int vectors,

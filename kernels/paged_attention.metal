@@ -19,8 +19,9 @@
 //          vs, vb  half[rows * Dv / group]         (16 bits: unread)
 //          tables  int[B * M]    row b's blocks, in token order
 //          lengths int[B]        tokens of row b, these queries included
-//          dims    int[15]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
-//                                group, window (0: none), has_sinks, channel_tokens, splits
+//          dims    int[16]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
+//                                group, window (0: none), has_sinks, channel_tokens, splits,
+//                                split_keys
 //          sinks   float[Hq]     (read only if has_sinks)
 //          scale   float[1]
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
@@ -34,8 +35,10 @@
 //                       exp(score - m) * value, and stats float[B * Hq * L * splits * 2]
 //                       its (m, sum of exp(score - m)); paged_attention_merge.metal ends it.
 // grid:    threadgroups (splits * tiles, Hkv, B), TG threads each. A threadgroup holds NQ of
-//          the L * Hq / Hkv query vectors of its (row, KV head) (tile), and one of `splits`
-//          equal parts of the keys they see. Its KL-lane teams each take one key at a time:
+//          the L * Hq / Hkv query vectors of its (row, KV head) (tile), and one part of the
+//          keys they see: the row's keys in ceil(keys / split_keys) equal parts (at most
+//          `splits`; the threadgroups past them write empty parts), so a row's result does
+//          not depend on the other rows of its batch. Its KL-lane teams each take one key at a time:
 //          a lane dequantizes its ceil(D / KL) key channels and its ceil(Dv / KL) value
 //          channels once for all NQ queries, the team sums the dot products by shuffles,
 //          and each team keeps its own online softmax; teams, then SIMD groups, merge at
@@ -96,6 +99,7 @@ const int window = dims[11];
 const int has_sinks = dims[12];
 const int channel_tokens = dims[13];
 const int n_splits = dims[14];
+const int split_keys = dims[15];
 const int rep = q_heads / kv_heads;
 const int n_vectors = n_queries * rep;
 const int tid = (int)kv_tid;
@@ -150,7 +154,9 @@ for (int j = 0; j < NQ; ++j) {
     q[j][e] = real && e < key_count ? kv_float(q_in[q0 + (unsigned int)d]) * scale[0] : 0.0f;
   }
 }
-const int chunk = (k_hi - k_lo + n_splits - 1) / n_splits;
+int row_splits = (k_hi - k_lo + split_keys - 1) / split_keys;
+row_splits = row_splits < 1 ? 1 : (row_splits > n_splits ? n_splits : row_splits);
+const int chunk = (k_hi - k_lo + row_splits - 1) / row_splits;
 const int s0 = k_lo + split * chunk;
 const int s1 = s0 + chunk < k_hi ? s0 + chunk : k_hi;
 

@@ -13,7 +13,7 @@ from agentkv.format.geometry import BLOCK_TOKENS
 from agentkv.format.quant import V1, KVQuant, native_layout
 from agentkv.format.spec import LayerKind, LayerSpec, ModelCacheSpec
 from agentkv.kernels import PagedQuery
-from agentkv.kernels.types import as_units
+from agentkv.kernels.types import HostIndex, as_units
 from agentkv.kv.cache import AgentKVCache
 from agentkv.pool.arena import WritePlan
 from agentkv.store.format import encode_segment_header
@@ -375,13 +375,14 @@ def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=6
         quant.group_size,
         0,
         None,
+        host=HostIndex(table, np.asarray(lengths, np.int32)),
     )
     return pool, tables, q, paged
 
 
-def format_2_batch(window: int = 0, q_heads: int = 4):
+def format_2_batch(window: int = 0, q_heads: int = 4, new: int = 3):
     """A jagged batch over format 2 tables with tails (300, 64, 127 and 5 tokens, each then
-    given 3 new ones through a pool step): (pool, queries [4, q_heads, 3, 64], PagedQuery)."""
+    given ``new`` ones through a pool step): (pool, queries [4, q_heads, new, 64], PagedQuery)."""
     from agentkv.format.quant import V2
     from agentkv.pool.step import PagedStep
 
@@ -389,15 +390,15 @@ def format_2_batch(window: int = 0, q_heads: int = 4):
     pool = pool_for(spec, KVQuant(**V2))
     tables = [fill_table(pool, n, seed=i) for i, n in enumerate([300, 64, 127, 5])]
     for t in tables:
-        t.grow(3, pool.arena.copy_rows)
+        t.grow(new, pool.arena.copy_rows)
     rng = np.random.default_rng(11)
-    kv = mx.array(rng.standard_normal((2, 4, 2, 3, 64)).astype(np.float32))
-    q = mx.array(rng.standard_normal((4, q_heads, 3, 64)).astype(np.float32))
-    step = PagedStep(pool.arena, spec, tables, 3)
+    kv = mx.array(rng.standard_normal((2, 4, 2, new, 64)).astype(np.float32))
+    q = mx.array(rng.standard_normal((4, q_heads, new, 64)).astype(np.float32))
+    step = PagedStep(pool.arena, spec, tables, new)
     keys, values = step.caches[0].update_and_fetch(kv[0], kv[1])
     pool.arena.settle()
     paged = PagedQuery(
         tuple(keys), tuple(values), step.tables, step.lengths, 2, 256, 4, 4, 64, window, None,
-        64, pool.arena.tails[0], step.plan.tail_slots,
+        64, pool.arena.tails[0], step.plan.tail_slots, step.host,
     )  # fmt: skip
     return pool, q, paged

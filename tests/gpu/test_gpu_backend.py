@@ -101,6 +101,72 @@ def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
     close(body, reference(q, paged), atol=2e-3)
 
 
+# The contexts the issue names (1, 5, 64, 1K, 8K) as one jagged batch, in every width
+CONTEXTS = [1, 5, 64, 1024, 8192]
+
+
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (8, 4, 32), (2, 2, 32), (16, 16, 64), (4, 16, 64)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_paged_attention_body_over_jagged_contexts(gpu, fmt, dtype):
+    """Every row a different context, sinks, GQA of 3: pass 1 and the merge pass of the keys'
+    parts (the 8K row takes 128 of them), in the engine's query dtypes."""
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), CONTEXTS, q_heads=6, heads=2, dim=128)
+    sinks = mx.array(np.linspace(-1, 1, 6).astype(np.float32))
+    paged = paged._replace(sinks=sinks)
+    body = on(gpu, lambda: kernels.paged_attention_body(q.astype(dtype), paged, scale=0.125))
+    assert body.dtype == dtype
+    close(body.astype(mx.float32), reference(q, paged), atol=3e-4 if dtype == mx.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("window,splits", [(0, 3), (300, 0), (0, 1)])
+def test_paged_attention_body_with_windows_and_forced_parts(gpu, window, splits):
+    _, _, q, paged = jagged_batch(KVQuant(**V1), [1030, 7, 513], queries=5, q_heads=4)
+    paged = paged._replace(window=window)
+    launch = paged.launch(q, splits=splits)
+    body = on(gpu, lambda: gpu_impl(gpu).paged_attention(q, paged, scale=0.125, launch=launch))
+    close(body, reference(q, paged))
+
+
+def test_paged_attention_body_gives_a_row_the_same_bits_alone_or_batched(gpu):
+    """A row's parts of the keys depend on its own length: on the GPU too, batch == alone."""
+    lengths = [8192, 40, 700, 1]
+    _, _, q, paged = jagged_batch(KVQuant(**V1), lengths, q_heads=6)
+    together = on(gpu, lambda: kernels.paged_attention_body(q, paged, scale=0.125))
+    for b in range(len(lengths)):
+        host = paged.host._replace(
+            tables=paged.host.tables[b : b + 1], lengths=paged.host.lengths[b : b + 1]
+        )
+        alone = paged._replace(
+            tables=paged.tables[b : b + 1], lengths=paged.lengths[b : b + 1], host=host
+        )
+        mine = on(
+            gpu,
+            lambda alone=alone, b=b: kernels.paged_attention_body(q[b : b + 1], alone, scale=0.125),
+        )
+        assert mx.array_equal(together[b : b + 1], mine)
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_dense_prefill_path_on_the_gpu(gpu, window):
+    """A prefill chunk's path (kernels/dense.py) through MLX's fused attention on the GPU."""
+    from agentkv.kernels import dense
+
+    queries = dense.DENSE_QUERIES + 4
+    _, _, q, paged = jagged_batch(KVQuant(**V1), [1500, queries], queries=queries, q_heads=6)
+    paged = paged._replace(window=window)
+    out = dense.paged_attention(q.astype(mx.float16), paged, scale=0.125)
+    close(out.astype(mx.float32), reference(q, paged), atol=3e-3)
+    _, q2, paged2 = format_2_batch(window, new=queries)
+    out2 = dense.paged_attention(q2, paged2, scale=0.125)
+    close(out2, reference(q2, paged2), atol=2e-3)
+
+
+def gpu_impl(backend):
+    from agentkv.kernels import gpu as gpu_module
+
+    return gpu_module.for_backend(backend)
+
+
 def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
     """A cold turn, a hot one, a batch of two agents and a sampled turn on the GPU, the engine
     as a user makes it (its warm-up included): attention goes through the shared body (never

@@ -11,13 +11,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import FUSED_ATOL, jagged_batch, table_arrays
+from helpers import FUSED_ATOL, format_2_batch, jagged_batch, table_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext, kernels
 from agentkv.format.quant import V1, KVQuant
-from agentkv.kernels import attention, cpu
+from agentkv.kernels import attention, cpu, dense
+from agentkv.kernels.types import MAX_SPLITS, SPLIT_KEYS, HostIndex
 
 formats = st.sampled_from([(4, 4, 64), (4, 4, 32), (8, 4, 64), (8, 8, 64), (2, 2, 32)])
 
@@ -131,14 +132,34 @@ def test_the_body_agrees_with_the_reference_however_the_keys_are_split(
     close(body, kernels.reference.paged_attention(q, paged, scale=0.125))
 
 
-def test_the_launch_splits_long_contexts_and_fills_a_gpu():
-    """About TARGET_GROUPS threadgroups, no split under MIN_SPLIT_KEYS keys, the host's span."""
+def test_the_launch_parts_each_row_by_its_own_keys():
+    """SPLIT_KEYS keys a part, MAX_SPLITS at most, from the host's lengths (no device read)."""
     _, _, q, paged = jagged_batch(KVQuant(**V1), [40], q_heads=4)
-    assert paged.launch(q, groups=512).splits == 1  # 40 keys: one part
-    paged = paged._replace(span=32768)
-    wide = paged.launch(q, groups=512)
-    assert wide.splits == 128 and wide.vectors == 2  # 2 KV heads x 2 query heads each
-    assert paged.launch(q, groups=64).splits == 32
+    assert paged.launch(q).splits == 1  # 40 keys: one part
+    host = HostIndex(np.zeros((1, 128), np.int32), np.array([32768], np.int32))
+    wide = paged._replace(host=host).launch(q)
+    assert (wide.splits, wide.split_keys, wide.vectors) == (MAX_SPLITS, SPLIT_KEYS, 2)
+    host = host._replace(lengths=np.array([1000], np.int32))
+    assert paged._replace(host=host).launch(q).splits == -(-1000 // SPLIT_KEYS)
+    assert paged._replace(host=host, window=100).launch(q).splits == -(-100 // SPLIT_KEYS)
+
+
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (16, 16, 64)])
+def test_the_body_gives_a_row_the_same_bits_alone_or_batched(fmt):
+    """A row's parts of the keys depend on its own length only, so a batch with longer or
+    shorter rows changes none of its bits (what batch == alone needs on a GPU)."""
+    lengths = [5000, 40, 700, 1]
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), lengths, q_heads=6, queries=1)
+    together = cpu.paged_attention(q, paged, scale=0.125)
+    assert paged.launch(q).splits > 1
+    for b in range(len(lengths)):
+        host = HostIndex(paged.host.tables[b : b + 1], paged.host.lengths[b : b + 1])
+        alone = paged._replace(
+            tables=paged.tables[b : b + 1], lengths=paged.lengths[b : b + 1], host=host
+        )
+        assert mx.array_equal(
+            together[b : b + 1], cpu.paged_attention(q[b : b + 1], alone, scale=0.125)
+        )
 
 
 def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(monkeypatch):
@@ -151,6 +172,7 @@ def test_the_dispatch_takes_the_fused_path_on_cpu_and_the_reference_when_asked(m
     assert {k: now[k] - before[k] for k in now} == {
         attention.FUSED: 1,
         attention.KERNEL: 0,
+        attention.DENSE: 0,
         attention.REFERENCE: 1,
     }
     close(fast, slow)
@@ -233,3 +255,28 @@ def test_every_attention_implementation_gives_the_same_bits(tmp_path):
     assert np.isfinite(results["portable"][1]).all()
     np.testing.assert_array_equal(results["default"][1], results["portable"][1])
     np.testing.assert_array_equal(results["avx2"][1], results["portable"][1])
+
+
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (8, 4, 32), (16, 16, 64)])
+@pytest.mark.parametrize("window,sinks", [(0, False), (100, True), (700, False)])
+def test_the_dense_prefill_path_agrees_with_the_reference(fmt, window, sinks):
+    """What a GPU runs for prefill chunks (kernels/dense.py), here on the CPU: rows gathered
+    from the host's tables, dequantized once, through mx.fast.scaled_dot_product_attention."""
+    queries = dense.DENSE_QUERIES + 3
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), [900, queries, 300], queries=queries)
+    sink_values = mx.array(np.linspace(-1, 1, 4).astype(np.float32)) if sinks else None
+    paged = paged._replace(window=window, sinks=sink_values)
+    assert dense.takes(q, paged)
+    close(dense.paged_attention(q, paged, scale=0.125), reference(q, paged))
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_the_dense_prefill_path_reads_format_2_tails(window):
+    _, q, paged = format_2_batch(window, new=dense.DENSE_QUERIES + 2)
+    assert dense.takes(q, paged)
+    out = dense.paged_attention(q, paged, scale=0.125)
+    np.testing.assert_allclose(np.array(out), np.array(reference(q, paged)), atol=2e-3)
+
+
+def reference(q, paged):
+    return kernels.reference.paged_attention(q, paged, scale=0.125)

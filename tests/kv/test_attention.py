@@ -207,12 +207,22 @@ def test_caches_take_the_fused_path_only_for_masks_they_understand(monkeypatch):
 
     before = attention.paths_used()
     fast = cache.agentkv_attention(q, keys, values, scale=0.125, mask=ours)
-    assert _delta(before) == {attention.FUSED: 1, attention.KERNEL: 0, attention.REFERENCE: 0}
+    assert _delta(before) == {
+        attention.FUSED: 1,
+        attention.KERNEL: 0,
+        attention.DENSE: 0,
+        attention.REFERENCE: 0,
+    }
     monkeypatch.setenv(attention.ENV, "reference")
     assert not attention.fused_available(cache.quant, q, ours)
     before = attention.paths_used()
     slow = cache.agentkv_attention(q, keys, values, scale=0.125, mask=ours)
-    assert _delta(before) == {attention.FUSED: 0, attention.KERNEL: 0, attention.REFERENCE: 1}
+    assert _delta(before) == {
+        attention.FUSED: 0,
+        attention.KERNEL: 0,
+        attention.DENSE: 0,
+        attention.REFERENCE: 1,
+    }
     np.testing.assert_allclose(np.array(fast), np.array(slow), rtol=2e-4, atol=FUSED_ATOL)
 
 
@@ -225,10 +235,20 @@ def test_batch_cache_attention_matches_reference(monkeypatch):
     q = mx.array(rng.standard_normal((2, 3, 20, 64)), mx.float32)
     before = attention.paths_used()
     fast = batch.agentkv_attention(q, keys, values, scale=0.125, mask=mask)
-    assert _delta(before) == {attention.FUSED: 1, attention.KERNEL: 0, attention.REFERENCE: 0}
+    assert _delta(before) == {
+        attention.FUSED: 1,
+        attention.KERNEL: 0,
+        attention.DENSE: 0,
+        attention.REFERENCE: 0,
+    }
     monkeypatch.setenv(attention.ENV, "reference")
     slow = batch.agentkv_attention(q, keys, values, scale=0.125, mask=mask)
-    assert _delta(before) == {attention.FUSED: 1, attention.KERNEL: 0, attention.REFERENCE: 1}
+    assert _delta(before) == {
+        attention.FUSED: 1,
+        attention.KERNEL: 0,
+        attention.DENSE: 0,
+        attention.REFERENCE: 1,
+    }
     # Row 0's first 3 queries are padding: they see no key, and what comes out is unused.
     np.testing.assert_allclose(
         np.array(fast[0, :, 3:]), np.array(slow[0, :, 3:]), rtol=2e-4, atol=FUSED_ATOL

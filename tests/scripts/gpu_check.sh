@@ -1,8 +1,9 @@
 #!/bin/bash
 # The GPU tests on a lent CUDA machine with no package index (benchmarks/RESULTS.md, "GPU"):
 # installs the bundle tests/scripts/gpu_bundle.py made (BUNDLE, default .devkit) into the
-# machine's Python, builds agentkv there, runs tests/gpu and the architectures on the GPU.
-# Logs and JUnit files go to $OUT (default /tmp/gpu-check).
+# machine's Python, builds agentkv there, runs tests/gpu and the architectures on the GPU,
+# then `agentkv bench gpu` alone on the GPU (BENCH=0 skips it; BENCH_ARGS adds options).
+# Logs, JUnit files and bench.json go to $OUT (default /tmp/gpu-check).
 BUNDLE=${BUNDLE:-.devkit}
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -28,3 +29,10 @@ timeout ${ARCH_LIMIT:-360} $PY -m pytest $T -n ${ARCH_WORKERS:-6} --junitxml="$O
 wait $GPU_RUN $!  # not a bare wait: it would also wait for the tee above, which never ends
 tail -c 3000 "$OUT/gpu.log"
 tail -c 4000 "$OUT/arch.log"
+if [ "${BENCH:-1}" != 0 ]; then
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+  timeout ${BENCH_LIMIT:-600} $PY -c "import sys; from agentkv.cli.main import main; sys.exit(main())" \
+    bench gpu --json --tokenizer "$BUNDLE/tokenizer" $BENCH_ARGS > "$OUT/bench.json" 2> "$OUT/bench.log"
+  echo "bench gpu: exit $?"
+  grep -v "^gpu: row" "$OUT/bench.log" | tail -c 3000
+fi

@@ -102,6 +102,35 @@ def _kernels(kernels: argparse.ArgumentParser) -> None:
     add_count(kernels, "--repeats", 5, "runs per case, the median reported (default 5)")
 
 
+@_bench("gpu", "agentkv vs mlx-lm on this machine's GPU: decode, prefill, hot turns, batches")
+def _gpu(gpu: argparse.ArgumentParser) -> None:
+    """Random-weight 4-bit llama models of real shapes built on the spot, agentkv (its default
+    4-bit KV and kv_bits=16) and mlx-lm (float16 KV; its 4-bit KV where the backend runs it)
+    side by side in one process: decode and time to first token per context, a hot turn, a
+    batch of agents, and the paged attention kernel alone against MLX's attention as a
+    fraction of the GPU's bandwidth (docs/gpu-attention.md). Needs Metal or CUDA."""
+    gpu.add_argument(
+        "--shapes",
+        default="smollm2-135m,llama3-8b",
+        help="model shapes: smollm2-135m, llama3-8b, tiny (default the first two)",
+    )
+    gpu.add_argument(
+        "--contexts",
+        default="1024,8192,32768",
+        help="decode contexts in tokens (default 1024,8192,32768)",
+    )
+    add_count(gpu, "--decode-tokens", 128, "tokens generated per decode arm (default 128)")
+    add_count(gpu, "--prefill-context", 4096, "the cold prefill measured (default 4096)")
+    add_count(gpu, "--hot-tokens", 100, "tokens a hot turn adds at the longest context")
+    add_count(gpu, "--batch", 8, "agents decoding together (default 8)")
+    add_count(gpu, "--batch-context", 1024, "each batched agent's context (default 1024)")
+    add_count(gpu, "--kernel-context", 32768, "context of the kernel-alone rows (default 32768)")
+    gpu.add_argument(
+        "--tokenizer",
+        help="a folder with the embedded tokenizer's files (default: the embedded model's)",
+    )
+
+
 @_bench(
     "batch", "decode tokens/s: N agents batched vs the same turns one after another", model=True
 )

@@ -14,7 +14,9 @@ Each call takes one of three paths, counted by ``paths_used``:
   result in one fixed order whether it runs alone or in a batch. They recompute the mask from
   the cache, so they run only for masks an agentkv cache made (``kernels/masks.py``).
 * ``gpu_kernel`` — on Metal and CUDA, the shared body ``kernels/paged_attention.metal``
-  (``kernels/gpu.py``, docs/gpu-attention.md), for the block pool's KV in every format.
+  (``kernels/gpu.py``, docs/gpu-attention.md), for the block pool's KV in every format;
+* ``gpu_dense`` — on Metal and CUDA, a prefill chunk of the pool (``kernels/dense.py``): the
+  rows it sees dequantized once, then MLX's fused attention;
 * ``quantized_matmul`` — everywhere else, the pure-MLX reference (``kernels/reference.py``).
   ``AGENTKV_ATTENTION=reference`` forces it.
 
@@ -30,14 +32,14 @@ from typing import ClassVar
 import mlx.core as mx
 
 from ..format.quant import KVQuant
-from . import backend, cpu, gpu, reference
+from . import backend, cpu, dense, gpu, reference
 from .masks import NOT_OURS, mask_window
 from .types import PagedQuery
 
 FUSED_BITS = (2, 4, 8, 16)
 ENV = "AGENTKV_ATTENTION"  # "reference" forces the mx.quantized_matmul path
-FUSED, KERNEL, REFERENCE = "fused_cpu", "gpu_kernel", "quantized_matmul"
-_PATHS = {FUSED: 0, KERNEL: 0, REFERENCE: 0}
+FUSED, KERNEL, DENSE, REFERENCE = "fused_cpu", "gpu_kernel", "gpu_dense", "quantized_matmul"
+_PATHS = {FUSED: 0, KERNEL: 0, DENSE: 0, REFERENCE: 0}
 
 
 class CacheBase:
@@ -142,6 +144,9 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         _PATHS[FUSED] += 1
         return cpu.fused_paged_attention(queries, paged, scale=scale)
     if os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
+        if dense.takes(queries, paged):
+            _PATHS[DENSE] += 1
+            return dense.paged_attention(queries, paged, scale=scale)
         _PATHS[KERNEL] += 1
         return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
     _PATHS[REFERENCE] += 1

@@ -34,7 +34,7 @@ def paged_attention(
         list(parts[3:]),
         paged.tables,
         paged.lengths,
-        paged.dims(queries, launch.splits),
+        paged.dims(queries, launch),
         paged.sinks,
         scale,
         THREADS,

@@ -147,7 +147,7 @@ def for_backend(backend: str) -> SimpleNamespace:
                 *paged.kernel_parts(),
                 paged.tables,
                 paged.lengths,
-                _ints(paged.dims(queries, splits)),
+                _ints(paged.dims(queries, launch)),
                 sinks,
                 _floats((scale,)),
                 paged.tail if paged.tail is not None else _zeros(1, mx.float16),

@@ -11,6 +11,16 @@ import numpy as np
 from ..format.quant import FLOAT_BITS, V1, V2, KVQuant
 
 
+class HostIndex(NamedTuple):
+    """A step's block tables, lengths and tail slots as the host built them."""
+
+    tables: np.ndarray  # int32 [B, max blocks]
+    lengths: np.ndarray  # int32 [B]
+    tail_slots: np.ndarray | None = None  # int32 [B]
+    # what the layers of one step derive from these alike, made by the first (kernels/dense.py)
+    memo: dict | None = None
+
+
 class PagedQuery(NamedTuple):
     """What paged attention reads besides the queries: the pool's arenas of one layer and
     the batch's block tables (see kernels/paged_attention.metal)."""
@@ -32,15 +42,15 @@ class PagedQuery(NamedTuple):
     channel_tokens: int = 0
     tail: mx.array | None = None
     tail_slots: mx.array | None = None
-    # the longest row's length where the host knows it (a step does), else 0: the GPU kernel's
-    # split of the keys then reads it from ``lengths`` (a host synchronisation)
-    span: int = 0
+    # the same tables, lengths and tail slots on the host where the caller has them (a pool
+    # step does): the GPU paths then plan without reading the device (no synchronisation)
+    host: HostIndex | None = None
 
     def quant(self) -> KVQuant:
         """The KV format these arenas hold."""
         return _paged_quant(self.key_bits, self.value_bits, self.group, self.channel_tokens)
 
-    def dims(self, queries: mx.array, splits: int = 1) -> tuple[int, ...]:
+    def dims(self, queries: mx.array, launch: Launch) -> tuple[int, ...]:
         """The kernel's dims, in the order paged_attention.metal reads them."""
         B, q_heads, L, dim = queries.shape
         return (
@@ -58,7 +68,8 @@ class PagedQuery(NamedTuple):
             self.window,
             int(self.sinks is not None),
             self.channel_tokens,
-            splits,
+            launch.splits,
+            launch.split_keys,
         )
 
     @property
@@ -66,22 +77,29 @@ class PagedQuery(NamedTuple):
         words = self.values[0].shape[-1]
         return words if self.value_bits == FLOAT_BITS else words * 32 // self.value_bits
 
-    def launch(self, queries: mx.array, *, groups: int = 0, splits: int = 0) -> Launch:
+    def launch(self, queries: mx.array, *, splits: int = 0) -> Launch:
         """How paged_attention.metal covers these queries (docs/gpu-attention.md): NQ query
-        vectors a threadgroup, KL lanes a key, and ``splits`` parts of the keys, enough that
-        the grid has about ``groups`` (default ``TARGET_GROUPS``) threadgroups without giving a
-        part fewer than ``MIN_SPLIT_KEYS`` keys. ``splits`` > 0 forces it."""
+        vectors a threadgroup, KL lanes a key, each row's keys in parts of about
+        ``SPLIT_KEYS`` (at most ``MAX_SPLITS``: a row's parts depend on it alone, so it gives
+        the same bits alone or batched). ``splits`` > 0 cuts the longest row into that many
+        parts instead (tests)."""
         B, q_heads, L, dim = queries.shape
         vectors = L * (q_heads // self.kv_heads)
         nq = min(MAX_VECTORS, 1 << max(0, vectors - 1).bit_length())
         widest = max(dim, self.value_dim)
         kl = min(32, max(4, 1 << max(0, -(-widest // 8) - 1).bit_length()))
-        if not splits:
-            tiles = -(-vectors // nq)
-            span = self.span or int(mx.max(self.lengths).item())
-            want = -(-(groups or TARGET_GROUPS) // (B * self.kv_heads * tiles))
-            splits = max(1, min(want, -(-span // MIN_SPLIT_KEYS), MAX_SPLITS))
-        return Launch(nq, kl, splits)
+        longest = self.longest()
+        if self.window:  # what a tile's queries see at most
+            longest = min(longest, self.window + L - 1)
+        if splits:
+            return Launch(nq, kl, splits, max(1, -(-longest // splits)))
+        return Launch(nq, kl, max(1, min(MAX_SPLITS, -(-longest // SPLIT_KEYS))), SPLIT_KEYS)
+
+    def longest(self) -> int:
+        """The longest row's length (from the host's copy where there is one)."""
+        if self.host is not None:
+            return int(self.host.lengths.max())
+        return int(mx.max(self.lengths).item())
 
     def kernel_parts(self) -> tuple[mx.array, ...]:
         """Keys then values as (words, scales, biases) for the kernel: a 16-bit kind's float16
@@ -90,21 +108,21 @@ class PagedQuery(NamedTuple):
 
 
 # The GPU kernel's grid (docs/gpu-attention.md): threadgroups of THREADGROUP threads holding
-# up to MAX_VECTORS query vectors; a grid of about TARGET_GROUPS threadgroups fills a large
-# GPU (an H100 has 132 multiprocessors, an M-series Max 40 cores).
+# up to MAX_VECTORS query vectors, each over a part of a row's keys: SPLIT_KEYS keys a part,
+# at most MAX_SPLITS parts (a 32K-token context: 128 parts of 256 keys a KV head).
 THREADGROUP = 128
 MAX_VECTORS = 8
-TARGET_GROUPS = 512
-MIN_SPLIT_KEYS = 64
+SPLIT_KEYS = 64
 MAX_SPLITS = 128
 
 
 class Launch(NamedTuple):
-    """paged_attention.metal's compile-time shape and its split of the keys."""
+    """paged_attention.metal's compile-time shape and its parts of the keys."""
 
     vectors: int  # NQ: query vectors a threadgroup holds
     lanes_per_key: int  # KL
-    splits: int
+    splits: int  # threadgroups a (tile, KV head, row) has: the most parts a row takes
+    split_keys: int  # keys a part holds (about): a row takes ceil(its keys / this) parts
 
 
 _PLACEHOLDER: dict[str, mx.array] = {}

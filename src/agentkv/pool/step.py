@@ -26,6 +26,7 @@ from ..kernels import PagedQuery
 from ..kernels.attention import ENV as ATTENTION_ENV
 from ..kernels.attention import CacheBase, count_fused_attention, paged_attention
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
+from ..kernels.types import HostIndex
 from ..mlx_adapter import FusedLayer
 from .arena import KVArena, WritePlan
 from .swap import SwapState
@@ -73,13 +74,15 @@ class PagedStep:
             dtype=np.int32,
         )
         self.lengths = mx.array(lengths)
-        self.span = int(lengths.max())  # the GPU kernel splits the keys by it, unsynchronised
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
         # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers
         # then take the next one's query weights, to predict its query)
         self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
         self.positions = mx.array(ends) if self.swapped else None
         self.plan = WritePlan(arena, list(tables), starts, count)
+        # the same on the host: the GPU paths plan by them without reading the device
+        slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
+        self.host = HostIndex(table, lengths, slots, {})
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
         self.fused = fused and self._fusable()
         self.caches = [
@@ -152,7 +155,7 @@ class PagedLayerCache(CacheBase):
             channel_tokens=quant.channel_tokens if quant.channel_keys else 0,
             tail=step.arena.tails[self.layer] if channel else None,
             tail_slots=step.plan.tail_slots if channel else None,
-            span=step.span,
+            host=step.host,
         )
         rotate = quant.rotate
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)

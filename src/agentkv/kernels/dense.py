@@ -1,0 +1,113 @@
+"""Prefill chunks on a GPU: the keys and values a chunk sees, dequantized once, through MLX's
+fused attention (docs/gpu-attention.md).
+
+A prefill chunk of ``L`` queries reads every key it sees ``L`` times; MLX's
+``mx.fast.scaled_dot_product_attention`` does that arithmetic on the GPU's matrix units
+(tensor cores, Apple's simdgroup matrices), which the paged kernel's per-lane arithmetic
+cannot match. So a chunk of at least ``DENSE_QUERIES`` queries gathers each row's visible
+rows from the arenas once (the host's copy of the tables says which: no synchronisation),
+dequantizes them to the queries' dtype, and runs the fused attention over them: the cost of
+reading the KV once more per chunk, for the matrix units' speed on the ``L`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from ..format.quant import FLOAT_BITS, dequantize_channels, dequantize_tokens
+from .types import PagedQuery
+
+DENSE_QUERIES = 16
+ENV = "AGENTKV_GPU_PREFILL"  # "kernel": prefill chunks through the paged kernel too
+
+
+def takes(queries: mx.array, paged: PagedQuery) -> bool:
+    """Whether a chunk of these queries runs here (on a GPU, see ``attention``)."""
+    return (
+        paged.host is not None
+        and queries.shape[2] >= DENSE_QUERIES
+        and os.environ.get(ENV) != "kernel"
+    )
+
+
+def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+    """Attention of each row's ``L`` queries over its keys (from its window's start),
+    gathered and dequantized once, in the queries' dtype."""
+    host = paged.host
+    B, _, L, _ = queries.shape
+    outs = []
+    for b in range(B):
+        n = int(host.lengths[b])
+        first = max(0, n - L - paged.window + 1) if paged.window else 0
+        if paged.channel_tokens:  # whole channel groups: their scales cover them
+            first = first // paged.channel_tokens * paged.channel_tokens
+        keys = _keys(paged, b, first, n).astype(queries.dtype)
+        values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
+        mask = "causal"
+        if first or paged.window:
+            t = np.arange(first, n)[None, :]
+            p = np.arange(n - L, n)[:, None]
+            visible = t <= p
+            if paged.window:
+                visible &= p - t < paged.window
+            mask = mx.array(visible)
+        outs.append(
+            mx.fast.scaled_dot_product_attention(
+                queries[b : b + 1],
+                keys,
+                values.astype(queries.dtype),
+                scale=scale,
+                mask=mask,
+                sinks=paged.sinks.astype(queries.dtype) if paged.sinks is not None else None,
+            )
+        )
+    return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+
+def _rows(paged: PagedQuery, b: int, first: int, end: int) -> mx.array:
+    """Arena rows of tokens [first, end) of row ``b``, head by head (once a step: every
+    layer reads the same rows)."""
+    memo = paged.host.memo
+    key = ("rows", b, first, end)
+    if memo is not None and key in memo:
+        return memo[key]
+    t = np.arange(first, end)
+    blocks = paged.host.tables[b][t // paged.block_tokens].astype(np.int64)
+    heads = np.arange(paged.kv_heads)[:, None]
+    rows = (blocks[None, :] * paged.kv_heads + heads) * paged.block_tokens
+    rows = mx.array((rows + t[None, :] % paged.block_tokens).reshape(-1).astype(np.int32))
+    if memo is not None:
+        memo[key] = rows
+    return rows
+
+
+def _dequantized(parts, rows: mx.array, paged: PagedQuery, bits: int) -> mx.array:
+    taken = tuple(mx.take(p, rows, axis=0) for p in parts)
+    taken = tuple(p.reshape(1, paged.kv_heads, -1, p.shape[-1]) for p in taken)
+    if bits == FLOAT_BITS:
+        return taken[0]
+    return dequantize_tokens(taken, bits, paged.group)
+
+
+def _keys(paged: PagedQuery, b: int, first: int, n: int) -> mx.array:
+    """Keys of tokens [first, n) of row ``b``: per-token groups dequantized, or (format 2)
+    complete channel groups dequantized and the filling group's float16 tail."""
+    ct = paged.channel_tokens
+    if not ct:
+        return _dequantized(paged.keys, _rows(paged, b, first, n), paged, paged.key_bits)
+    complete = n // ct * ct
+    parts = []
+    if complete > first:
+        taken = tuple(mx.take(p, _rows(paged, b, first, complete), axis=0) for p in paged.keys)
+        taken = tuple(p.reshape(1, paged.kv_heads, -1, p.shape[-1]) for p in taken)
+        parts.append(dequantize_channels(*taken, paged.key_bits, ct))
+    if n > complete:
+        slot = int(paged.host.tail_slots[b])
+        heads = np.arange(paged.kv_heads)[:, None]
+        rows = (slot * paged.kv_heads + heads) * ct + np.arange(n - complete)[None, :]
+        tail = mx.take(paged.tail, mx.array(rows.reshape(-1).astype(np.int32)), axis=0)
+        parts.append(tail.reshape(1, paged.kv_heads, n - complete, -1).astype(mx.float32))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
