@@ -240,6 +240,8 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
         rows.append({"shape": shape, "arm": name, "measure": "start_s",
                      "value": round(time.perf_counter() - start, 2)})  # fmt: skip
     try:
+        progress(f"gpu: {shape}: warming up every arm (the GPU compiles kernels at first use)...")
+        _warm_up(model, tokenizer, engines)
         contexts = sorted(set(s["contexts"]) | {s["prefill_context"]})
         replies = {}
         for context in contexts:
@@ -271,6 +273,20 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
         for engine in engines.values():
             engine.close()
     return rows
+
+
+def _warm_up(model, tokenizer, engines) -> None:
+    """Every arm once, untimed: a cold prompt over more keys than one part, a hot turn, a
+    batch of two (so neither side's first-use compilation lands in a timed row)."""
+    import mlx_lm
+
+    prompt = prompt_text(tokenizer, 700)
+    mlx_lm_generate(model, tokenizer, prompt, 4)
+    mlx_lm.batch_generate(model, tokenizer, [tokenizer.encode(prompt)] * 2, max_tokens=4)
+    for engine in engines.values():
+        first = engine.generate("warm-up", prompt, max_tokens=4)
+        engine.generate("warm-up", prompt + first.text + " and so on", max_tokens=4)
+        engine.generate_many([("warm-a", prompt), ("warm-b", prompt[:1000])], max_tokens=4)
 
 
 def _pool_bytes(path: Path, options: dict, longest: int, batch_tokens: int) -> int:

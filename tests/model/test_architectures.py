@@ -216,6 +216,11 @@ def test_drafted_steps_give_the_tokens_and_kv_of_one_token_a_step(arch, tmp_path
     one token a step gives, with every third draft wrong halfway (engine/drafts.py). The
     drafted turn keeps and cuts drafts on every layer kind (sliding windows, sinks, experts)
     and ends with the same tokens and the same KV."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip(
+            "drafts run on the CPU only (engine/runner.py: MLX's GPU matmuls pick "
+            "kernels by row count, so a drafted step is not one token's bits there)"
+        )
     _, model = arch
     messages = log_prompt("draft", 20)
 

@@ -2,7 +2,8 @@
 # The GPU tests on a lent CUDA machine with no package index (benchmarks/RESULTS.md, "GPU"):
 # installs the bundle tests/scripts/gpu_bundle.py made (BUNDLE, default .devkit) into the
 # machine's Python, builds agentkv there, runs tests/gpu and the architectures on the GPU,
-# then `agentkv bench gpu` alone on the GPU (BENCH=0 skips it; BENCH_ARGS adds options).
+# then `agentkv bench gpu` alone on the GPU (BENCH=0 skips it; BENCH_ARGS adds options;
+# BENCH_WRAP runs it under a command, e.g. a sampling profiler). TESTS=0 skips the tests.
 # Logs, JUnit files and bench.json go to $OUT (default /tmp/gpu-check).
 BUNDLE=${BUNDLE:-.devkit}
 OUT=${OUT:-/tmp/gpu-check}
@@ -21,17 +22,19 @@ export AGENTKV_TEST_TOKENIZER=$PWD/$BUNDLE/tokenizer PYTHONUNBUFFERED=1
 T="-p no:cacheprovider -v -rfE --tb=short --timeout=${TEST_TIMEOUT:-120} --timeout-method=thread"
 # The two runs share the GPU and run side by side; the architectures split over workers
 # (first uses of MLX's CUDA kernels compile them, which is CPU work).
-timeout ${GPU_LIMIT:-300} $PY -m pytest $T --junitxml="$OUT/gpu.xml" tests/gpu \
-  "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu.log" 2>&1 &
-GPU_RUN=$!
-timeout ${ARCH_LIMIT:-360} $PY -m pytest $T -n ${ARCH_WORKERS:-6} --junitxml="$OUT/arch.xml" \
-  tests/model/test_architectures.py > "$OUT/arch.log" 2>&1 &
-wait $GPU_RUN $!  # not a bare wait: it would also wait for the tee above, which never ends
-tail -c 3000 "$OUT/gpu.log"
-tail -c 4000 "$OUT/arch.log"
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout ${GPU_LIMIT:-300} $PY -m pytest $T --junitxml="$OUT/gpu.xml" tests/gpu \
+    "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu.log" 2>&1 &
+  GPU_RUN=$!
+  timeout ${ARCH_LIMIT:-360} $PY -m pytest $T -n ${ARCH_WORKERS:-6} --junitxml="$OUT/arch.xml" \
+    tests/model/test_architectures.py > "$OUT/arch.log" 2>&1 &
+  wait $GPU_RUN $!  # not a bare wait: it would also wait for the tee above, which never ends
+  tail -c 3000 "$OUT/gpu.log"
+  tail -c 4000 "$OUT/arch.log"
+fi
 if [ "${BENCH:-1}" != 0 ]; then
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-  timeout ${BENCH_LIMIT:-600} $PY -c "import sys; from agentkv.cli.main import main; sys.exit(main())" \
+  timeout ${BENCH_LIMIT:-600} $BENCH_WRAP $PY -c "import sys; from agentkv.cli.main import main; sys.exit(main())" \
     bench gpu --json --tokenizer "$BUNDLE/tokenizer" $BENCH_ARGS > "$OUT/bench.json" 2> "$OUT/bench.log"
   echo "bench gpu: exit $?"
   grep -v "^gpu: row" "$OUT/bench.log" | tail -c 3000

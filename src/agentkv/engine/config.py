@@ -39,7 +39,8 @@ class EngineConfig:
     ``model/wide_layers.py``; ``()``: none).
     ``pool_bytes``: the block pool's memory budget (None: ``pool.default_pool_bytes()``);
     ``min_reuse_tokens``: the shortest stored prefix worth reusing; ``prefill_chunk``:
-    prompt tokens per prefill step; ``max_batch``: turns decoded together; ``max_queue``:
+    prompt tokens per prefill step (None: 512 on the CPU, 2048 on a GPU, whose prefill
+    chunks run through MLX's fused attention); ``max_batch``: turns decoded together; ``max_queue``:
     turns waiting before ``submit_chat`` raises ``EngineBusyError``; ``schedule``: one of
     ``scheduler.POLICIES``; ``warmup``: run the model once at start so the first turn pays
     no one-time costs.
@@ -64,7 +65,7 @@ class EngineConfig:
     group_size: int | None = None
     pool_bytes: int | None = None
     min_reuse_tokens: int = DEFAULT_MIN_REUSE
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
     max_batch: int = 8
     max_queue: int = 64
     schedule: str = "interleave"
@@ -81,7 +82,9 @@ class EngineConfig:
                 f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}"
             )
         self.requested_quant()  # the bits and the group size
-        if self.min_reuse_tokens < 0 or self.prefill_chunk < 64:
+        if self.min_reuse_tokens < 0 or (
+            self.prefill_chunk is not None and self.prefill_chunk < 64
+        ):
             raise InvalidRequestError("min_reuse_tokens must be >= 0 and prefill_chunk >= 64")
         if self.max_batch < 1 or self.max_queue < 1:
             raise InvalidRequestError("max_batch and max_queue must be >= 1")

@@ -122,7 +122,7 @@ class Engine:
         group_size: int | None = None,
         pool_bytes: int | None = None,
         min_reuse_tokens: int = DEFAULT_MIN_REUSE,
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         max_batch: int = 8,
         max_queue: int = 64,
         schedule: str = "interleave",
@@ -624,7 +624,12 @@ class Engine:
         costs; the blocks go back to the pool."""
         t0 = time.perf_counter()
         table = self.pool.new_table(self.pool.seed("agentkv/warmup"))
-        ids = self.token_text.encode("Warm up the kernels.").ids or [0]
+        text = "Warm up the kernels."
+        if mx.default_device() != mx.cpu:
+            # A GPU compiles each kernel at its first use: a prefill chunk long enough for
+            # the fused path, decode steps over more keys than one part (docs/gpu-attention.md)
+            text = " ".join([text] * 24)
+        ids = self.token_text.encode(text).ids or [0]
         reservation = self.pool.reserve(min(self.pool.capacity, 2))
         try:
             logits = self.runner.forward([table], [ids], reservations=[reservation])

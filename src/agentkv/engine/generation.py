@@ -94,15 +94,23 @@ def check_sampling(temperature: float, top_p: float) -> None:
 
 
 def plan_chunks(
-    n: int, offset: int, *, max_chunk: int, query_heads: int, last_max: int = LAST_CHUNK_MAX
+    n: int,
+    offset: int,
+    *,
+    max_chunk: int,
+    query_heads: int,
+    last_max: int = LAST_CHUNK_MAX,
+    budget: int | None = SCORES_BUDGET_BYTES,
 ) -> list[int]:
     """Chunk sizes for prefilling ``n`` tokens after ``offset`` cached ones: each at most
-    ``max_chunk`` and within the scores budget at its context, the last at most
-    ``last_max`` (``LAST_CHUNK_MAX`` up to ``max_chunk``) and at least half of
+    ``max_chunk`` and within the scores ``budget`` at its context (None: no budget), the last
+    at most ``last_max`` (``LAST_CHUNK_MAX`` up to ``max_chunk``) and at least half of
     ``LAST_CHUNK_MAX`` unless the prompt is shorter."""
 
     def fits(context: int) -> int:
-        return SCORES_BUDGET_BYTES // max(1, query_heads * 4 * context)
+        if budget is None:
+            return max_chunk
+        return budget // max(1, query_heads * 4 * context)
 
     last_max = max(LAST_CHUNK_MAX, min(last_max, max_chunk, fits(offset + n)))
     sizes = []

@@ -30,7 +30,13 @@ from enum import Enum
 import mlx.core as mx
 import numpy as np
 
-from .generation import LAST_CHUNK_MAX, SamplingParams, StopScanner, plan_chunks
+from .generation import (
+    LAST_CHUNK_MAX,
+    SCORES_BUDGET_BYTES,
+    SamplingParams,
+    StopScanner,
+    plan_chunks,
+)
 from .results import ChatResult, TurnStats
 
 DONE = object()  # the end of a job's piece stream
@@ -128,6 +134,7 @@ class Job:
         query_heads: int,
         context_limit: int | None = None,
         last_chunk: int = LAST_CHUNK_MAX,
+        scores_budget: int | None = SCORES_BUDGET_BYTES,
     ) -> None:
         self.resumed = resumed
         self.state = resumed.state
@@ -142,6 +149,7 @@ class Job:
             max_chunk=max_chunk,
             query_heads=query_heads,
             last_max=last_chunk,
+            budget=scores_budget,
         )
         if context_limit is not None:
             room = context_limit - self.state.size - len(resumed.prefill_ids)

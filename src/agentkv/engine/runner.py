@@ -25,7 +25,7 @@ from ..store.agent_store import build_save_job
 from ..store.writer import BackgroundWriter
 from ..text.tokens import TokenText
 from .drafts import DEFAULT_DRAFT_TOKENS, ContextDrafter, room
-from .generation import LAST_CHUNK_MAX
+from .generation import LAST_CHUNK_MAX, SCORES_BUDGET_BYTES
 from .job import Job, Resumed
 from .residency import Residency
 from .resume import ReloadNeeded, Resumer
@@ -35,6 +35,8 @@ from .swapping import Swapper
 log = logging.getLogger("agentkv.engine")
 
 RELOAD_ATTEMPTS = 3
+PREFILL_CHUNK = 512
+GPU_PREFILL_CHUNK = 2048  # mlx-lm's prefill step too
 
 
 class TurnRunner:
@@ -44,7 +46,7 @@ class TurnRunner:
         loaded: LoadedModel,
         resumer: Resumer,
         eos_ids: frozenset,
-        prefill_chunk: int,
+        prefill_chunk: int | None,
         agent_lock: Callable[[str], threading.Lock],
         swapper: Swapper | None = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
@@ -56,7 +58,11 @@ class TurnRunner:
         self.swapper = swapper
         self.resumer = resumer
         self.eos_ids = eos_ids
-        self.prefill_chunk = prefill_chunk
+        on_gpu = mx.default_device() != mx.cpu
+        # On a GPU prefill chunks run through MLX's fused attention (kernels/dense.py): no
+        # scores are materialized, so chunks stay whole as the context grows.
+        self.prefill_chunk = prefill_chunk or (GPU_PREFILL_CHUNK if on_gpu else PREFILL_CHUNK)
+        self.scores_budget = None if on_gpu else SCORES_BUDGET_BYTES
         self.agent_lock = agent_lock
         # The pool, residency, writer and text the turns' resume planning works on.
         self.pool: KVPool = resumer.pool
@@ -66,7 +72,7 @@ class TurnRunner:
         self.model = loaded.model
         # a prompt's last chunk: whole where the head projects its last position alone
         self.last_chunk = (
-            prefill_chunk if mlx_adapter.projects_last_only(self.model) else LAST_CHUNK_MAX
+            self.prefill_chunk if mlx_adapter.projects_last_only(self.model) else LAST_CHUNK_MAX
         )
         self.tokenizer = loaded.tokenizer
         self.query_heads = loaded.query_heads

@@ -234,6 +234,7 @@ class Scheduler:
                     eos_ids=self.runner.eos_ids,
                     max_chunk=self.runner.prefill_chunk,
                     last_chunk=self.runner.last_chunk,
+                    scores_budget=self.runner.scores_budget,
                     query_heads=self.runner.query_heads,
                     context_limit=self.runner.context_limit,
                 )
