@@ -7,7 +7,12 @@
     row of (block, head, token t of the block) = (block * heads + head) * 256 + t
 
 On CPU each array is allocated once and left untouched, so a block's pages are committed
-when it is first written; ``release`` hands a freed block's pages back to the OS. New
+when it is first written; ``release`` hands a freed block's pages back to the OS. On a GPU
+nothing reads or writes the arrays from the host: MLX's CUDA backend moves an array that
+the host touches into unified memory for good (``move_to_unified_memory``), where the GPU's
+later reads and writes fault pages back and forth; so there the block I/O (``pack``,
+``read_regions``, ``copy_rows``, the tails' ``read_*``/``write_*``) goes through MLX
+operations and small staging copies, and only the copies meet the host. New
 tokens land by MLX scatters, which run in place because the arena owns the only reference
 to each array: **never keep an arena array anywhere else** (``copies`` counts writes whose
 buffer moved; the tests require 0). A fused decoder layer (``_ext.decoder_layer``) writes
@@ -43,6 +48,7 @@ from .blocks import PoolExhaustedError
 
 IO_THREADS = 2
 FIRST_TAIL_SLOTS = 16
+NUMPY_DTYPES = {mx.uint32: np.uint32, mx.float16: np.float16, mx.uint16: np.uint16}
 
 
 class WritePlan:
@@ -264,15 +270,34 @@ class KVArena:
         self.settle()
 
     def _slot_views(self, slot: int, arrays: list[mx.array] | None = None) -> list[np.ndarray]:
-        """Each layer's rows of a tail slot (or of ``arrays``: the prevs) as a writable NumPy
-        view [heads, ct, key_dim] of the evaluated arrays (between steps: no MLX op, no
-        copy)."""
+        """Each layer's rows of a tail slot (or of ``arrays``: the prevs) as NumPy arrays
+        [heads, ct, key_dim]: on CPU writable views of the evaluated arrays (between steps:
+        no MLX op, no copy), on a GPU copies (the host never touches the arrays)."""
         arrays = self.tails if arrays is None else arrays
         mx.eval(arrays)
         first, last = slot * self.heads * self.ct, (slot + 1) * self.heads * self.ct
+        if not self._lazy:
+            rows = mx.arange(first, last, dtype=mx.int32)
+            copies = [mx.take(t, rows, axis=0) for t in arrays]
+            mx.eval(copies)
+            return [np.array(c).reshape(self.heads, self.ct, -1) for c in copies]
         return [
             np.asarray(memoryview(t))[first:last].reshape(self.heads, self.ct, -1) for t in arrays
         ]
+
+    def _write_slot(self, arrays: list[mx.array], slot: int, keys: np.ndarray) -> None:
+        """Rows [0, keys.shape[2]) of a slot, every layer, from ``read_tail``'s layout."""
+        count = keys.shape[2]
+        if self._lazy:
+            for view, layer_keys in zip(self._slot_views(slot, arrays), keys):
+                view[:, :count] = layer_keys
+            return
+        rows = self._tail_rows(slot, 0, count)
+        for layer, layer_keys in enumerate(keys):
+            arrays[layer][rows] = mx.array(
+                np.ascontiguousarray(layer_keys).reshape(-1, keys.shape[3])
+            )
+        self.settle()
 
     def read_tail(self, slot: int, count: int) -> np.ndarray:
         """Rows [0, count) of a tail slot: float16 [layers, heads, count, key_dim] (a copy)."""
@@ -281,8 +306,7 @@ class KVArena:
     def write_tail(self, slot: int, keys: np.ndarray) -> None:
         """Set a tail slot's first rows from ``read_tail``'s layout (in place)."""
         if keys.shape[2]:
-            for view, layer_keys in zip(self._slot_views(slot), keys):
-                view[:, : keys.shape[2]] = layer_keys
+            self._write_slot(self.tails, slot, keys)
 
     def read_prev(self, slot: int) -> np.ndarray:
         """A slot's previous-group rows: float16 [layers, heads, ct, key_dim] (a copy)."""
@@ -290,8 +314,7 @@ class KVArena:
 
     def write_prev(self, slot: int, keys: np.ndarray) -> None:
         """Set a slot's previous-group rows from ``read_prev``'s layout (in place)."""
-        for view, layer_keys in zip(self._slot_views(slot, self.prevs), keys):
-            view[:] = layer_keys
+        self._write_slot(self.prevs, slot, keys)
 
     @property
     def block_bytes(self) -> int:
@@ -388,25 +411,81 @@ class KVArena:
 
     def read_regions(self, files, regions) -> None:
         """Copy stored block regions into their slots (verifying each; CacheFormatError).
-        ``files``: (path, size, header CRC, layout: 0 planes, 1 groups)."""
-        _ext.read_regions(self._flat(), *self._layout, self.capacity, files, regions, IO_THREADS)
+        ``files``: (path, size, header CRC, layout: 0 planes, 1 groups). On a GPU they are
+        read into host staging blocks, then copied into their slots by MLX scatters."""
+        if self._lazy:
+            _ext.read_regions(
+                self._flat(), *self._layout, self.capacity, files, regions, IO_THREADS
+            )
+            return
+        slots = sorted({r[5] for r in regions})
+        index = {slot: i for i, slot in enumerate(slots)}
+        rows = len(slots) * self.heads * BLOCK_TOKENS
+        staging = [  # unified memory from the start: the extension writes it, MLX reads it
+            mx.array(np.zeros((rows, a.shape[1]), NUMPY_DTYPES[a.dtype])) for a in self._flat()
+        ]
+        staged = [(*r[:5], index[r[5]]) for r in regions]
+        _ext.read_regions(staging, *self._layout, len(slots), files, staged, IO_THREADS)
+        self._scatter_blocks(staging, slots)
 
     def pack(self, slots: list[int], tokens: list[int], layouts: list[int] | None = None):
         """The blocks as checksummed regions: (bytes, [(0, offset, length, crc, tokens)]),
-        each in its layout (default: planes, as segments hold them; see store/format.py)."""
+        each in its layout (default: planes, as segments hold them; see store/format.py).
+        On a GPU the blocks are first gathered into staging copies the host reads."""
         layouts = [0] * len(slots) if layouts is None else layouts
-        return _ext.pack_regions(
-            self._flat(), *self._layout, self.capacity, slots, tokens, layouts, 2
-        )
+        arrays, capacity = self._flat(), self.capacity
+        if not self._lazy and slots:
+            rows = self._block_rows(slots)
+            arrays = [mx.take(a, rows, axis=0) for a in arrays]
+            mx.eval(arrays)
+            slots, capacity = list(range(len(slots))), len(slots)
+        return _ext.pack_regions(arrays, *self._layout, capacity, slots, tokens, layouts, 2)
 
     def copy_rows(self, src: int, dst: int, tokens: int) -> None:
-        _ext.copy_slot_rows(self._flat(), *self._layout, self.capacity, src, dst, tokens)
+        if self._lazy:
+            _ext.copy_slot_rows(self._flat(), *self._layout, self.capacity, src, dst, tokens)
+            return
+        take, put = self._block_rows([src], tokens), self._block_rows([dst], tokens)
+        self._copy_block_rows(range(self.spec.num_layers), take, put)
+
+    def _block_rows(self, blocks: list[int], tokens: int = BLOCK_TOKENS) -> mx.array:
+        """Arena rows of tokens [0, tokens) of each block, every head, block by block."""
+        base = (np.asarray(blocks, np.int64)[:, None] * self.heads + np.arange(self.heads)) * (
+            BLOCK_TOKENS
+        )
+        rows = base[:, :, None] + np.arange(tokens)
+        return mx.array(rows.reshape(-1).astype(np.int32))
+
+    def _copy_block_rows(self, layers, take: mx.array, put: mx.array) -> None:
+        """GPU: ``take`` rows into ``put`` rows of every component of ``layers``, in place
+        (read first: a scatter whose target is read in the same graph is not in place)."""
+        layers = list(layers)
+        parts = [a[take] for layer in layers for a in self.arrays[layer]]
+        mx.eval(parts)
+        at = iter(parts)
+        for layer in layers:
+            for target in self.arrays[layer]:
+                target[put] = next(at)
+        self.settle()
+
+    def _scatter_blocks(self, staging: list[mx.array], slots: list[int]) -> None:
+        """GPU: staging blocks 0.. into pool blocks ``slots``, every layer and component."""
+        rows = self._block_rows(slots)
+        at = iter(staging)
+        for layer in self.arrays:
+            for target in layer:
+                target[rows] = next(at)
+        self.settle()
 
     def copy_window_rows(self, src: int, dst: int) -> None:
         """Copy a block's rows in the sliding-window layers into another block (whose rows
         there were handed back), in place."""
         sliding = [a for layer, s in zip(self.arrays, self._sliding) if s for a in layer]
-        if self._addresses is None or not sliding:
+        if not sliding:
+            return
+        if self._addresses is None:  # a GPU
+            layers = [i for i, s in enumerate(self._sliding) if s]
+            self._copy_block_rows(layers, self._block_rows([src]), self._block_rows([dst]))
             return
         _, block_tokens, components = self._layout
         comps = [c for c, s in zip(components, self._sliding) if s]
