@@ -721,10 +721,12 @@ NB_MODULE(_ext, m) {
   m.def("paged_attention", &agentkv::ops::paged_attention, "queries"_a, "keys"_a, "values"_a,
         "tables"_a, "lengths"_a, "kv_heads"_a, "block_tokens"_a, "scale"_a, "key_bits"_a,
         "value_bits"_a, "group"_a, "window"_a = 0, "sinks"_a = nb::none(), "channel_tokens"_a = 0,
-        "tail"_a = nb::none(), "tail_slots"_a = nb::none(),
+        "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "done"_a = nb::none(),
+        "done_first"_a = nb::none(),
         "Fused attention over paged block arenas for a jagged batch (CPU); see "
         "csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups "
-        "still filling in the float16 tail, slot tail_slots[b] per row.");
+        "still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the "
+        "step completed, in float16, row b's from entry done_first[b] (-1: none).");
   m.def("uninitialized", &uninitialized, "rows"_a, "width"_a, "dtype"_a,
         "An arena [rows, width] whose pages are committed only as they are written.");
   m.def("read_regions", &read_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,

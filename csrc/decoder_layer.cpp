@@ -73,7 +73,7 @@ struct LayerParams {
   int predict_bias_at = -1, predict_q_norm_at = -1;
   // A row completes a channel group: kTailRows holds the key plan (KeyWrites), these many of
   // each part, and the prevs are an input (written)
-  std::array<int64_t, 5> key_counts{};
+  std::array<int64_t, 6> key_counts{};
   int prevs_at = -1;
   bool operator==(const LayerParams&) const = default;
 };
@@ -255,12 +255,14 @@ void predict_next(const LayerParams& p, const std::vector<mx::array>& in, const 
 // its tail's rows `gather`, then every new key, as one source list: keys `group_src` (a
 // channel group's tokens after another) are quantized per channel into arena rows
 // `group_rows`, keys `rest_src` go to tail rows `rest_rows`, and each completing row's last
-// group, `prev_src`, to its prevs rows `prev_rows` (float16).
+// group, `prev_src`, to its prevs rows `prev_rows` (float16). The groups, in float16, are
+// what a query inside one reads (AttentionArgs::done_first: each row's first, -1: none).
 struct KeyWrites {
   const int32_t *direct = nullptr, *direct_src = nullptr, *gather = nullptr;
   const int32_t *group_src = nullptr, *group_rows = nullptr, *rest_src = nullptr;
   const int32_t *rest_rows = nullptr, *prev_src = nullptr, *prev_rows = nullptr;
-  int64_t n_direct = 0, n_gather = 0, n_group = 0, n_rest = 0, n_prev = 0;
+  const int32_t* done_first = nullptr;
+  int64_t n_direct = 0, n_gather = 0, n_group = 0, n_rest = 0, n_prev = 0, n_done_first = 0;
 };
 
 KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t written) {
@@ -280,6 +282,7 @@ KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t writte
   w.n_group = p.key_counts[2];
   w.n_rest = p.key_counts[3];
   w.n_prev = p.key_counts[4];
+  w.n_done_first = p.key_counts[5];
   take(w.direct, w.n_direct);
   take(w.direct_src, w.n_direct);
   take(w.gather, w.n_gather);
@@ -289,6 +292,7 @@ KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t writte
   take(w.rest_rows, w.n_rest);
   take(w.prev_src, w.n_prev);
   take(w.prev_rows, w.n_prev);
+  take(w.done_first, w.n_done_first);
   return w;
 }
 
@@ -302,9 +306,10 @@ bool within(const int32_t* v, int64_t n, int64_t end) {
 }
 
 // The new keys (float16 bits, [written, hd]) into the tails, the arena's key rows and the
-// prevs as `w` says (the same values as agentkv.pool.arena.KVArena.append writes).
+// prevs as `w` says (the same values as agentkv.pool.arena.KVArena.append writes); each
+// group completed, in float16, into `done` (what attention reads for a query inside it).
 void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
-                const agentkv::KVView& k, uint16_t* prevs) {
+                const agentkv::KVView& k, uint16_t* prevs, std::vector<uint16_t>& done) {
   const int64_t hd = p.head_dim, row_bytes = hd * sizeof(uint16_t);
   auto* tail = const_cast<uint16_t*>(k.tail);
   std::vector<uint16_t> gathered(w.n_gather * hd);  // read before anything is written
@@ -322,6 +327,7 @@ void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
   const int64_t width = hd * p.key_bits / 32, spread = hd / ct;
   std::vector<uint16_t> group(ct * hd), scales(hd), biases(hd);
   std::vector<uint32_t> words(ct * width);
+  done.resize(w.n_group * hd);
   auto* key_words = const_cast<uint32_t*>(k.words);
   auto* key_scales = const_cast<uint16_t*>(k.scales);
   auto* key_biases = const_cast<uint16_t*>(k.biases);
@@ -329,6 +335,7 @@ void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
     for (int t = 0; t < ct; ++t) {
       std::memcpy(group.data() + t * hd, source(w.group_src[g + t]), row_bytes);
     }
+    std::copy(group.begin(), group.end(), done.begin() + g * hd);
     agentkv::quantize_channels(group.data(), ct, hd, p.key_bits, words.data(), scales.data(),
                                biases.data());
     for (int t = 0; t < ct; ++t) {
@@ -396,6 +403,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
        within(keys.rest_rows, keys.n_rest, tail_rows) &&
        within(keys.prev_src, keys.n_prev, sources) &&
        within(keys.prev_rows, keys.n_prev, prev_rows);
+  for (int b = 0; b < batch && ok && keys.done_first != nullptr; ++b) {
+    const int ct = p.channel_tokens;  // the groups the row completes, inside what is written
+    const int64_t groups = lengths[b] / ct - (lengths[b] - length) / ct;
+    ok = keys.done_first[b] < 0 ||
+         (lengths[b] >= length && (keys.done_first[b] + groups * Hkv) * ct <= keys.n_group);
+  }
   if (!ok) {
     std::fill_n(y, out.size(), std::numeric_limits<float>::quiet_NaN());
     return;
@@ -436,7 +449,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   }
   uint16_t* prevs =
       p.prevs_at >= 0 ? const_cast<uint16_t*>(in[p.prevs_at].data<uint16_t>()) : nullptr;
-  write_keys(p, keys, fresh.data(), a.k, prevs);
+  std::vector<uint16_t> done;
+  write_keys(p, keys, fresh.data(), a.k, prevs, done);
+  if (keys.done_first != nullptr) {
+    a.k.done = done.data();
+    a.done_first = keys.done_first;
+  }
   const int64_t word_width = hd * p.value_bits / 32, scale_width = hd / p.group;
   std::vector<uint32_t> words(written * word_width);
   std::vector<uint16_t> scales(written * scale_width), biases(written * scale_width);
@@ -633,16 +651,18 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
       "the new keys go to tail_rows, or (a row completing a channel group) as key_plan "
       "says, with the prevs");
   if (key_plan) {
-    require(key_counts.size() == 5 &&
+    require(key_counts.size() == 6 &&
                 std::all_of(key_counts.begin(), key_counts.end(), [](int64_t c) { return c >= 0; }),
-            "key_counts: five counts (direct, gathered, group, rest and prev rows)");
-    // direct rows and their sources, gathered rows, then sources and rows of the others
-    const int64_t n =
-        2 * key_counts[0] + key_counts[1] + 2 * (key_counts[2] + key_counts[3] + key_counts[4]);
-    require(key_counts[2] % channel_tokens == 0 && n > 0 && n < (int64_t{1} << 31) &&
-                int32_vector(*key_plan, static_cast<int>(n)),
+            "key_counts: six counts (direct, gathered, group, rest and prev rows, done_first)");
+    // direct rows and their sources, gathered rows, then sources and rows of the others, then
+    // each row's first completed group (B of them)
+    const int64_t n = 2 * key_counts[0] + key_counts[1] +
+                      2 * (key_counts[2] + key_counts[3] + key_counts[4]) + key_counts[5];
+    require(key_counts[2] % channel_tokens == 0 && key_counts[5] == batch && n > 0 &&
+                n < (int64_t{1} << 31) && int32_vector(*key_plan, static_cast<int>(n)),
             "key_plan: int32 direct rows and sources, gathered rows, group sources and rows, "
-            "rest sources and rows, prev sources and rows, as many as key_counts says");
+            "rest sources and rows, prev sources and rows, each row's first completed group, "
+            "as many as key_counts says");
     require(prevs->dtype() == mx::float16 && prevs->shape() == tail.shape() &&
                 prevs->flags().row_contiguous,
             "the prevs are float16, shaped as the tail");

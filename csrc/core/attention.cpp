@@ -241,6 +241,18 @@ void tail_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* ou
   }
 }
 
+// Per-channel keys: where rows [t0, t1) of batch row b, KV head h lie in the float16 keys
+// of the group starting at `own`, which this step completed (KVView::done), or -1 (outside
+// that group). `from`: the first group the step completed.
+void done_rows(const AttentionArgs& a, int b, int h, int own, int from, int t0, int t1,
+               int64_t* out) {
+  const int ct = a.k.channel_tokens;
+  const int64_t entry = a.done_first[b] + static_cast<int64_t>(own - from) / ct * a.kv_heads + h;
+  for (int t = t0; t < t1; ++t) {
+    out[t - t0] = t >= own && t < own + ct ? (entry * ct + t - own) * a.k.dim : -1;
+  }
+}
+
 namespace portable {
 using Ops = Portable;
 #include "attention_impl.inc"

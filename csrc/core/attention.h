@@ -52,6 +52,14 @@ struct KVView {
   // tail_slots[b] (paged) or b (contiguous: tail [B, Hkv, channel_tokens, D]).
   int channel_tokens = 0;
   const uint16_t* tail = nullptr;
+  // Per-channel keys of the groups this very step completed (paged caches; null: none), in
+  // float16 rows ((entry * channel_tokens) + t - group start) * dim, entry =
+  // AttentionArgs::done_first[b] + (group start - the step's first group start) /
+  // channel_tokens * kv_heads + h. A query reads its own group in float16 until the group is
+  // complete at the query (as one token at a time would), and quantized from its last token
+  // on: so a query's result, and every key stored after it, depend on the tokens alone, never
+  // on how a prompt was cut into steps or who wrote a shared prefix.
+  const uint16_t* done = nullptr;
 };
 
 // Paged caches hold every token row of a block together, per head:
@@ -74,6 +82,7 @@ struct AttentionArgs {
   int table_stride = 0;
   int block_tokens = 256;
   const int32_t* tail_slots = nullptr;  // [B]: per-channel keys (KVView::channel_tokens)
+  const int32_t* done_first = nullptr;  // [B]: row b's first entry of KVView::done, -1: none
   KVView k, v;
 };
 

@@ -165,9 +165,9 @@ def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array],
     Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), each row's group still filling in tail [B, Hkv, channel_tokens, D].
     """
 
-def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:
+def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None) -> mlx.core.array:
     """
-    Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups still filling in the float16 tail, slot tail_slots[b] per row.
+    Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the step completed, in float16, row b's from entry done_first[b] (-1: none).
     """
 
 def uninitialized(rows: int, width: int, dtype: str) -> mlx.core.array:

@@ -17,6 +17,7 @@ is left.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan
 from ..pool.hashing import chain_seed
 from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
+from ..pool.tables import exact_keep
 from ..store.agent_store import AgentStore, DurableState
 from ..store.format import Manifest, is_shared_file
 from ..store.writer import BackgroundWriter
@@ -43,6 +45,13 @@ SALT_CHANGED = (
     "this turn's cache_salt differs from the one the agent's cache was built under; "
     "its context is prefilled again"
 )
+
+
+def _exact_of(manifest: Manifest) -> Callable[[int], int]:
+    """``BlockTable.exact_keep`` of the table a stored agent loads into."""
+    ct = manifest.quant.channel_tokens if manifest.quant.channel_keys else 0
+    prev = manifest.prev_group if manifest.prev is not None else None
+    return lambda keep: exact_keep(keep, manifest.token_count, ct, prev)
 
 
 class ReloadNeeded(Exception):
@@ -142,8 +151,9 @@ class Resumer:
                 )
             elif self._window_rows_held(state, m.reuse):
                 plan = self._plan(
-                    agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans
-                )
+                    agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans,
+                    tokens=state.tokens, exact=state.table.exact_keep,
+                )  # fmt: skip
             else:  # the sliding layers' rows of its window are gone: read them again
                 held[0] = None
                 self.residency.put(state)
@@ -206,7 +216,10 @@ class Resumer:
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
             plan = self._plan(agent_id, "cold", m, stored, prompt, fresh_seed)
         else:
-            plan = self._plan(agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans)
+            plan = self._plan(
+                agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans,
+                tokens=manifest.tokens, exact=None if convert else _exact_of(manifest),
+            )  # fmt: skip
             plan.manifest = manifest
             if convert:
                 plan.note = (
@@ -246,8 +259,12 @@ class Resumer:
         *,
         spans: np.ndarray | None = None,
         note: str | None = None,
+        tokens=None,
+        exact: Callable[[int], int] | None = None,
     ) -> ResumePlan:
-        """Tokenize what the own state does not cover (with the refeed and BOS rules)."""
+        """Tokenize what the own state does not cover (with the refeed and BOS rules).
+        ``exact``: how many of the kept tokens keep exact keys (``BlockTable.exact_keep``):
+        the others are fed again, from the own ``tokens`` and ``spans``."""
         reusing = tier != "cold" and m is not None
         reuse = m.reuse if reusing else 0
         resume = m.resume_at if reusing else 0
@@ -261,6 +278,10 @@ class Resumer:
             new_spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), new_spans])
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        if reusing and exact is not None and (kept := exact(reuse)) < reuse:
+            ids = [int(t) for t in tokens[kept:reuse]] + ids
+            new_spans = np.concatenate([np.asarray(spans[kept:reuse], np.int64), new_spans])
+            reuse = kept
         total = reuse + len(ids)
         if self.context_limit is not None and total >= self.context_limit:
             raise InvalidRequestError(

@@ -201,7 +201,7 @@ class TurnRunner:
             state.release()
             return
         try:
-            state.table.trim(state.size)  # the last sampled token was never fed
+            state.fit_table()  # the last sampled token was never fed
             self.save(state)
             self._cap_window(state)
         except BaseException:  # e.g. no memory to pack the save: drop it, reload from disk

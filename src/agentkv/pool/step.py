@@ -156,6 +156,8 @@ class PagedLayerCache(CacheBase):
             tail=step.arena.tails[self.layer] if channel else None,
             tail_slots=step.plan.tail_slots if channel else None,
             host=step.host,
+            done=step.plan.done.get(self.layer) if channel else None,
+            done_first=step.plan.done_first if channel else None,
         )
         rotate = quant.rotate
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
