@@ -16,6 +16,7 @@ is left.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +28,11 @@ from ..format.geometry import BLOCK_TOKENS, blocks_for
 from ..kv.cache import window_start
 from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan
-from ..pool.hashing import chain_seed
+from ..pool.hashing import BACKENDS, bits_identity, chain_seed, private_seed
 from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
 from ..pool.tables import exact_keep
 from ..store.agent_store import AgentStore, DurableState
-from ..store.format import Manifest, is_shared_file
+from ..store.format import Manifest, is_shared_file, is_variant
 from ..store.writer import BackgroundWriter
 from ..text.matcher import Match, MatchKind, match_prefix
 from ..text.tokens import TokenText
@@ -52,6 +53,18 @@ def _exact_of(manifest: Manifest) -> Callable[[int], int]:
     ct = manifest.quant.channel_tokens if manifest.quant.channel_keys else 0
     prev = manifest.prev_group if manifest.prev is not None else None
     return lambda keep: exact_keep(keep, manifest.token_count, ct, prev)
+
+
+# An agent whose stored bytes are not the ones this engine computes for its tokens keeps
+# them as its own (pool.hashing.private_seed); its note says why.
+ELSEWHERE_NOTE = (
+    "its KV was computed by an earlier agentkv or on another backend: it continues as its "
+    "own (its blocks are not shared with other agents)"
+)
+VARIANT_NOTE = (
+    "some of its blocks hold other bytes than the block files of the same tokens: it "
+    "continues as its own (its blocks are not shared with other agents)"
+)
 
 
 class ReloadNeeded(Exception):
@@ -84,6 +97,7 @@ class ResumePlan:
     # them, and the cached ones among them are out of ``available()`` when it reserves.
     pinned: list[int] = field(default_factory=list)
     resumer: Resumer | None = field(default=None, repr=False)
+    nonce: str | None = None  # the agent's bytes are its own (pool.hashing.private_seed)
 
     def cancel(self) -> None:
         """The turn waits: give a hot agent back as it was."""
@@ -145,7 +159,7 @@ class Resumer:
             )
             if m.kind is MatchKind.DIVERGE:
                 plan = self._plan(agent_id, "cold", m, state.size, prompt, fresh_seed)
-            elif state.table.seed != fresh_seed:
+            elif state.table.seed != self._salt_seed(salt, state.table.nonce):
                 plan = self._plan(
                     agent_id, "cold", m, state.size, prompt, fresh_seed, note=SALT_CHANGED
                 )
@@ -205,13 +219,13 @@ class Resumer:
         m = match_prefix(
             manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=self.min_reuse
         )
-        seed = bytes.fromhex(manifest.chain_seed) if manifest.chain_seed else self.default_seed
-        if manifest.chain_seed and seed != chain_seed(
-            self.pool.spec.fingerprint, manifest.quant.identity, salt
-        ):
+        namespace = self._stored_namespace(manifest, salt)
+        if namespace is None:
             return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
-        if convert:  # every block is written again, in this KV format: named under its chain
-            seed = fresh_seed
+        seed, nonce, own_note = namespace
+        if convert:  # its bytes are converted: its own from now on
+            nonce = secrets.token_hex(8)
+            seed, own_note = self.pool.private_seed(salt, nonce), None
         m = self._readable_prefix(manifest, m)
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
             plan = self._plan(agent_id, "cold", m, stored, prompt, fresh_seed)
@@ -221,6 +235,9 @@ class Resumer:
                 tokens=manifest.tokens, exact=None if convert else _exact_of(manifest),
             )  # fmt: skip
             plan.manifest = manifest
+            plan.nonce = nonce
+            if own_note is not None:
+                plan.note = own_note + (f"; {plan.note}" if plan.note else "")
             if convert:
                 plan.note = (
                     f"converted from the stored {manifest.quant.label} KV format to "
@@ -229,6 +246,42 @@ class Resumer:
                 )
         plan.load_ms = load_ms
         return plan
+
+    def _salt_seed(self, salt: str | None, nonce: str | None) -> bytes:
+        """The chain seed of an agent under ``salt``, private where it has a ``nonce``."""
+        if nonce is not None:
+            return self.pool.private_seed(salt, nonce)
+        return self.pool.seed(salt) if salt else self.default_seed
+
+    def _stored_namespace(self, manifest: Manifest, salt: str | None):
+        """Where a stored agent's blocks are named: (seed, nonce, note), or None where it was
+        built under another salt. An agent whose bytes were computed elsewhere (an earlier
+        agentkv, another backend) is given a private seed of its own (a note says so): its
+        bytes stay its own, never taken for the ones this engine computes."""
+        fingerprint, kind = self.pool.spec.fingerprint, manifest.quant.identity
+        if manifest.chain_seed is None:  # store version 1: no salt, no hashes
+            return self._own_namespace(salt)
+        stored = bytes.fromhex(manifest.chain_seed)
+        if manifest.nonce is not None:  # its own already: under this salt?
+            if stored == private_seed(
+                chain_seed(fingerprint, kind, salt, self.pool.bits), manifest.nonce
+            ):
+                return stored, manifest.nonce, None
+            salts = [chain_seed(fingerprint, kind, salt, bits_identity(b)) for b in BACKENDS]
+            found = any(stored == private_seed(s, manifest.nonce) for s in salts)
+            return self._own_namespace(salt) if found else None
+        if stored == chain_seed(fingerprint, kind, salt, self.pool.bits):
+            if any(is_variant(name) for name in manifest.segments):
+                return self._own_namespace(salt, VARIANT_NOTE)
+            return stored, None, None
+        elsewhere = [chain_seed(fingerprint, kind, salt)] + [
+            chain_seed(fingerprint, kind, salt, bits_identity(b)) for b in BACKENDS
+        ]
+        return self._own_namespace(salt) if stored in elsewhere else None
+
+    def _own_namespace(self, salt: str | None, note: str = ELSEWHERE_NOTE):
+        nonce = secrets.token_hex(8)
+        return self.pool.private_seed(salt, nonce), nonce, note
 
     def _readable_prefix(self, manifest: Manifest, m: Match) -> Match:
         """Cut the reuse before the first shared block file that is gone (collected or
@@ -378,7 +431,8 @@ class Resumer:
             if plan.hot is not None:  # its text diverged: the old state goes
                 plan.hot.release()
                 plan.hot = None
-            state = AgentState(plan.agent_id, self.pool.quant, self.pool.new_table(plan.seed))
+            table = self.pool.new_table(plan.seed, nonce=plan.nonce)
+            state = AgentState(plan.agent_id, self.pool.quant, table)
             taken.append(state)
             if plan.tier == "warm" and plan.manifest.quant != self.pool.quant:
                 self._convert_own(plan, state, reservation)
@@ -450,6 +504,12 @@ class Resumer:
                 if block is not None:
                     pool.release(block)
         table.seal_full()
+        self._own_state(plan, state)
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _own_state(self, plan: ResumePlan, state: AgentState) -> None:
+        """The read agent's tail, last group's keys and text, cut to the plan's reuse."""
+        manifest, reuse, table = plan.manifest, plan.reuse, state.table
         if manifest.tail is not None:  # KV format 2: the keys of the group still filling
             self.pool.arena.write_tail(table.take_tail(), manifest.tail)
             if manifest.prev is not None:  # and the last full group's, as computed
@@ -465,7 +525,6 @@ class Resumer:
             bytes.fromhex(b.hash) if b.hash else None
             for b in manifest.blocks[: reuse // BLOCK_TOKENS]
         ]
-        plan.load_ms += (time.perf_counter() - t0) * 1000
 
     def _convert_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
         """Warm, from another KV format: read the stored blocks, dequantize them and store

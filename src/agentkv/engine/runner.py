@@ -230,6 +230,7 @@ class TurnRunner:
             text=state.text,
             messages=state.messages,
             evicted=state.swap.records if state.swap is not None else None,
+            evicted_files=state.swap.files if state.swap is not None else None,
         )
         job.hold, state.swap_hold = state.swap_hold, None  # released once it is written
         try:

@@ -54,9 +54,11 @@ class BlockTable:
         *,
         window: int | None = None,
         tails=None,
+        nonce: str | None = None,
     ):
         self.pool = pool
         self.seed = seed
+        self.nonce = nonce  # a private seed's (pool.hashing.private_seed): its bytes its own
         self.window = window
         self.tails = tails  # the arena, for per-channel keys (None: no tails)
         self.tail: int | None = None
@@ -204,7 +206,9 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A second table over the same blocks (refcounts only; the tail is copied when
         either appends)."""
-        twin = BlockTable(self.pool, self.seed, window=self.window, tails=self.tails)
+        twin = BlockTable(
+            self.pool, self.seed, window=self.window, tails=self.tails, nonce=self.nonce
+        )
         if self.tail is not None:
             twin.tail = self.tails.take_tail()
             prev = self.prev_group is not None
