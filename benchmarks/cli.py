@@ -139,6 +139,8 @@ def run_bench(args) -> int:
             agents=0 if args.no_agents else args.agents,
             agent_decode=args.agent_decode,
             tune=args.tune,
+            memory=args.memory or args.memory_only,
+            texts_too=not args.memory_only,
             as_json=args.json,
         )
     elif name == "kv-candidates":

@@ -608,6 +608,12 @@ void bind_kvswap(nb::module_& m) {
           "reading_ahead", [](const KVSwapSet& s) { return s.predicts(s.predict_from()); },
           "Whether the next steps should read ahead (predict_from is set and a read went to "
           "disk lately).")
+      .def("keys_to_file", &KVSwapSet::keys_to_file, "dir"_a, "capacity"_a,
+           "Keep the low-rank keys in an unlinked temporary file in dir (the page cache's "
+           "memory, not the process's), room for capacity evicted blocks; before set_layer.")
+      .def_prop_ro("keys_in_file", &KVSwapSet::keys_in_file)
+      .def_prop_rw("staging", &KVSwapSet::staging, &KVSwapSet::set_staging,
+                   "The staging blocks' ids (a decoding row's table starts with them).")
       .def_prop_ro("stats", &kvswap_stats)
       .def_prop_ro("error", &KVSwapSet::error)
       .def_prop_ro("failed_block", &KVSwapSet::failed_block)
@@ -685,10 +691,11 @@ NB_MODULE(_ext, m) {
         "swap_rows"_a = std::vector<int>{}, "layer"_a = -1,
         "predict"_a = std::vector<std::optional<mx::array>>{}, "predict_bits"_a = 0,
         "predict_group"_a = 0, "key_plan"_a = nb::none(), "key_counts"_a = std::vector<int64_t>{},
-        "prevs"_a = nb::none(),
+        "prevs"_a = nb::none(), "swap_stream"_a = false,
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
-        "csrc/ops.h.");
+        "csrc/ops.h. swap_stream: the one swapped row's prefill chunk, its attention exact "
+        "over its evicted blocks read back chunk by chunk (docs/kvswap.md).");
   m.def("hadamard_rows", &agentkv::ops::hadamard, "x"_a, "scale"_a,
         "mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's "
         "thread pool: x float32 [..., n], n a power of two.");

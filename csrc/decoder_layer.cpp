@@ -296,6 +296,27 @@ KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t writte
   return w;
 }
 
+// A swapped row's prefill (SwapStep::stream): its table names -1 for its evicted blocks,
+// which are read back into its staging blocks; every other block and the staging blocks
+// must lie inside the arenas.
+bool stream_table_ok(agentkv::AttentionArgs a, int64_t blocks, const agentkv::KVSwapSet& set) {
+  const std::vector<int32_t>& staging = set.staging();
+  if (staging.empty()) {
+    return false;
+  }
+  for (int32_t s : staging) {
+    if (s < 0 || s >= blocks) {
+      return false;
+    }
+  }
+  std::vector<int32_t> table(a.tables, a.tables + a.table_stride);
+  for (int i = 0; i < set.blocks() && i < a.table_stride; ++i) {
+    table[i] = staging[0];
+  }
+  a.tables = table.data();
+  return paged_table_ok(a, 0, blocks);
+}
+
 bool within(const int32_t* v, int64_t n, int64_t end) {
   for (int64_t i = 0; i < n; ++i) {
     if (v[i] < 0 || v[i] >= end) {
@@ -386,7 +407,9 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   const int64_t slots = tail_rows / (static_cast<int64_t>(Hkv) * p.channel_tokens);
   bool ok = true;
   for (int b = 0; b < batch && ok; ++b) {
-    ok = paged_table_ok(a, b, blocks) && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
+    const bool table_ok =
+        p.swap.stream ? stream_table_ok(a, blocks, *p.swap.swaps[0]) : paged_table_ok(a, b, blocks);
+    ok = table_ok && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
   }
   const int32_t* value_rows = in[kRows].data<int32_t>();
   const int64_t written = rows * Hkv;
@@ -474,24 +497,31 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
 
   // Swapped rows bring the groups their queries need into their staging blocks.
   std::vector<int> failed;
-  if (!p.swap.empty()) {
-    std::vector<const mx::array*> parts;
-    for (int i = 0; i < 6; ++i) {
-      parts.push_back(&in[kKeys + i]);
-    }
+  std::vector<const mx::array*> parts;
+  for (int i = 0; i < 6; ++i) {
+    parts.push_back(&in[kKeys + i]);
+  }
+  if (!p.swap.empty() && !p.swap.stream) {
     failed = stage_swapped_rows(p.swap, qh.data(), H, hd, parts, a.tables, a.table_stride);
     if (p.predict_at >= 0) {
       predict_next(p, in, xs, ends);
     }
   }
 
-  // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd].
+  // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd]; a
+  // swapped row's prefill chunk streams its evicted blocks in, exactly.
   a.q = qh.data();
   a.q_strides[0] = H * length * hd;
   a.q_strides[1] = length * hd;
   a.q_strides[2] = hd;
   a.out = q.data();
-  agentkv::quantized_attention(a);
+  if (p.swap.stream) {
+    if (!stream_swapped_row(p.swap, a, parts)) {
+      failed.push_back(p.swap.rows[0]);
+    }
+  } else {
+    agentkv::quantized_attention(a);
+  }
   if (p.rotate) {
     agentkv::hadamard_rows(q.data(), rows * H, hd, rotation);
   }
@@ -565,7 +595,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
                         int predict_group, const std::optional<mx::array>& key_plan,
                         const std::vector<int64_t>& key_counts,
-                        const std::optional<mx::array>& prevs) {
+                        const std::optional<mx::array>& prevs, bool swap_stream) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -683,8 +713,13 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   require(!positions || (positions->dtype() == mx::int32 && positions->ndim() == 1 &&
                          positions->shape(0) == batch),
           "positions must be int32 [B]");
-  require(swaps.size() == swap_rows.size() && (swaps.empty() || (length == 1 && layer >= 0)),
+  require(swaps.size() == swap_rows.size() &&
+              (swaps.empty() || ((length == 1 || swap_stream) && layer >= 0)),
           "swapped rows: one row per swap set, one new token a row, and the layer");
+  require(!swap_stream ||
+              (swaps.size() == 1 && batch == 1 && window == 0 && swaps[0]->staging().size() >= 2),
+          "swap_stream: one swapped row alone (its prefill chunk), no sliding window, two "
+          "staging blocks at least");
   for (size_t i = 0; i < swaps.size(); ++i) {
     require(swaps[i] && swap_rows[i] >= 0 && swap_rows[i] < batch, "a swapped row is bad");
   }
@@ -722,7 +757,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   }
 
   LayerParams p;
-  p.swap = SwapStep{swaps, swap_rows, layer};
+  p.swap = SwapStep{swaps, swap_rows, layer, swap_stream};
   p.heads = heads;
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;

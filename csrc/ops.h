@@ -129,6 +129,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
                         int predict_group, const std::optional<mx::array>& key_plan = std::nullopt,
                         const std::vector<int64_t>& key_counts = {},
-                        const std::optional<mx::array>& prevs = std::nullopt);
+                        const std::optional<mx::array>& prevs = std::nullopt,
+                        bool swap_stream = false);
 
 }  // namespace agentkv::ops

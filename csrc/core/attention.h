@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace agentkv {
 
@@ -87,6 +88,19 @@ struct AttentionArgs {
 };
 
 void quantized_attention(const AttentionArgs& args);
+
+// Row b's attention streamed key chunk by key chunk (KVSwap's prefill: between two chunks the
+// caller puts the next chunk's blocks where the row's table says, e.g. evicted blocks read
+// back into staging blocks). Key chunk c is keys [c * attention_chunk_keys(), ...) of every
+// query (no sliding window); `states` holds each query's running softmax, from
+// attention_stream_start; attention_stream_chunk folds chunk c (in order, 0 first) into it;
+// attention_stream_finish writes the row's outputs. The same operations in the same order
+// as quantized_attention, so the same bits. `args` describes row b alone or with others.
+int attention_chunk_keys();
+void attention_stream_start(const AttentionArgs& args, std::vector<float>& states);
+void attention_stream_chunk(const AttentionArgs& args, int b, int chunk,
+                            std::vector<float>& states);
+void attention_stream_finish(const AttentionArgs& args, int b, std::vector<float>& states);
 
 // "avx512-vnni", "avx512", "avx2-fma-f16c", "neon" or "portable": the lanes this CPU runs.
 const char* attention_implementation();

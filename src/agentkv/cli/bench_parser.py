@@ -285,3 +285,10 @@ def _kvswap(kvswap: argparse.ArgumentParser) -> None:
     add_flag(kvswap, "--no-agents", "skip the batch test")
     add_count(kvswap, "--agent-decode", 16, "tokens each agent decodes there (default 16)")
     add_flag(kvswap, "--tune", "sweep the rank (and the predictor without low-rank keys)")
+    add_flag(
+        kvswap,
+        "--memory",
+        "also one turn of --context tokens in a process of its own, all in memory and "
+        "swapped on a pool that cannot hold it: peak RSS and decode tokens/s (~3 minutes)",
+    )
+    add_flag(kvswap, "--memory-only", "only the --memory arms")

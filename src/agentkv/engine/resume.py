@@ -98,6 +98,9 @@ class ResumePlan:
     pinned: list[int] = field(default_factory=list)
     resumer: Resumer | None = field(default=None, repr=False)
     nonce: str | None = None  # the agent's bytes are its own (pool.hashing.private_seed)
+    # Over the KVSwap budget: the turn streams (engine/swapping.py), holding at most this
+    # many pool blocks at once; None: it holds its whole context
+    streams: int | None = None
 
     def cancel(self) -> None:
         """The turn waits: give a hot agent back as it was."""
@@ -136,6 +139,7 @@ class Resumer:
         self.min_reuse = min_reuse
         self.context_limit = context_limit
         self.default_seed = pool.seed()
+        self.swapper = None  # KVSwap (engine/swapping.py): turns over its budget stream
 
     # -- planning -------------------------------------------------------------------------
 
@@ -364,6 +368,13 @@ class Resumer:
         else:
             own = []
         context = own + plan.prefill_ids
+        if self.swapper is not None:
+            plan.streams = self.swapper.bounded_blocks(len(context) + max_new)
+        if plan.streams is not None:  # it holds a few blocks at a time: read, never shared
+            plan.share = None
+            plan.blocks_needed = plan.streams
+            self._pin(plan)
+            return plan
         plan.share = plan_sharing(self.pool, self.store, plan.seed, context, own=plan.reuse)
         reused = plan.share.reuse if plan.share is not None else plan.reuse
         reads = 0
@@ -436,6 +447,8 @@ class Resumer:
             taken.append(state)
             if plan.tier == "warm" and plan.manifest.quant != self.pool.quant:
                 self._convert_own(plan, state, reservation)
+            elif plan.tier == "warm" and plan.streams is not None:
+                self._stream_own(plan, state, reservation)
             elif plan.tier == "warm":
                 self._read_own(plan, state, reservation)
         shared = 0
@@ -504,6 +517,32 @@ class Resumer:
                 if block is not None:
                     pool.release(block)
         table.seal_full()
+        self._own_state(plan, state)
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _stream_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
+        """Warm, over the KVSwap budget: the agent's blocks read one after another (from the
+        pool where it holds them), each evicted as the next comes in, so the turn holds a few
+        blocks whatever its context (engine/swapping.py)."""
+        t0 = time.perf_counter()
+        manifest, reuse = plan.manifest, plan.reuse
+        pool = self.pool.blocks
+        table = state.table
+        sources = self.store.block_sources(manifest, plan.agent_id, blocks_for(reuse))
+        try:
+            for i, src in enumerate(sources):
+                ids = manifest.tokens[i * BLOCK_TOKENS : i * BLOCK_TOKENS + src.tokens].tolist()
+                held = pool.lookup(src.hash) if src.hash is not None else None
+                if held is not None and pool.records[held].tokens == ids:
+                    table.adopt(held)
+                else:
+                    fresh = pool.allocate(reserved=reservation.take())
+                    table.attach(fresh, ids)
+                    self.store.read_into(self.pool.arena, plan.agent_id, [(src, fresh)])
+                    table.seal_full()
+                self.swapper.evict_filled(state, reservation)
+        except CacheFormatError as exc:
+            raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
         self._own_state(plan, state)
         plan.load_ms += (time.perf_counter() - t0) * 1000
 

@@ -73,6 +73,10 @@ class PoolStats:
     resident_bytes: int  # blocks in use or cached, each counted once
     evictions: int  # cached blocks reused for new ones
     arena_copies: int  # arena writes that were not in place (should stay 0)
+    # KVSwap: blocks of swapped agents held only in their block files (their pages went back
+    # to the system when they were evicted), and their bytes
+    swapped_blocks: int = 0
+    swapped_bytes: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -108,6 +112,7 @@ class KVPool:
         windows = [layer.window for layer in spec.layers if layer.kind is LayerKind.SLIDING]
         self.window = max(windows) if windows else None
         self.bits = bits_identity(device_backend())  # what computes the bytes its blocks hold
+        self.swapped_blocks = 0  # KVSwap's evicted blocks, out of memory (pool/swap.py)
 
     @property
     def capacity(self) -> int:
@@ -153,4 +158,6 @@ class KVPool:
             resident_bytes=self.resident_bytes(),
             evictions=b.evictions,
             arena_copies=self.arena.copies,
+            swapped_blocks=self.swapped_blocks,
+            swapped_bytes=self.swapped_blocks * self.block_bytes,
         )

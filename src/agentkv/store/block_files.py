@@ -165,30 +165,55 @@ class SharedBlocks:
     ) -> StoredBlock:
         """The block file of ``digest`` holding exactly ``region`` (laid out for store
         ``version``: groups for 3), written where missing: the hash's own file where its
-        bytes are these (the same length and checksum), else a *variant* named by the hash
-        and the checksum (the hash's own file holds other bytes: computed by an earlier
-        agentkv or another machine). So a file is reused only for the bytes it holds.
+        bytes are these (read and compared), else a *variant* named by the hash and the
+        checksum (the hash's own file holds other bytes: computed by an earlier agentkv or
+        another machine). So a file is reused only for the bytes it holds; one whose bytes
+        no longer match its own checksum is quarantined and written again.
 
         Call inside ``writing()``. The file is fsynced and renamed into place (fault points
         ``block-written``, ``block-renamed``); its directory is fsynced by ``sync_dirs``
         before any manifest names it.
         """
-        found = self.find_file(block_file_name(digest, version), digest)
+        name = block_file_name(digest, version)
+        found = self._holding(name, digest, region)
         if found is None:
             return self.write(digest, parent, tokens, region, checksum, version)
-        if found.length == len(region) and found.checksum == checksum:
+        if found is not True:
             return found
         variant = block_file_name(digest, version, checksum)
-        other = self.find_file(variant, digest)
-        if other is not None and other.length == len(region) and other.checksum == checksum:
+        other = self._holding(variant, digest, region)
+        if other is not None and other is not True:
             return other
         log.warning(
             "agentkv: block file %s holds other bytes than this block of the same tokens; "
             "writing this one as %s",
-            found.name,
+            name,
             variant,
         )
         return self.write(digest, parent, tokens, region, checksum, version, variant=checksum)
+
+    def _holding(self, name: str, digest: bytes, region) -> StoredBlock | bool | None:
+        """The sound block file ``name`` if its region's bytes are ``region``'s; True if it
+        is sound and holds other bytes; None if there is none (a damaged one is moved to
+        quarantine: a region that does not match its own checksum too)."""
+        found = self.find_file(name, digest)
+        if found is None:
+            return None
+        try:
+            with open(self.path(name), "rb") as fh:
+                fh.seek(found.offset)
+                held = fh.read(found.length)
+        except OSError as exc:
+            log.warning("agentkv: cannot read block file %s: %s", name, exc)
+            return True  # kept, not taken
+        if len(held) == found.length and held == bytes(region):
+            return found
+        if len(held) != found.length or _ext.block_checksum(np.frombuffer(held, np.uint8)) != (
+            found.checksum
+        ):
+            self.quarantine(name, "block region does not match its checksum")
+            return None
+        return True
 
     def write(
         self,
