@@ -482,7 +482,10 @@ def _memory_process(context: int, budget: int, decode: int, pool_bytes: int | No
     RSS from its rusage (``os.wait4``)."""
     swapped = pool_bytes is not None
     args = json.dumps([context, budget, decode, pool_bytes])
-    code = f"from agentkv.benchmarks.kvswap import memory_arm; memory_arm(*{args})"
+    code = (
+        "import json; from agentkv.benchmarks.kvswap import memory_arm; "
+        f"memory_arm(*json.loads({args!r}))"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)

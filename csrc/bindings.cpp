@@ -34,6 +34,7 @@
 #include "core/qmm.h"
 #include "core/rows.h"
 #include "core/store_error.h"
+#include "core/thread_pool.h"
 #include "kernels_cpu.h"
 #include "kvswap_ops.h"
 #include "ops.h"
@@ -430,6 +431,7 @@ nb::dict build_info() {
   info["gemm"] = agentkv::gemm_implementation();
   info["qmm"] = agentkv::qmm_implementation();
   info["attention"] = agentkv::attention_implementation();
+  info["threads"] = static_cast<long>(agentkv::ThreadPool::shared().size());
 #ifdef NDEBUG
   info["build_type"] = "release";
 #else
