@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -130,23 +131,53 @@ def ensure_embedded_model(weights: Weights | None = None) -> Path:
     return _import_locked(path, embedded_import_dir(weights), weights)
 
 
+# What the Hugging Face hub accepts as a repo id ("name" or "owner/name"); anything else
+# names a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+def _could_be_hub_id(text: str) -> bool:
+    return (
+        _HUB_ID.fullmatch(text) is not None
+        and ".." not in text
+        and "--" not in text
+        and not text.endswith((".", "-"))
+    )
+
+
+def check_model_source(model: str | os.PathLike) -> None:
+    """Raise ``ModelImportError``, naming ``model`` as the caller wrote it, if it names a
+    local file or directory that is not there or holds no model; a Hugging Face id is
+    checked when it loads. Reads nothing but the file system's entries."""
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelImportError(f"no such GGUF file: {text}")
+    elif path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelImportError(f"{text} is not an mlx-lm model directory (no config.json)")
+    elif not _could_be_hub_id(text):
+        raise ModelImportError(
+            f"no such directory: {text} (a model is an mlx-lm model directory, a .gguf file "
+            f"or a Hugging Face id such as {embedded.HUB_REPO})"
+        )
+
+
 def resolve_model(
     model: str | os.PathLike | None, weights: Weights | None = None
 ) -> tuple[str, str]:
     """(what to give mlx_lm.load, a display name) for a model argument."""
     if model is None:
         return str(ensure_embedded_model(weights)), EMBEDDED_NAME
+    check_model_source(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelImportError(f"GGUF file not found: {path}")
         weights = check_weights(weights)
         suffix = "f32" if weights == "float32" else "q"
         dest = models_dir() / f"{path.stem.lower()}-{suffix}"
         return str(_import_locked(path, dest, weights)), path.stem
     if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelImportError(f"{path} is not an mlx-lm model directory (no config.json)")
         return str(path.resolve()), path.name
     return str(model), str(model)  # a Hugging Face repo id, if a hub is reachable
 
@@ -214,7 +245,7 @@ def load_model(
     try:
         mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
-        raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
+        raise _load_error(model, target, exc) from exc
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights)
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
@@ -229,6 +260,16 @@ def load_model(
     )
     check_attention(mlx_model, spec)
     return LoadedModel(mlx_model, tokenizer, spec, name, path, config)
+
+
+def _load_error(model, target: str, exc: Exception) -> ModelImportError:
+    """Why ``model`` did not load, in one line that names it as the caller wrote it (not
+    the resolved path mlx-lm was given)."""
+    shown = EMBEDDED_NAME if model is None else os.fspath(model)
+    why = " ".join(str(exc).split()).replace(target, shown) or type(exc).__name__
+    if model is not None and not Path(target).exists():
+        why = f"no such directory here, and the Hugging Face hub did not give it: {why}"
+    return ModelImportError(f"cannot load model {shown!r}: {why}")
 
 
 def check_attention(model, spec: ModelCacheSpec) -> None:
