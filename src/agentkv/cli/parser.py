@@ -12,6 +12,7 @@ from .. import __version__
 from ..engine.config import MIN_SWAP_BUDGET
 from ..engine.drafts import DEFAULT_DRAFT_TOKENS, MAX_DRAFT
 from ..engine.generation import MAX_TEMPERATURE
+from ..model.generation_config import DEFAULT_MAX_TOKENS
 from .bench_parser import BENCHES
 from .options import (
     JSON_LIST,
@@ -91,8 +92,10 @@ def _serve(serve: argparse.ArgumentParser) -> None:
     /v1/messages, agentkv's POST /v1/agents/{id}/chat, with SSE streaming. Every agent keeps
     its KV cache across turns and restarts; agents run together. The agent of a request is
     the x-agent-id header, else the OpenAI `user` / Anthropic `metadata.user_id` field, else
-    derived from the system prompt and first user message. SIGTERM (or Ctrl-C) finishes the
-    requests in flight, saves every agent and exits."""
+    derived from the system prompt and first user message. A request that names no
+    temperature, top_p or reply length is sampled as its model's generation_config.json asks
+    (greedy where it says nothing). SIGTERM (or Ctrl-C) finishes the requests in flight,
+    saves every agent and exits."""
     add_engine_options(serve, many=True)
     serve.add_argument(
         "--model-idle-ttl",
@@ -174,11 +177,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         help="interleave prefill chunks with batched decode (default), or run turns "
         "first-come-first-served one at a time",
     )
-    add_count(
-        serve,
+    serve.add_argument(
         "--default-max-tokens",
-        512,
-        "reply limit when an OpenAI or direct-API request sets none (default 512)",
+        type=int_at_least(1, "tokens"),
+        default=None,
+        metavar="N",
+        help="reply limit of an OpenAI or direct-API request that sets none (default: the "
+        f"model's generation_config.json max_new_tokens, else {DEFAULT_MAX_TOKENS})",
     )
     add_count(serve, "--max-body-mb", 16, "largest request body (default 16)")
     add_count(

@@ -31,6 +31,7 @@ from ..errors import ModelImportError
 from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
+from .generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_defaults
 from .gguf import SOURCE_STAT, import_gguf, read_import_info
 
 EMBEDDED_NAME = embedded.NAME
@@ -53,6 +54,8 @@ class LoadedModel:
     name: str
     path: Path
     config: dict = field(default_factory=dict)  # config.json, as the model directory has it
+    # How a request that names no sampling is sampled (its generation_config.json)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @property
     def query_heads(self) -> int:
@@ -259,7 +262,21 @@ def load_model(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
     )
     check_attention(mlx_model, spec)
-    return LoadedModel(mlx_model, tokenizer, spec, name, path, config)
+    generation = read_generation_defaults(path) if path.exists() else _hub_defaults(target)
+    return LoadedModel(mlx_model, tokenizer, spec, name, path, config, generation)
+
+
+def _hub_defaults(repo: str) -> GenerationDefaults:
+    """The generation config of the hub's copy of ``repo`` that mlx-lm loaded (in the
+    Hugging Face cache), if it has one."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, GENERATION_CONFIG)
+    return (
+        read_generation_defaults(Path(found).parent)
+        if isinstance(found, str)
+        else GenerationDefaults()
+    )
 
 
 def _load_error(model, target: str, exc: Exception) -> ModelImportError:

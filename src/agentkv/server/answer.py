@@ -52,6 +52,8 @@ async def answer_chat(state: AppState, request: Request, dialect: Dialect, agent
         req = await req
     engine = await state.router.acquire(req.model)
     release = _once(partial(state.router.release, req.model))
+    defaults = engine.loaded.generation
+    req.with_defaults(defaults, state.limits.reply_tokens(defaults, req.model))
     try:
         response = await _answer_turn(state, request, dialect, req, engine, release)
     except BaseException:

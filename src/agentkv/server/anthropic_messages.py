@@ -107,7 +107,7 @@ class AnthropicDialect(Dialect):
         model = self.limits.check_model(req.model)
         tools, choice = _tools(req)
         messages = from_anthropic(req.system, req.messages)
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
+        temperature, top_p = sampling(req.temperature, req.top_p)
         user = req.metadata.user_id if req.metadata else None
         return TurnRequest(
             agent_id=resolve_agent(agent_header, user, *first_texts(messages)),
