@@ -719,6 +719,39 @@ def test_bad_input_gets_the_apis_error_shape_and_the_server_keeps_serving(server
         assert http.get("/health").json()["status"] == "ok"
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "town"}}}
+SCHEMA_CASES = [
+    (
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        "/v1/responses",
+        {"tools": [{"type": "function", "name": "f", "parameters": BAD_SCHEMA}]},
+        "tools[0].parameters",
+    ),
+    (
+        "/v1/messages",
+        {"tools": [{"name": "f", "input_schema": BAD_SCHEMA}]},
+        "tools[0].input_schema",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "field"), SCHEMA_CASES, ids=lambda c: str(c)[:20])
+def test_a_tool_schema_that_cannot_be_followed_is_named_in_the_request_s_terms(
+    server, path, extra, field
+):
+    body = {"model": MODEL, "max_tokens": 4, **extra}
+    body |= {"input": "Hi."} if path == "/v1/responses" else {"messages": _user()}
+    with server.client() as http:
+        r = http.post(path, json=body)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert message == f"{field} is not a JSON schema calls can follow: Invalid type: town"
+
+
 def _raw_http(server, head: str, body_parts=()) -> tuple[int, dict, bytes]:
     """Send a request exactly as given, the whole body before reading anything (as urllib
     and many SDKs do); then read the answer until the server closes or it is complete."""

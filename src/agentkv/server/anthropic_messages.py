@@ -75,7 +75,11 @@ def _tools(req) -> tuple[list[dict] | None, ToolChoice | None]:
                 raise bad_request(f"{where}.input_schema must be a JSON schema object", where)
             tools.append(
                 check_function(
-                    tool.get("name"), tool.get("description"), tool["input_schema"], where
+                    tool.get("name"),
+                    tool.get("description"),
+                    tool["input_schema"],
+                    where,
+                    "input_schema",
                 )
             )
         check_unique(tools, "tools")

@@ -135,6 +135,7 @@ def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
                     function.get("description"),
                     function.get("parameters"),
                     where,
+                    "function.parameters",
                 )
             )
         check_unique(tools, "tools")
