@@ -169,7 +169,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -
         default=None,
         choices=("quantized", "float32"),
         help="quantized: run 4- and 8-bit weights as the model ships them (on CPU through "
-        "agentkv's quantized matmul: 84 MB for the embedded model, faster decode; "
+        "agentkv's quantized matmul: 98 MB for the embedded model, faster decode; "
         "docs/compute.md); float32: dequantize them at load (538 MB). Default: quantized",
     )
     _add_kv_format_options(parser)

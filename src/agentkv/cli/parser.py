@@ -204,8 +204,15 @@ def _cache(cache: argparse.ArgumentParser) -> None:
 CACHE_ACTIONS.append(Command("ls", "list stored agents of every model", json=JSON_LIST))
 
 
-@command(CACHE_ACTIONS, "show", "details of one agent", json=JSON_LIST)
+@command(
+    CACHE_ACTIONS,
+    "show",
+    "details of one agent",
+    json="print a JSON list: the agent as each model that stores it holds it (one entry a model)",
+)
 def _cache_show(show: argparse.ArgumentParser) -> None:
+    """The agent's stored state under every model that has one (an agent id is the same
+    across models; each model keeps its own cache of it). Exit 1 if none stores it."""
     show.add_argument("agent")
 
 

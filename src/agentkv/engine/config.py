@@ -24,7 +24,7 @@ class EngineConfig:
 
     ``model``: an mlx-lm model directory or hub id (None: the embedded SmolLM2-135M);
     ``weights``: ``"quantized"`` runs 4- and 8-bit weights as the model ships them (on CPU
-    through agentkv's quantized matmul: 84 MB for the embedded model), ``"float32"``
+    through agentkv's quantized matmul: 98 MB for the embedded model), ``"float32"``
     dequantizes them at load (538 MB); None: quantized (docs/compute.md);
     ``cache_dir``: where agents' KV is stored (None: ``$AGENTKV_HOME/kv``).
     ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for

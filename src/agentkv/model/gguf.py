@@ -130,7 +130,7 @@ def import_gguf(
     unless ``force``; a directory holding anything else is never overwritten. The file is
     known by its SHA-256; the import also records the file's size, mtime and inode, and
     while those are unchanged a start reuses it without reading the file again (hashing
-    the embedded model's 84 MB took ~0.1-0.2 s of every start).
+    the embedded model's 98 MB took ~0.1-0.2 s of every start).
     """
     src = Path(gguf_path)
     if not src.is_file():

@@ -7,7 +7,7 @@ Weights (``weights=``): ``"quantized"`` runs 4- and 8-bit weights as shipped; on
 backend through agentkv's own quantized matmul (``_ext.quantized_matmul``, int16
 activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is scalar and
 single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the embedded model
-instead of 84 MB). ``None`` is the default (``default_weights``): quantized, on every
+instead of 98 MB). ``None`` is the default (``default_weights``): quantized, on every
 backend (docs/compute.md). Either way, activations, norms and
 unquantized layers run in float32 on CPU (MLX's CPU float16 is ~5x slower).
 """
@@ -39,7 +39,7 @@ Weights = Literal["quantized", "float32"]
 WEIGHTS: tuple[Weights, ...] = ("quantized", "float32")
 # Appended to the weights' identity when agentkv's CPU kernel runs them: its int16
 # activations give other bits than a float matmul, so its caches are kept apart. It names
-# the kind of kernel, not its version: the packed kernel (session P) rounds differently
+# the kind of kernel, not its version: the packed kernel (b6e1520) rounds differently
 # from the one before it only at the int16 codes' level (~1e-5 of an output), so caches,
 # calibrations and KVSwap projections made before stay good.
 CPU_QMM_ID = ":cpu-qmm"
