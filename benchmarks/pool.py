@@ -163,7 +163,10 @@ def decode(*, context_tokens: int = 1024, steps: int = 24, repeats: int = 3) -> 
     tok = lm.tokenizer
     from agentkv import Engine
 
-    with Engine(cache_dir=tempfile.mkdtemp(prefix="agentkv-bench-pool-"), warmup=False) as eng:
+    with (
+        tempfile.TemporaryDirectory(prefix="agentkv-bench-pool-") as tmp,
+        Engine(cache_dir=tmp, warmup=False) as eng,
+    ):
         texts = [context_text(eng, context_tokens + 8 * i) for i in range(4)]
     contexts = [tok.encode(t)[:context_tokens] for t in texts]
 
@@ -276,8 +279,8 @@ def _engine_bytes_per_token() -> int:
     asked of an engine in another process, so the measured child loads one model only."""
     code = (
         "import sys, tempfile; from agentkv import Engine\n"
-        "with Engine(cache_dir=tempfile.mkdtemp(prefix='agentkv-bench-pool-'), "
-        "pool_bytes=64 << 20, warmup=False) as eng:\n"
+        "with tempfile.TemporaryDirectory(prefix='agentkv-bench-pool-') as tmp, "
+        "Engine(cache_dir=tmp, pool_bytes=64 << 20, warmup=False) as eng:\n"
         "    print(eng.bytes_per_token)"
     )
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -1,6 +1,12 @@
-"""Shared fixtures. Every test runs on real files in a temporary AGENTKV_HOME; integration
-tests run the real embedded model from the user's model cache (``AGENTKV_MODELS``, else
-``$AGENTKV_HOME/models`` as it was before the tests), fetched there once if missing."""
+"""Shared fixtures. Every test runs on real files in a temporary home of its own
+(``AGENTKV_HOME``, its models, pytest's temporary directories and ``TMPDIR`` all inside it);
+integration tests run the real embedded model. Its source (the GGUF file, or a hub copy) is
+linked read-only from the user's model cache (``AGENTKV_MODELS``, else
+``$AGENTKV_HOME/models``, else ``~/.cache/agentkv/models``) where the user has one, and
+fetched into the run's home otherwise; it is imported there, so nothing is written to the
+user's cache. At its end the run checks that: the user's agentkv directories hold what they
+held before it, and nothing the run made is left in its temporary directory (a failure
+lists what was left)."""
 
 from __future__ import annotations
 
@@ -9,33 +15,57 @@ import sys
 from pathlib import Path
 
 import pytest
+from suite_checks import Snapshot, leftovers, link_embedded_source
 
 _SESSION_HOME = None
 _OWN_HOME = False  # made by this run (removed at its end), not given by AGENTKV_TEST_HOME
+_USER_DIRS: list[Snapshot] = []  # the user's agentkv directories as the run found them
 
 
 def pytest_configure(config):
     global _SESSION_HOME, _OWN_HOME
     import tempfile
 
-    from agentkv.paths import MODELS_ENV, models_dir
+    from agentkv.paths import MODELS_ENV, agentkv_home, models_dir, secure_mkdir
 
-    os.environ[MODELS_ENV] = str(models_dir())  # before AGENTKV_HOME moves
-
+    user_models = models_dir()  # before AGENTKV_HOME moves
+    user_dirs = {Path.home() / ".cache" / "agentkv", agentkv_home(), user_models}
     if "AGENTKV_TEST_HOME" in os.environ:
-        _SESSION_HOME = Path(os.environ["AGENTKV_TEST_HOME"])
+        _SESSION_HOME = Path(os.environ["AGENTKV_TEST_HOME"]).resolve()
     else:
-        _SESSION_HOME = Path(tempfile.mkdtemp(prefix="agentkv-test-home-"))
+        _SESSION_HOME = Path(tempfile.mkdtemp(prefix="agentkv-test-home-")).resolve()
         _OWN_HOME = True
+    outermost = [d for d in user_dirs if not any(o in d.parents for o in user_dirs)]
+    _USER_DIRS[:] = [Snapshot.of(d, skip=_SESSION_HOME) for d in sorted(outermost)]
     os.environ["AGENTKV_HOME"] = str(_SESSION_HOME)
+    models = secure_mkdir(_SESSION_HOME / "models")
+    os.environ[MODELS_ENV] = str(models)
+    link_embedded_source(user_models, models)
+    # Everything the run (and every process it starts) makes through tempfile lands here.
+    scratch = secure_mkdir(_SESSION_HOME / "tmp")
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
+    if config.option.basetemp is None:
+        config.option.basetemp = str(_SESSION_HOME / "pytest")
 
 
-def pytest_unconfigure(config):
-    """The run's own home goes with it (its stores and saved caches are gigabytes)."""
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """After every fixture's teardown: what the run left behind fails it; then its own
+    home goes (its stores and saved caches are gigabytes)."""
+    import shutil
+
+    problems = leftovers(_SESSION_HOME / "tmp")
+    problems += [change for snap in _USER_DIRS for change in snap.changes()]
     if _OWN_HOME:
-        import shutil
-
         shutil.rmtree(_SESSION_HOME, ignore_errors=True)
+        if _SESSION_HOME.exists():
+            problems.append(f"{_SESSION_HOME}: the run's own home could not be removed")
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write_sep("=", "the run left files behind", red=True)
+        for line in problems:
+            reporter.write_line(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter):

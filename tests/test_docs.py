@@ -151,8 +151,14 @@ def test_relative_links_exist(page):
 
 
 def test_readme_is_a_page():
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
-    assert lines < 250, f"README.md has {lines} lines; move detail to docs/"
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = text.count("\n")
+    assert lines < 200, f"README.md has {lines} lines; move detail to docs/"
+    results = text.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [row for row in results.splitlines() if row.startswith("| ")][2:]  # past the header
+    assert len(rows) >= 5 and "benchmarks/RESULTS.md" in results and "docs/benchmarks.md" in results
+    long = [row[:60] for row in rows if len(row) > 200]
+    assert not long, f"README's results: one claim a row, each short; these are paragraphs: {long}"
 
 
 def test_the_checks_catch_drift(tmp_path):
@@ -177,3 +183,145 @@ def test_the_checks_catch_drift(tmp_path):
     assert not exists("pool/no_such_file.py") and not exists("../shared/DESIGN.md")
     assert _is_path("kernels/shim.h") and _is_path("mlx_adapter.py")
     assert not _is_path("mlx_lm/models/cache.py") and not _is_path("/v1/chat/completions")
+
+
+# -- figures: the model's size, its wide layers, the test suite's counts ---------------------
+#
+# What README.md and docs/ say of these must be what the code gives, or what the newest test
+# run recorded in benchmarks/RESULTS.md gives. A size in MB or MiB on a line that speaks of
+# weights or a GGUF file is one of the embedded model's: its 4-bit weights as loaded, the same
+# weights in float32, or its GGUF file, at the precision written. A pair of wide layers
+# (`q4.v2+k8@19,20`, "layers 19 and 20", "19 and 20 with its 4-bit weights") is the default
+# engine's, or on a line (or after one) that says float32, the float32 weights' (the other
+# shipped calibration). Test counts
+# ("passed N tests and skipped M in S s") are the newest run's.
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+SIZE = re.compile(r"\b(\d+(?:\.\d+)?) ?(MB|MiB)\b")
+WIDE_LABEL = re.compile(r"k8@(\d+),(\d+)")
+WIDE_PAIR = re.compile(
+    r"(?:layers?|model:?)\s+\(?(\d{1,2}) and (\d{1,2})\b"
+    r"|\b(\d{1,2}) and (\d{1,2}) with (?:its |the )?(?:default )?(?:4-bit|float32) weights"
+)
+CITED_RUN = re.compile(r"passed ([\d,]+)\s+tests\s+and\s+skipped\s+([\d,]+)\s+in\s+([\d,]+)\s+s\b")
+RECORDED_RUN = re.compile(r"\*\*([\d,]+) passed, ([\d,]+) skipped\s+in\s+([\d,]+) s\*\*")
+SESSION_LETTER = re.compile(r"\b[Ss]essions? [A-Z]\b")
+
+
+def _prose_lines(page: Path) -> list[str]:
+    return FENCE.sub("", page.read_text(encoding="utf-8")).splitlines()
+
+
+def _written(value: float, text: str) -> bool:
+    """Whether ``text`` (a number as written) is ``value`` rounded to its precision."""
+    places = len(text.split(".")[1]) if "." in text else 0
+    return round(value, places) == float(text)
+
+
+@pytest.fixture(scope="module")
+def model_sizes(engine) -> dict[str, list[float]]:
+    """The embedded model's sizes by unit: its 4-bit weights as loaded, the same in float32
+    (every parameter at 4 bytes), its GGUF file."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from agentkv.model.load import embedded_gguf_path
+
+    loaded = sum(v.nbytes for _, v in tree_flatten(engine.loaded.model.parameters()))
+    shape = llama.Model(llama.ModelArgs.from_dict(engine.loaded.config))
+    float32 = 4 * sum(v.size for _, v in tree_flatten(shape.parameters()))
+    sizes = [loaded, float32, embedded_gguf_path().stat().st_size]
+    return {"MB": [b / 1e6 for b in sizes], "MiB": [b / 2**20 for b in sizes]}
+
+
+@pytest.fixture(scope="module")
+def wide_pairs(engine) -> tuple[tuple[int, ...], set[tuple[int, ...]]]:
+    """(the default engine's wide layers, those of the other shipped calibrations)."""
+    import json
+
+    from agentkv.model import wide_layers
+
+    default = tuple(engine.quant.wide_layers)
+    shipped = [json.loads(p.read_text()) for p in sorted(wide_layers.SHIPPED.glob("*.json"))]
+    others = {
+        wide_layers.choose(r["errors"])
+        for r in shipped
+        if r["fingerprint"] != engine.spec.fingerprint
+    }
+    return default, others
+
+
+def _wrong_sizes(page: Path, sizes: dict[str, list[float]]) -> list[str]:
+    wrong = []
+    for line in _prose_lines(page):
+        if re.search(r"weights|gguf", line, re.I):
+            wrong += [f"{n} {unit}: {line.strip()[:120]}" for n, unit in SIZE.findall(line)
+                      if not any(_written(v, n) for v in sizes[unit])]  # fmt: skip
+    return wrong
+
+
+def _wrong_wide_layers(page: Path, default: tuple, float32: set) -> list[str]:
+    lines = _prose_lines(page)
+    wrong = []
+    for i, line in enumerate(lines):
+        pairs = WIDE_LABEL.findall(line)
+        pairs += [tuple(n for n in found if n) for found in WIDE_PAIR.findall(line)]
+        says_float32 = "float32" in " ".join(lines[max(i - 1, 0) : i + 1])
+        allowed = {default} | (float32 if says_float32 else set())
+        wrong += [f"{a},{b}: {line.strip()[:120]}" for a, b in pairs
+                  if (int(a), int(b)) not in allowed]  # fmt: skip
+    return wrong
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_model_sizes_are_the_model_s(page, model_sizes):
+    wrong = _wrong_sizes(page, model_sizes)
+    assert not wrong, f"{page.name}: sizes that are not the embedded model's: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_wide_layers_are_the_engine_s(page, wide_pairs):
+    wrong = _wrong_wide_layers(page, *wide_pairs)
+    assert not wrong, f"{page.name}: wide layers not the engine's {wide_pairs[0]}: {wrong}"
+
+
+def test_the_figure_checks_catch_drift(tmp_path, model_sizes, wide_pairs):
+    """The figure checks themselves: a size, a wide-layer pair or a run letter that is not
+    the code's is reported, and only that."""
+    page = tmp_path / "probe.md"
+    page.write_text(
+        "The 4-bit weights: 98 MB (float32 weights: 538 MB), 84 MB in an older note.\n"
+        "A 29 MB cache.\n"
+        "Wide layers 19 and 20 with its 4-bit weights, 18 and 19 with float32 weights.\n"
+        "\n"
+        "`q4.v2+k8@19,20`; once `q4.v2+k8@18,19`.\n"
+        "Format 2 keeps layers 18 and 19 wide; formats 1 and 2 differ. As session Q saw.\n"
+    )
+    assert [w.split(":")[0] for w in _wrong_sizes(page, model_sizes)] == ["84 MB"]
+    wrong = [w.split(":")[0] for w in _wrong_wide_layers(page, *wide_pairs)]
+    assert wrong == ["18,19", "18,19"]  # the label of line 5, the pair of line 6
+    assert SESSION_LETTER.findall(page.read_text()) == ["session Q"]
+    cited = "passed 855 tests and\nskipped 43 in 1324 s; passed 9 tests and skipped 1 in 2 s"
+    assert CITED_RUN.findall(cited) == [("855", "43", "1324"), ("9", "1", "2")]
+
+
+def _newest_run() -> tuple[str, str, str]:
+    """(passed, skipped, seconds) of the newest test run benchmarks/RESULTS.md records (the
+    file is newest first)."""
+    found = RECORDED_RUN.search(RESULTS.read_text(encoding="utf-8"))
+    assert found, "benchmarks/RESULTS.md records no test run"
+    return found.groups()
+
+
+def test_test_counts_are_the_newest_recorded_run():
+    newest = _newest_run()
+    cited = {page.name: CITED_RUN.findall(page.read_text(encoding="utf-8")) for page in PAGES}
+    assert cited["README.md"], "README.md cites no test run"
+    wrong = {name: runs for name, runs in cited.items() if any(r != newest for r in runs)}
+    assert not wrong, f"test runs that are not the newest recorded one {newest}: {wrong}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_runs_are_named_by_date_commit_and_machine(page):
+    letters = [m.group(0) for m in SESSION_LETTER.finditer(page.read_text(encoding="utf-8"))]
+    assert not letters, f"{page.name} names runs by letter: {letters}"

@@ -5,10 +5,11 @@ it: NVIDIA GPUs through its CUDA backend, and the Neural Accelerators of M5-clas
 products then depend on how many rows share the call (one row takes a full-precision GEMV, two
 or more a TF32 GEMM), so a float32 model's batch gives other logits than each agent alone, at
 ~1e-3 relative, enough to change greedy tokens; measured on an H100 (benchmarks/RESULTS.md,
-session V). The engine promises a batch the tokens of each turn alone, so agentkv turns TF32 off
-unless the environment already says otherwise: ``MLX_ENABLE_TF32=1`` opts back in. Quantized
-and 16-bit weights never take TF32; only float32 models pay. MLX reads the variable when it
-first needs it, so it must be set before the first matmul on the GPU: ``import agentkv`` first.
+2026-11-27 @ 3b5b02d). The engine promises a batch the tokens of each turn alone, so agentkv
+turns TF32 off unless the environment already says otherwise: ``MLX_ENABLE_TF32=1`` opts back
+in. Quantized and 16-bit weights never take TF32; only float32 models pay. MLX reads the
+variable when it first needs it, so it must be set before the first matmul on the GPU: ``import
+agentkv`` first.
 """
 
 from __future__ import annotations

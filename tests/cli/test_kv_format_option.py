@@ -27,7 +27,10 @@ def test_kv_wide_layers_reach_the_engine_options(command):
 def test_other_kv_formats_are_refused(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--agent", "a", "--kv-format", "3"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "agentkv chat: error: argument --kv-format: expected one of 1, 2, not '3' "
+        "(`agentkv chat --help` lists the options)\n"
+    )
 
 
 @pytest.mark.parametrize("value", ["x", "1,,2", "-1", "1.5"])

@@ -361,7 +361,7 @@ def test_a_prompt_over_the_context_is_rejected(engine):
         engine.chat("toolong", [{"role": "user", "content": too_long}], max_tokens=4)
     first = convo("Hi.")
     r = engine.chat("toolong", first, max_tokens=4)
-    assert r.stats.cache == "cold" and r.tokens
+    assert r.stats.match == "none" and r.tokens  # nothing of its own: the rejected turn kept none
     # A rejected prompt leaves a hot agent as it was: the next turn still finds it in memory.
     held = engine.pool_stats().used_blocks
     with pytest.raises(InvalidRequestError, match="context"):
@@ -388,7 +388,7 @@ def test_one_agent_serializes_and_agents_run_in_parallel(engine):
     first, second = sorted((results["t1"], results["t2"]), key=lambda r: r.stats.stored_tokens)
     # The later turn found the earlier one's whole state (prompt + reply) and kept the
     # prompt part: it ran after the first turn had finished and been recorded.
-    assert first.stats.cache == "cold"
+    assert first.stats.match == "none"
     assert (second.stats.cache, second.stats.match) == ("hot", "partial")
     assert second.stats.stored_tokens > first.stats.prompt_tokens
     assert second.stats.reused_tokens == first.stats.prompt_tokens - 1
@@ -468,7 +468,8 @@ def test_a_missing_segment_is_quarantined_too(fresh_engine):
     eng.evict("victim")
     next(eng.store.agent_dir("victim").glob("seg-*.safetensors")).unlink()
     r = eng.chat("victim", messages, max_tokens=8)
-    assert r.stats.cache == "cold" and "No such file" in r.stats.reuse_note
+    assert r.stats.match == "none" and "No such file" in r.stats.reuse_note
+    assert str(eng.store.root) not in r.stats.reuse_note  # named within the cache directory
 
 
 @pytest.mark.slow
@@ -613,18 +614,44 @@ def test_chat_many_runs_turns_of_one_agent_in_order(engine):
 
 
 def test_an_edited_last_message_reuses_the_agent_s_own_tail(engine):
-    """A short agent (under one block) whose last message is edited diverges: its turn starts
-    cold but copies the matching 64-token groups of its own old tail block, which the turn
-    releases meanwhile; the reply is what an agent computing everything itself gives."""
+    """A short agent (under one block) whose last message is edited keeps the tokens its
+    edit left in common: the cut falls in a channel group whose float16 keys it still holds
+    (the group filling, or the last full one), so what it keeps is exact and the reply is
+    what an agent computing everything itself gives; the old tail's rows go."""
     base = "You are a careful assistant who answers questions about the standard library. " * 8
-    engine.generate("edited", base + "Question: what does os.path.join do?", max_tokens=4)
+    first = engine.generate("edited", base + "Question: what does os.path.join do?", max_tokens=4)
     used = engine.pool_stats().used_blocks
     edited = base + "Question: what does shutil.copy do exactly?"
     r = engine.generate("edited", edited, max_tokens=8)
-    assert r.stats.cache == "cold" and r.stats.shared_tokens == 64
-    assert engine.pool_stats().used_blocks == used  # the old tail went, the new one came
+    assert (r.stats.cache, r.stats.match, r.stats.shared_tokens) == ("hot", "partial", 0)
+    assert BLOCK_TOKENS > first.stats.prompt_tokens > r.stats.reused_tokens > 64
+    assert "diverged at byte" in r.stats.reuse_note
+    assert engine.pool_stats().used_blocks == used  # the same block, trimmed and refilled
     alone = engine.generate("edited-alone", edited, max_tokens=8, cache_salt="edited-alone")
     assert alone.stats.shared_tokens == 0 and r.tokens == alone.tokens
+
+
+def test_the_same_short_request_twice_reuses_its_prompt(engine):
+    """A retry of a short request (under one channel group: its keys are all still float16)
+    reuses the whole prompt but the last token, and gives the same greedy reply."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first = engine.chat("retry", messages, max_tokens=16)
+    again = engine.chat("retry", messages, max_tokens=16)
+    assert (first.stats.cache, first.stats.reused_tokens) == ("cold", 0)
+    assert first.stats.reuse_note == "a new agent: nothing stored for it yet"
+    assert (again.stats.cache, again.stats.match) == ("hot", "partial")
+    assert again.stats.reused_tokens == first.stats.prompt_tokens - 1
+    assert again.text == first.text and "Paris" in again.text
+
+
+def test_a_diverged_cut_into_a_quantized_group_starts_fresh_and_says_why(engine):
+    """Under ``min_reuse_tokens`` in common, where the cut would read an older channel
+    group's keys back from 4 bits, the turn starts over: cold, nothing reused, and why."""
+    engine.chat("fresh-start", convo("Name one risk."), max_tokens=8)  # > 4 channel groups
+    other = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi."}]
+    s = engine.chat("fresh-start", other, max_tokens=4).stats  # "...You are " in common
+    assert (s.cache, s.match, s.reused_tokens) == ("cold", "diverge", 0)
+    assert "already quantized" in s.reuse_note and "from 256 tokens" in s.reuse_note
 
 
 @pytest.mark.slow

@@ -9,6 +9,11 @@ from helpers import DATA
 
 from agentkv.errors import ModelImportError
 from agentkv.model import gguf
+from agentkv.model.generation_config import (
+    GENERATION_CONFIG,
+    GenerationDefaults,
+    read_generation_defaults,
+)
 from agentkv.model.gguf import import_gguf
 from agentkv.model.load import ensure_embedded_model, weights_identity
 
@@ -46,8 +51,9 @@ def test_rebuilt_tokenizer_matches_llama_cpp():
         assert ours.decode(expected) == text
 
 
-def _tiny_llama_gguf(path, architecture="llama"):
-    """A 2-layer llama with random float32 weights and a byte-level BPE vocabulary."""
+def _tiny_llama_gguf(path, architecture="llama", **metadata):
+    """A 2-layer llama with random float32 weights and a byte-level BPE vocabulary (and
+    ``metadata`` besides)."""
     from agentkv.text.tokens import _unicode_to_byte
 
     byte_chars = sorted(_unicode_to_byte(), key=_unicode_to_byte().get)
@@ -74,6 +80,7 @@ def _tiny_llama_gguf(path, architecture="llama"):
         }
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
     metadata = {
+        **metadata,
         "general.architecture": architecture,
         "llama.embedding_length": u32(hidden),
         "llama.block_count": u32(2),
@@ -122,6 +129,20 @@ def test_a_synthetic_llama_gguf_imports_and_serves(tmp_path):
             max_tokens=3,
         )
         assert again.stats.cache == "hot"
+
+
+def test_the_gguf_s_sampling_metadata_becomes_the_model_s_generation_config(tmp_path):
+    f32 = lambda v: mx.array(v, dtype=mx.float32)  # noqa: E731
+    sampling = {"general.sampling.temp": f32(0.6), "general.sampling.top_p": f32(0.95)}
+    gguf = _tiny_llama_gguf(tmp_path / "sampled.gguf", **sampling)
+    dest = import_gguf(gguf, tmp_path / "sampled", weight_dtype="float32").path
+    defaults = read_generation_defaults(dest)
+    assert (defaults.temperature, defaults.top_p, defaults.source) == pytest.approx(
+        (0.6, 0.95, GENERATION_CONFIG)
+    )
+    plain = import_gguf(_tiny_llama_gguf(tmp_path / "plain.gguf"), tmp_path / "plain").path
+    assert not (plain / GENERATION_CONFIG).exists()  # the GGUF names no sampling
+    assert read_generation_defaults(plain) == GenerationDefaults()
 
 
 def test_a_start_reuses_an_import_without_reading_its_unchanged_file(tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
-"""A/B of a hot turn's prefill (benchmarks/RESULTS.md, session S): an Engine, a ~1.7K-token
-system prompt, turns alternating two user messages (each prefills ~80-110 new tokens over
-~1.77K reused), group-completing steps fused (as the engine runs them) or sent to the separate
-operations (as before session S), alternating every two turns. Prints the median and least
-engine TTFT of each. argv[1]: turns (default 64)."""
+"""A/B of a hot turn's prefill (benchmarks/RESULTS.md, 2026-11-26 @ 4836d21): an Engine, a
+~1.7K-token system prompt, turns alternating two user messages (each prefills ~80-110 new
+tokens over ~1.77K reused), group-completing steps fused (as the engine runs them) or sent to
+the separate operations (as before 4836d21), alternating every two turns. Prints the median and
+least engine TTFT of each. argv[1]: turns (default 64)."""
 
 import statistics
 import sys

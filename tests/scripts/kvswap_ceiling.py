@@ -1,8 +1,9 @@
 """How well can any choice of whole groups of tokens (64, or G) do at KVSwap's 1/8 budget?
-(benchmarks/RESULTS.md, sessions S and T.) The embedded model with float32 weights and float
-KV through mlx-lm's own cache; the `bench kvswap` texts at 8K: prefill 8K - 128 tokens, then
-128 teacher-forced steps per arm, each arm's decode attention seeing the first group, the last
-block and `slots` chosen groups (11: `bench kvswap`'s 1/8), chosen from exact keys:
+(benchmarks/RESULTS.md, 2026-11-26 @ 4836d21 and 2026-11-27 @ eab649a.) The embedded model with
+float32 weights and float KV through mlx-lm's own cache; the `bench kvswap` texts at 8K:
+prefill 8K - 128 tokens, then 128 teacher-forced steps per arm, each arm's decode attention
+seeing the first group, the last block and `slots` chosen groups (11: `bench kvswap`'s 1/8),
+chosen from exact keys:
 
   rule         agentkv's (per query head a softmax over the groups' best scores, summed)
   perhead      the same per KV head

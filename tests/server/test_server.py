@@ -160,9 +160,11 @@ def test_anthropic_sdk_messages_and_stream_events(claude, server):
     first = claude.messages.with_raw_response.create(
         messages=[{"role": "user", "content": "Is the change safe?"}], **kwargs
     )
-    assert first.headers["x-agentkv-cache"] == "cold"
     assert first.headers["x-agentkv-agent"] == "an-reviewer"
     message = first.parse()
+    # nothing of its own: cold, or hot with the blocks of another agent's same system prompt
+    shared = message.agentkv["shared_tokens"]
+    assert first.headers["x-agentkv-cache"] == ("hot" if shared else "cold")
     assert message.content[0].type == "text" and message.content[0].text
     assert message.stop_reason in ("end_turn", "max_tokens")
     # The system prompt's first 64 tokens may come from another agent's blocks (shared).
@@ -212,8 +214,11 @@ def test_direct_api_lists_shows_and_deletes_agents(server):
         r = http.post("/v1/agents/direct-1/chat", json=body)
         assert r.status_code == 200, r.text
         data = r.json()
-        assert data["agent_id"] == "direct-1" and data["stats"]["cache"] == "cold"
-        assert r.headers["x-agentkv-cache"] == "cold"
+        stats = data["stats"]
+        assert data["agent_id"] == "direct-1" and stats["match"] == "none"  # nothing of its own
+        # cold, or hot with the blocks of other agents' same system prompt
+        assert r.headers["x-agentkv-cache"] == stats["cache"]
+        assert stats["cache"] == ("hot" if stats["shared_tokens"] else "cold")
         listed = {a["id"]: a for a in http.get("/v1/agents").json()["data"]}
         me = listed["direct-1"]
         assert me["tier"] == "hot" and me["tokens"] > 0 and me["memory_bytes"] > 0
@@ -292,7 +297,7 @@ def test_concurrent_agents_equal_serial_runs_and_one_agent_serializes(server):
     with ThreadPoolExecutor(2) as pool:
         a, b = pool.map(turn, ["same", "same"], [prompts[0]] * 2, [long] * 2)
     first, second = sorted((a, b), key=lambda r: r["stats"]["stored_tokens"])
-    assert first["stats"]["cache"] == "cold" and second["stats"]["cache"] == "hot"
+    assert first["stats"]["match"] == "none" and second["stats"]["cache"] == "hot"
     assert second["stats"]["stored_tokens"] > first["stats"]["prompt_tokens"]
     assert second["stats"]["reused_tokens"] == first["stats"]["prompt_tokens"] - 1
     assert first["text"] == second["text"]
@@ -717,6 +722,54 @@ def test_bad_input_gets_the_apis_error_shape_and_the_server_keeps_serving(server
         else:
             assert error["error"]["type"] == kind and error["error"]["message"]
         assert http.get("/health").json()["status"] == "ok"
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"city": {"type": "town"}}}
+SCHEMA_CASES = [
+    (
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        "/v1/responses",
+        {"tools": [{"type": "function", "name": "f", "parameters": BAD_SCHEMA}]},
+        "tools[0].parameters",
+    ),
+    (
+        "/v1/messages",
+        {"tools": [{"name": "f", "input_schema": BAD_SCHEMA}]},
+        "tools[0].input_schema",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "extra", "field"), SCHEMA_CASES, ids=lambda c: str(c)[:20])
+def test_a_tool_schema_that_cannot_be_followed_is_named_in_the_request_s_terms(
+    server, path, extra, field
+):
+    body = {"model": MODEL, "max_tokens": 4, **extra}
+    body |= {"input": "Hi."} if path == "/v1/responses" else {"messages": _user()}
+    with server.client() as http:
+        r = http.post(path, json=body)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert message == f"{field} is not a JSON schema calls can follow: Invalid type: town"
+
+
+def test_the_cache_headers_say_what_was_reused_and_why_not_more(oai):
+    """The same short request twice: the first reuses nothing (a new agent, and says so),
+    the second reuses its whole prompt but the last token (hot), says that the cached reply
+    was dropped, and answers the same."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    first, a = _chat(oai, "oa-twice", ask)
+    second, b = _chat(oai, "oa-twice", ask)
+    assert (first["x-agentkv-cache"], first["x-agentkv-reused-tokens"]) == ("cold", "0")
+    assert first["x-agentkv-reuse-note"] == "a new agent: nothing stored for it yet"
+    assert second["x-agentkv-cache"] == "hot"
+    assert int(second["x-agentkv-reused-tokens"]) == a.usage.prompt_tokens - 1
+    assert "diverged at byte" in second["x-agentkv-reuse-note"]  # the old reply: dropped
+    assert b.choices[0].message.content == a.choices[0].message.content
 
 
 def _raw_http(server, head: str, body_parts=()) -> tuple[int, dict, bytes]:

@@ -53,7 +53,7 @@ def test_partial_below_the_minimum_is_diverge():
     text, ends, ids = toks("The", " cat", " sat", " down")
     m = match_prefix(text, ends, ids, b"The cat sits", min_reuse=3)
     assert (m.kind, m.reuse) == (MatchKind.DIVERGE, 0)
-    assert "minimum to reuse is 3" in m.note
+    assert "only 2 of 4 cached tokens in common (partial reuse starts at 3)" in m.note
 
 
 def test_diverge_when_nothing_matches():

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import argparse
 
-from .options import JSON_OBJECT, Command, add_count, add_flag, command, positive_int
+from .options import (
+    JSON_OBJECT,
+    Command,
+    add_count,
+    add_flag,
+    command,
+    int_at_least,
+    int_between,
+    positive_int,
+)
 
 TEXTS_HELP = "prose and/or code, comma-separated (default: both)"
 BENCHES: list[Command] = []
@@ -76,8 +85,12 @@ def _peers(peers: argparse.ArgumentParser) -> None:
     cache on), one after another: wall time, TTFT by turn kind, time to a whole tool call,
     decode tokens/s, tokens, tool calls, peak RSS (docs/benchmarks.md)."""
     add_flag(peers, "--quick", "2 agents, 3 rounds (under 10 minutes)")
-    peers.add_argument("--agents", type=positive_int, default=None, help="agents, 1-4 (default 4)")
-    peers.add_argument("--rounds", type=positive_int, default=None, help="rounds, >= 2 (default 6)")
+    peers.add_argument(
+        "--agents", type=int_between(1, 4, "agents"), default=None, help="agents, 1-4 (default 4)"
+    )
+    peers.add_argument(
+        "--rounds", type=int_at_least(2, "rounds"), default=None, help="rounds, >= 2 (default 6)"
+    )
     add_count(peers, "--system-tokens", 1000, "tokens of the shared system prompt (default 1000)")
     add_count(peers, "--max-tokens", 64, "max_tokens of every turn (default 64)")
     peers.add_argument(

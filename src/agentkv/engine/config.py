@@ -24,7 +24,7 @@ class EngineConfig:
 
     ``model``: an mlx-lm model directory or hub id (None: the embedded SmolLM2-135M);
     ``weights``: ``"quantized"`` runs 4- and 8-bit weights as the model ships them (on CPU
-    through agentkv's quantized matmul: 84 MB for the embedded model), ``"float32"``
+    through agentkv's quantized matmul: 98 MB for the embedded model), ``"float32"``
     dequantizes them at load (538 MB); None: quantized (docs/compute.md);
     ``cache_dir``: where agents' KV is stored (None: ``$AGENTKV_HOME/kv``).
     ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
@@ -38,12 +38,14 @@ class EngineConfig:
     model, the layers whose 4-bit keys cost the most, measured once:
     ``model/wide_layers.py``; ``()``: none).
     ``pool_bytes``: the block pool's memory budget (None: ``pool.default_pool_bytes()``);
-    ``min_reuse_tokens``: the shortest stored prefix worth reusing; ``prefill_chunk``:
+    ``min_reuse_tokens``: the least a partial match keeps where the cut would read the
+    agent's keys back from their bits (a cut that keeps them exact is always taken: any cut in
+    KV format 1, a cut in the last two channel groups in format 2); ``prefill_chunk``:
     prompt tokens per prefill step (None: 512 on the CPU, 2048 on a GPU, whose prefill
-    chunks run through MLX's fused attention); ``max_batch``: turns decoded together; ``max_queue``:
-    turns waiting before ``submit_chat`` raises ``EngineBusyError``; ``schedule``: one of
-    ``scheduler.POLICIES``; ``warmup``: run the model once at start so the first turn pays
-    no one-time costs.
+    chunks run through MLX's fused attention); ``max_batch``: turns decoded together;
+    ``max_queue``: turns waiting before ``submit_chat`` raises ``EngineBusyError``;
+    ``schedule``: one of ``scheduler.POLICIES``; ``warmup``: run the model once at start so
+    the first turn pays no one-time costs.
     ``kv_swap_budget``: KVSwap (docs/kvswap.md): tokens of KV per layer an agent keeps in
     memory while it decodes (at least 512); the rest of its context stays in its block files
     and the groups each step's attention needs are read back. Prefill stays exact. None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -85,7 +86,11 @@ class Constraint:
     def json_schema(cls, schema: Mapping | str, *, strict: bool = True) -> Constraint:
         """JSON that validates against ``schema``. ``strict=False`` ignores keywords the
         grammar engine does not implement instead of refusing the schema."""
-        return cls._checked("json_schema", f"start: {_json_rule(schema, strict=strict)}")
+        rule = _json_rule(schema, strict=strict)
+        problem = _schema_problem(rule)
+        if problem:
+            raise GrammarError(f"the JSON schema cannot be followed: {problem}")
+        return cls._checked("json_schema", f"start: {rule}")
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -143,6 +148,10 @@ class Constraint:
             raise GrammarError("begin, end and separator must be strings")
         if not isinstance(arguments_key, str) or not arguments_key or arguments_key == "name":
             raise GrammarError("arguments_key must be a non-empty string other than 'name'")
+        for tool in tools:
+            problem = json_schema_problem(_parameters(tool), strict=strict)
+            if problem:
+                raise GrammarError(f"tool {tool.name!r}: its parameters schema: {problem}")
         calls = [_call_schema(tool, arguments_key) for tool in tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         body = f"{_json_rule(schema, strict=strict)} {_literal(end)}"
@@ -178,6 +187,24 @@ def _grammar_error(lark: str) -> str:
     return "" if not error or error.startswith("WARNING") else error.strip()
 
 
+def json_schema_problem(schema: Mapping | str, *, strict: bool = True) -> str | None:
+    """What keeps ``schema`` from being followed as a reply's JSON, in the schema's own
+    terms (None: nothing): the reason alone, without the grammar built around it."""
+    return _schema_problem(_json_rule(schema, strict=strict))
+
+
+def _schema_problem(rule: str) -> str | None:
+    error = _grammar_error(f"start: {rule}")
+    if not error:
+        return None
+    reason = error.split("\n   1 |", 1)[0]  # the grammar's listing follows the reason
+    reason = re.sub(r"^at \d+\(\d+\): ", "", reason)
+    reason = reason.removeprefix("failed to compile JSON schema: ")
+    for rust, words in (("f64", "a number"), ("u64", "a whole number")):
+        reason = reason.replace(f"Expected {rust}", f"expected {words}")
+    return " ".join(reason.split())
+
+
 def _json_rule(schema: Mapping | str, *, strict: bool = True) -> str:
     """A ``%json`` rule body for ``schema``, written in ``JSON_STYLE``."""
     if isinstance(schema, str):
@@ -195,13 +222,17 @@ def _json_rule(schema: Mapping | str, *, strict: bool = True) -> str:
     return f"%json {text}"
 
 
-def _call_schema(tool: ToolSpec, arguments_key: str) -> dict:
+def _parameters(tool: ToolSpec) -> Mapping:
     params = {"type": "object"} if tool.parameters is None else tool.parameters
     if not isinstance(params, Mapping):
         raise GrammarError(f"tool {tool.name!r}: its parameters must be a JSON schema object")
+    return params
+
+
+def _call_schema(tool: ToolSpec, arguments_key: str) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, arguments_key: dict(params)},
+        "properties": {"name": {"const": tool.name}, arguments_key: dict(_parameters(tool))},
         "required": ["name", arguments_key],
         "additionalProperties": False,
     }

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..errors import InvalidRequestError
+from ..model.generation_config import MAX_TEMPERATURE
 
 MAX_TOKENS_LIMIT = 1 << 20
 # The sampling bounds every API checks against (the server's APIs import these):
-# temperature in [0, MAX_TEMPERATURE] (OpenAI's range), top_p in (0, 1].
-MAX_TEMPERATURE = 2.0
+# temperature in [0, MAX_TEMPERATURE] (OpenAI's range; defined beside the models' own
+# defaults, which it bounds too), top_p in (0, 1].
 # The longest last chunk of a prompt whose model projects every position of the chunk onto
 # the vocabulary (``mlx_adapter.projects_last_only`` false): the logits of the last alone
 # are used, so a short last chunk bounds that waste. Others take their last chunk whole.

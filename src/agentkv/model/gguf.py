@@ -3,7 +3,8 @@
 MLX reads GGUF weights itself (``mx.load``); what a GGUF file lacks for mlx-lm is
 the directory around them: llama tensor names, a ``config.json`` and a Hugging
 Face tokenizer. This module writes all three from the GGUF's own metadata, so
-the import works offline.
+the import works offline, and a ``generation_config.json`` where the GGUF names
+its sampling (``general.sampling.temp`` and ``.top_p``).
 
 Weights are kept quantized exactly as the GGUF stores them (Q4_0, Q4_1 and Q8_0 become
 MLX's affine triplets; agentkv's CPU kernel or ``mx.quantized_matmul`` on a GPU runs them),
@@ -26,6 +27,7 @@ import mlx.core as mx
 from ..errors import ModelImportError
 from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
 from ..progress import ProgressBar
+from .generation_config import GENERATION_CONFIG, gguf_generation_config
 
 log = logging.getLogger("agentkv.model")
 
@@ -128,7 +130,7 @@ def import_gguf(
     unless ``force``; a directory holding anything else is never overwritten. The file is
     known by its SHA-256; the import also records the file's size, mtime and inode, and
     while those are unchanged a start reuses it without reading the file again (hashing
-    the embedded model's 84 MB took ~0.1-0.2 s of every start).
+    the embedded model's 98 MB took ~0.1-0.2 s of every start).
     """
     src = Path(gguf_path)
     if not src.is_file():
@@ -204,6 +206,11 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     for written in dest.iterdir():
         os.chmod(written, FILE_MODE)
     atomic_write_text(dest / "config.json", json.dumps(config, indent=2))
+    sampling = gguf_generation_config(
+        _meta_num(meta, "general.sampling.temp"), _meta_num(meta, "general.sampling.top_p")
+    )
+    if sampling is not None:
+        atomic_write_text(dest / GENERATION_CONFIG, json.dumps(sampling, indent=2))
     # Written last: its presence marks a complete import.
     atomic_write_text(dest / IMPORT_INFO_FILE, json.dumps(info, indent=2))
     bar.advance()

@@ -7,7 +7,7 @@ Weights (``weights=``): ``"quantized"`` runs 4- and 8-bit weights as shipped; on
 backend through agentkv's own quantized matmul (``_ext.quantized_matmul``, int16
 activations, AVX2 where the CPU has it), because MLX's CPU ``quantized_matmul`` is scalar and
 single-threaded on x86. ``"float32"`` dequantizes at load (538 MB for the embedded model
-instead of 84 MB). ``None`` is the default (``default_weights``): quantized, on every
+instead of 98 MB). ``None`` is the default (``default_weights``): quantized, on every
 backend (docs/compute.md). Either way, activations, norms and
 unquantized layers run in float32 on CPU (MLX's CPU float16 is ~5x slower).
 """
@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,7 @@ from ..errors import ModelImportError
 from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
+from .generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_defaults
 from .gguf import SOURCE_STAT, import_gguf, read_import_info
 
 EMBEDDED_NAME = embedded.NAME
@@ -37,7 +39,7 @@ Weights = Literal["quantized", "float32"]
 WEIGHTS: tuple[Weights, ...] = ("quantized", "float32")
 # Appended to the weights' identity when agentkv's CPU kernel runs them: its int16
 # activations give other bits than a float matmul, so its caches are kept apart. It names
-# the kind of kernel, not its version: the packed kernel (session P) rounds differently
+# the kind of kernel, not its version: the packed kernel (b6e1520) rounds differently
 # from the one before it only at the int16 codes' level (~1e-5 of an output), so caches,
 # calibrations and KVSwap projections made before stay good.
 CPU_QMM_ID = ":cpu-qmm"
@@ -52,6 +54,8 @@ class LoadedModel:
     name: str
     path: Path
     config: dict = field(default_factory=dict)  # config.json, as the model directory has it
+    # How a request that names no sampling is sampled (its generation_config.json)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @property
     def query_heads(self) -> int:
@@ -130,23 +134,53 @@ def ensure_embedded_model(weights: Weights | None = None) -> Path:
     return _import_locked(path, embedded_import_dir(weights), weights)
 
 
+# What the Hugging Face hub accepts as a repo id ("name" or "owner/name"); anything else
+# names a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+def _could_be_hub_id(text: str) -> bool:
+    return (
+        _HUB_ID.fullmatch(text) is not None
+        and ".." not in text
+        and "--" not in text
+        and not text.endswith((".", "-"))
+    )
+
+
+def check_model_source(model: str | os.PathLike) -> None:
+    """Raise ``ModelImportError``, naming ``model`` as the caller wrote it, if it names a
+    local file or directory that is not there or holds no model; a Hugging Face id is
+    checked when it loads. Reads nothing but the file system's entries."""
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelImportError(f"no such GGUF file: {text}")
+    elif path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelImportError(f"{text} is not an mlx-lm model directory (no config.json)")
+    elif not _could_be_hub_id(text):
+        raise ModelImportError(
+            f"no such directory: {text} (a model is an mlx-lm model directory, a .gguf file "
+            f"or a Hugging Face id such as {embedded.HUB_REPO})"
+        )
+
+
 def resolve_model(
     model: str | os.PathLike | None, weights: Weights | None = None
 ) -> tuple[str, str]:
     """(what to give mlx_lm.load, a display name) for a model argument."""
     if model is None:
         return str(ensure_embedded_model(weights)), EMBEDDED_NAME
+    check_model_source(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelImportError(f"GGUF file not found: {path}")
         weights = check_weights(weights)
         suffix = "f32" if weights == "float32" else "q"
         dest = models_dir() / f"{path.stem.lower()}-{suffix}"
         return str(_import_locked(path, dest, weights)), path.stem
     if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelImportError(f"{path} is not an mlx-lm model directory (no config.json)")
         return str(path.resolve()), path.name
     return str(model), str(model)  # a Hugging Face repo id, if a hub is reachable
 
@@ -214,7 +248,7 @@ def load_model(
     try:
         mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
-        raise ModelImportError(f"cannot load model {target!r}: {exc}") from exc
+        raise _load_error(model, target, exc) from exc
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights)
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
@@ -228,7 +262,31 @@ def load_model(
         mlx_model, weights_id=weights_id, model_type=config.get("model_type")
     )
     check_attention(mlx_model, spec)
-    return LoadedModel(mlx_model, tokenizer, spec, name, path, config)
+    generation = read_generation_defaults(path) if path.exists() else _hub_defaults(target)
+    return LoadedModel(mlx_model, tokenizer, spec, name, path, config, generation)
+
+
+def _hub_defaults(repo: str) -> GenerationDefaults:
+    """The generation config of the hub's copy of ``repo`` that mlx-lm loaded (in the
+    Hugging Face cache), if it has one."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, GENERATION_CONFIG)
+    return (
+        read_generation_defaults(Path(found).parent)
+        if isinstance(found, str)
+        else GenerationDefaults()
+    )
+
+
+def _load_error(model, target: str, exc: Exception) -> ModelImportError:
+    """Why ``model`` did not load, in one line that names it as the caller wrote it (not
+    the resolved path mlx-lm was given)."""
+    shown = EMBEDDED_NAME if model is None else os.fspath(model)
+    why = " ".join(str(exc).split()).replace(target, shown) or type(exc).__name__
+    if model is not None and not Path(target).exists():
+        why = f"no such directory here, and the Hugging Face hub did not give it: {why}"
+    return ModelImportError(f"cannot load model {shown!r}: {why}")
 
 
 def check_attention(model, spec: ModelCacheSpec) -> None:

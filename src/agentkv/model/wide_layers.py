@@ -1,10 +1,11 @@
 """Which layers keep 8-bit keys in KV format 2 (its *wide layers*), chosen per model.
 
-4-bit per-channel keys cost a model most of its quality loss in a few layers: in the
-embedded model two of 30 layers hold over a quarter of the keys' error (layers 18 and 19;
-benchmarks/RESULTS.md, session E), and 8-bit keys there cut the KL divergence at 8K
-tokens by 31% for 192 bytes a token. Which layers those are differs by model, so it is
-measured once per model:
+4-bit per-channel keys cost a model most of its quality loss in a few layers: in the embedded
+model two of 30 layers hold over a quarter of the keys' error (layers 18 and 19 with the
+float32 weights of then; benchmarks/RESULTS.md, 2026-11-23 @ 5c42bdc; with its 4-bit weights
+the measure below picks 19 and 20), and 8-bit keys there cut the KL divergence at 8K tokens by
+31% for 192 bytes a token. Which layers those are differs by model, so it is measured once per
+model:
 
 1. a float32 pass over a fixed calibration text (``CALIBRATION_TOKENS`` tokens from the
    end of Python's help() topics, a part the quality benchmark does not score);

@@ -92,6 +92,8 @@ class WritePlan:
                 completing.append((b, t, start, r))
         self.direct = _index(direct)
         self.direct_src = _index(direct_src)
+        # every new key joins a tail, in order (no row completes a group): no gather needed
+        self.direct_in_order = direct_src == list(range(len(tables) * heads * count))
         if completing:
             for _, t, _, r in completing:
                 for h in range(heads):
@@ -361,7 +363,7 @@ class KVArena:
         new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
         tails = self.tails[layer]
         if plan.direct is not None:
-            tails[plan.direct] = new[plan.direct_src]
+            tails[plan.direct] = new if plan.direct_in_order else new[plan.direct_src]
         if plan.group_src is not None:
             source = new if plan.gathered is None else mx.concatenate([plan.gathered[layer], new])
             groups = source[plan.group_src].reshape(-1, self.ct, keys.shape[-1])

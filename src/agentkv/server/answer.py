@@ -2,10 +2,11 @@
 model acquired, the tools prepared, the turn run, the answer sent whole (JSON) or streamed
 (SSE), and the model released once the answer is complete.
 
-Every answer carries ``x-agentkv-cache`` (hot, warm, cold), ``x-agentkv-agent`` and the
-reused / prefilled token counts. An answer is complete only once its turn is on disk, so a
-client that got one can count on it surviving a crash. A client that disconnects cancels
-its turn (no reply is saved).
+Every answer carries ``x-agentkv-cache`` (hot, warm, cold: what the reused tokens came
+from), ``x-agentkv-agent`` and the reused / prefilled token counts, and
+``x-agentkv-reuse-note`` where the agent's cache was not reused in full (why). An answer
+is complete only once its turn is on disk, so a client that got one can count on it
+surviving a crash. A client that disconnects cancels its turn (no reply is saved).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ async def answer_chat(state: AppState, request: Request, dialect: Dialect, agent
         req = await req
     engine = await state.router.acquire(req.model)
     release = _once(partial(state.router.release, req.model))
+    defaults = engine.loaded.generation
+    req.with_defaults(defaults, state.limits.reply_tokens(defaults, req.model))
     try:
         response = await _answer_turn(state, request, dialect, req, engine, release)
     except BaseException:
@@ -84,6 +87,8 @@ async def _answer_turn(state, request, dialect, req, engine, release) -> Respons
             "x-agentkv-reused-tokens": str(counts["reused"]),
             "x-agentkv-prefill-tokens": str(counts["prefill"]),
         }
+        if resumed.note:  # why the agent's cache was not reused in full (or at all)
+            headers["x-agentkv-reuse-note"] = resumed.note.encode("ascii", "replace").decode()
         finish = partial(_finish, state.metrics, turn, req.agent_id)
         reply = Reply(req, turn, counts, plan.parser, finish)
         if req.stream:

@@ -75,7 +75,11 @@ def _tools(req) -> tuple[list[dict] | None, ToolChoice | None]:
                 raise bad_request(f"{where}.input_schema must be a JSON schema object", where)
             tools.append(
                 check_function(
-                    tool.get("name"), tool.get("description"), tool["input_schema"], where
+                    tool.get("name"),
+                    tool.get("description"),
+                    tool["input_schema"],
+                    where,
+                    "input_schema",
                 )
             )
         check_unique(tools, "tools")
@@ -107,7 +111,7 @@ class AnthropicDialect(Dialect):
         model = self.limits.check_model(req.model)
         tools, choice = _tools(req)
         messages = from_anthropic(req.system, req.messages)
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
+        temperature, top_p = sampling(req.temperature, req.top_p)
         user = req.metadata.user_id if req.metadata else None
         return TurnRequest(
             agent_id=resolve_agent(agent_header, user, *first_texts(messages)),

@@ -37,7 +37,6 @@ from .models import ModelRouter
 from .response_store import ResponseStore
 
 DEFAULT_MAX_BODY = 16 << 20
-DEFAULT_MAX_TOKENS = 512
 
 
 def create_app(
@@ -46,14 +45,16 @@ def create_app(
     router: ModelRouter | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    default_max_tokens: int | None = None,
     close_engine: bool = False,
     responses_dir: str | Path | None = None,
 ) -> Starlette:
     """An app serving ``engine`` (one model), or the models of ``router`` (one loaded at a
     time); ``close_engine``: close the engine(s) when the app shuts down. Stored Responses
     go to ``responses_dir`` (default: ``responses/`` beside the engine's agents, in its cache
-    directory)."""
+    directory). A request that names no temperature, top_p or reply length gets its model's
+    (``model.generation_config``); ``default_max_tokens`` overrides the model's reply
+    length for every model."""
     if responses_dir is None:
         root = engine.store.root if engine is not None else kv_dir()
         responses_dir = Path(root) / "responses"

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from ..engine.generation import MAX_TEMPERATURE, check_sampling
 from ..errors import InvalidRequestError
+from ..model.generation_config import GenerationDefaults
 from .errors import APIError, bad_request, from_validation
 
 StrictInt = Annotated[int, Field(strict=True)]
@@ -21,10 +22,11 @@ MAX_STOPS = 16
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """The models served (id -> context length) and the reply length when none is asked."""
+    """The models served (id -> context length) and the reply length when none is asked
+    (None: the model's own, from its generation config)."""
 
     models: dict
-    default_max_tokens: int
+    default_max_tokens: int | None = None
 
     @property
     def model_id(self) -> str:
@@ -44,15 +46,24 @@ class ServerLimits:
             param="model",
         )
 
-    def check_max_tokens(self, value: int | None, param: str, model: str | None = None) -> int:
-        limit = self.models.get(model or self.model_id) or 1 << 20
-        if value is None:
-            return min(self.default_max_tokens, limit)
-        if not 1 <= value <= limit:
+    def check_max_tokens(
+        self, value: int | None, param: str, model: str | None = None
+    ) -> int | None:
+        """A request's reply limit, checked against the model's context (None: not asked)."""
+        limit = self._context(model)
+        if value is not None and not 1 <= value <= limit:
             raise bad_request(
                 f"{param} must be between 1 and {limit} (the model's context), got {value}", param
             )
         return value
+
+    def reply_tokens(self, defaults: GenerationDefaults, model: str) -> int:
+        """The reply limit of a request that asks none: the server's, else the model's."""
+        wanted = self.default_max_tokens or defaults.max_tokens
+        return min(wanted, self._context(model))
+
+    def _context(self, model: str | None) -> int:
+        return self.models.get(model or self.model_id) or 1 << 20
 
 
 def parse_body(model: type[BaseModel], body: Any) -> BaseModel:
@@ -73,14 +84,14 @@ def stop_list(value, param: str) -> list[str]:
     return stops
 
 
-def sampling(temperature: float | None, top_p: float | None, *, default_t: float):
-    """(temperature, top_p) with the API's defaults, checked against the engine's bounds
-    (temperature 0 to ``MAX_TEMPERATURE``, top_p in (0, 1]) for every API alike."""
-    temperature = default_t if temperature is None else temperature
-    top_p = 1.0 if top_p is None else top_p
+def sampling(temperature: float | None, top_p: float | None):
+    """(temperature, top_p) as the request names them (None: the model's default, filled in
+    once its model is known), checked against the engine's bounds (temperature 0 to
+    ``MAX_TEMPERATURE``, top_p in (0, 1]) for every API alike."""
+    t = 0.0 if temperature is None else temperature
     try:
-        check_sampling(temperature, top_p)
+        check_sampling(t, 1.0 if top_p is None else top_p)
     except InvalidRequestError as exc:
-        param = "temperature" if not 0.0 <= temperature <= MAX_TEMPERATURE else "top_p"
+        param = "temperature" if not 0.0 <= t <= MAX_TEMPERATURE else "top_p"
         raise bad_request(str(exc), param) from None
     return temperature, top_p

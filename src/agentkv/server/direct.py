@@ -35,7 +35,7 @@ class _DirectChat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     messages: Annotated[list[_Message], Field(min_length=1)]
     max_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None  # greedy unless asked
+    temperature: StrictFloat | None = None  # None: the model's default
     top_p: StrictFloat | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
@@ -101,7 +101,7 @@ class DirectDialect(Dialect):
     def parse(self, body, agent_id: str) -> TurnRequest:
         agent_id = validate_agent_id(agent_id)
         req: _DirectChat = parse_body(_DirectChat, body)
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=0.0)
+        temperature, top_p = sampling(req.temperature, req.top_p)
         model = self.limits.check_model(req.model) if req.model else self.limits.model_id
         return TurnRequest(
             agent_id=agent_id,

@@ -43,8 +43,9 @@ class _Slot:
 
 
 def describe(sources: list[str | None]) -> list[ServedModel]:
-    """Names and context limits of the models to serve, without loading any."""
-    from ..model.load import EMBEDDED_NAME, resolve_model
+    """Names and context limits of the models to serve, without loading any; a local path
+    that is not there, or holds no model, fails here (``ModelImportError``)."""
+    from ..model.load import EMBEDDED_NAME, check_model_source, resolve_model
 
     out, seen = [], set()
     for source in sources or [None]:
@@ -58,6 +59,7 @@ def describe(sources: list[str | None]) -> list[ServedModel]:
             except AgentKVError:
                 pass  # fetched when it is loaded; the engine checks the context then
         else:
+            check_model_source(source)
             path = Path(source).expanduser()
             name = path.stem if path.suffix == ".gguf" else path.name if path.exists() else source
             limit = _context_from(path) if path.is_dir() else None

@@ -135,6 +135,7 @@ def _tools(req: _OpenAIChat) -> tuple[list[dict] | None, ToolChoice | None]:
                     function.get("description"),
                     function.get("parameters"),
                     where,
+                    "function.parameters",
                 )
             )
         check_unique(tools, "tools")
@@ -187,7 +188,7 @@ class OpenAIDialect(Dialect):
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
+        temperature, top_p = sampling(req.temperature, req.top_p)
         return ChatRequest(
             agent_id=resolve_agent(agent_header, req.user, *first_texts(messages)),
             messages=messages,

@@ -335,7 +335,7 @@ class ResponsesDialect(Dialect):
             agent_id = previous["agent_id"]
         else:
             agent_id = resolve_agent(agent_header, req.user, *first_texts(messages))
-        temperature, top_p = sampling(req.temperature, req.top_p, default_t=1.0)
+        temperature, top_p = sampling(req.temperature, req.top_p)
         max_tokens = self.limits.check_max_tokens(req.max_output_tokens, "max_output_tokens", model)
         echo = {
             "instructions": req.instructions,
@@ -343,8 +343,6 @@ class ResponsesDialect(Dialect):
             "metadata": _metadata(req.metadata) or {},
             "parallel_tool_calls": choice.parallel,
             "previous_response_id": req.previous_response_id,
-            "temperature": temperature,
-            "top_p": top_p,
             "text": {"format": text_format},
             "tool_choice": (
                 {"type": "function", "name": choice.name} if choice.mode == "named" else choice.mode
@@ -411,6 +409,8 @@ class ResponsesDialect(Dialect):
             "output": [],
             "usage": None,
             **req.echo,
+            "temperature": req.temperature,  # the model's default where the request named none
+            "top_p": req.top_p,
             **state,
         }
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from ..engine.constraints import Constraint
+from ..engine.constraints import Constraint, json_schema_problem
 from ..engine.messages import validate_messages
 from ..tools import ReplyParser, ToolFormat
 from .errors import bad_request
@@ -57,8 +57,9 @@ class ToolChoice:
     parallel: bool = True
 
 
-def check_function(name, description, parameters, where: str) -> dict:
-    """One function tool, in the shape chat templates take (OpenAI's)."""
+def check_function(name, description, parameters, where: str, field: str = "parameters") -> dict:
+    """One function tool, in the shape chat templates take (OpenAI's); its ``field`` (the
+    API's name of the parameters) must be a JSON schema a call's arguments can follow."""
     if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise bad_request(
             f"{where}: a tool's name must be 1-64 letters, digits, '_', '.' or '-'", where
@@ -69,6 +70,11 @@ def check_function(name, description, parameters, where: str) -> dict:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise bad_request(f"{where}: the parameters schema must be a JSON object", where)
+    problem = json_schema_problem(parameters, strict=False)  # as tool calls are followed
+    if problem:
+        raise bad_request(
+            f"{where}.{field} is not a JSON schema calls can follow: {problem}", where
+        )
     function = {"name": name, "description": description or "", "parameters": parameters}
     return {"type": "function", "function": function}
 

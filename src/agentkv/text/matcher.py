@@ -85,9 +85,10 @@ def match_prefix(
         return Match(MatchKind.DIVERGE, 0, None, 0, common, "no cached tokens")
     whole_cache = common == len(cached) and keep == n
     if keep < min_reuse and not whole_cache:
-        note = (
-            f"text diverged at byte {common} of {len(cached)}: only {keep} of {n} cached "
-            f"tokens in common (minimum to reuse is {min_reuse})"
+        note = f"text diverged at byte {common} of {len(cached)}: " + (
+            f"only {keep} of {n} cached tokens in common (partial reuse starts at {min_reuse})"
+            if keep
+            else "no cached token in common"
         )
         return Match(MatchKind.DIVERGE, 0, None, 0, common, note)
 
