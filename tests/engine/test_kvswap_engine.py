@@ -242,6 +242,19 @@ def test_a_context_larger_than_the_pool_prefills_into_its_block_files(engine, fr
     eng.pool.blocks.check()
 
 
+def test_a_reply_that_takes_an_agent_over_the_budget_swaps_it_then(fresh_engine):
+    """A context under the budget (900 tokens of 1,024) whose reply takes it over: the turn
+    holds a few blocks (it may stream), and swaps once the reply crosses the budget, so it
+    runs to the end in a pool that could not hold its whole turn."""
+    eng = fresh_engine(kv_swap_budget=1024, pool_bytes=8 * 1708032, draft_tokens=0)
+    prompt = _prompt(eng, 6, tokens=900)
+    result = eng.generate("grows", prompt, max_tokens=1400)
+    fed = result.stats.prompt_tokens + result.stats.generated_tokens - 1
+    assert fed > 8 * 256  # more than the pool holds
+    assert eng.swapper.swapped == 1
+    eng.pool.blocks.check()
+
+
 def test_agents_over_the_pool_all_decode_without_evicting_a_whole_agent(fresh_engine):
     """A pool of 10 blocks (4 agents of 1,100 tokens hold 20): each turn prefills in full,
     then keeps 2 blocks while it decodes, so all four run to the end."""

@@ -71,6 +71,12 @@ def _compute(compute: argparse.ArgumentParser) -> None:
     add_count(compute, "--decode-tokens", 32, "tokens decoded per measured decode (default 32)")
     add_count(compute, "--batch-agents", 4, "agents decoding together (default 4)")
     add_count(compute, "--batch-context", 1024, "tokens of each batched agent (default 1024)")
+    compute.add_argument(
+        "--arms",
+        default="agentkv-float32,agentkv-quantized",
+        help="agentkv's arms (default agentkv-float32,agentkv-quantized); AGENTKV_THREADS sets "
+        "their threads",
+    )
     _add_peer(compute)
 
 

@@ -189,8 +189,11 @@ class Swapper:
 
     def keep_to_budget(self, state: AgentState, reservation=None) -> None:
         """Evict the blocks a swapped agent filled while decoding (written as block files
-        first), so a long reply keeps its resident KV at the budget."""
+        first), so a long reply keeps its resident KV at the budget; an agent whose reply
+        takes it over the budget swaps then."""
         if state.swap is None:
+            if self.budget is not None and state.table.length > self.budget:
+                self.start(state, reservation)
             return
         try:
             self.filled_evicted += self._evict_next(state, reservation)
