@@ -9,7 +9,9 @@ block pool; docs/kvswap.md describes the mechanism.
   tokens of KV resident per layer: staging blocks plus the last block), one as the engine
   swaps by default, one reading ahead (``Engine(kv_swap_read_ahead=True)``: each layer's
   reads start during the layer before, while reads go to disk). Then all three decode the
-  text's next ``decode`` tokens one step at a time (teacher-forced), in turn step by step:
+  text's next ``decode`` tokens one step at a time (teacher-forced), in turn step by step,
+  each block a swapped arm fills written as its block file and evicted (the budget kept, as
+  the engine keeps it):
   tokens/s of each, perplexity of each, their ratio, top-1 agreement of the swapped
   next-token choice with the in-memory one, and what each swap held and read: resident KV
   bytes, bytes read and reuse hit rate per token, time reading (on either thread) and
@@ -180,6 +182,17 @@ class _Setup:
             demand=demand,
         )
 
+    def keep_to_budget(self, pool, swap, directory: Path) -> None:
+        """Evict the blocks a swapped arm filled while decoding (their block files written
+        first), as ``Swapper.keep_to_budget`` does: its resident KV stays at the budget."""
+        from agentkv.store.block_files import SharedBlocks
+
+        shared = SharedBlocks(directory, self.spec, self.quant)
+        while (block := swap.next_evictable()) is not None:
+            with shared.writing():
+                (file,) = shared.ensure_pool_blocks(pool, [block])
+            swap.evict_next(file)
+
     def step(self, pool, tables, swaps, tokens):
         """One decode step of these rows; float32 logits [B, vocab]."""
         import mlx.core as mx
@@ -230,6 +243,8 @@ class _Setup:
             for a, (table, swap) in enumerate(zip(tables, swaps)):
                 start = time.perf_counter()
                 logits = self.step(pool, [table], [swap], [token])[0]
+                if swap is not None:  # a block the decode filled goes to its file, as the engine's
+                    self.keep_to_budget(pool, swap, directory / f"arm{a - 1}")
                 seconds[a] += time.perf_counter() - start
                 logp = logits - mx.logsumexp(logits)
                 nll[a] -= float(logp[target])

@@ -186,6 +186,7 @@ class SwapState:
                 swapset.set_layer(layer, projections.queries[layer], keys, scales)
         kept = [(records[b].hash, records[b].parent, tuple(records[b].tokens)) for b in blocks]
         freed = sum(pool.blocks.release(b, keep=False) for b in blocks)
+        table.evicted_hashes = [digest for digest, _, _ in kept]
         table.blocks[:evicted] = [-1] * evicted
         pool.swapped_blocks += evicted
         if reservation is not None:
@@ -229,6 +230,7 @@ class SwapState:
         )
         record = pool.blocks.records[block]
         self.records.append((record.hash, record.parent, tuple(record.tokens)))
+        self.table.evicted_hashes.append(record.hash)
         self.files.append(file)
         freed = pool.blocks.release(block, keep=False)
         self.table.blocks[self.evicted] = -1
@@ -274,6 +276,7 @@ class SwapState:
             self.pool.blocks.release(b)
         self.staging = []
         del self.table.blocks[: self.evicted]
+        self.table.evicted_hashes = []
         self.pool.swapped_blocks -= self.evicted
         self.evicted = 0
         self.table.release()

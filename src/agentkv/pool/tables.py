@@ -66,6 +66,9 @@ class BlockTable:
         self.blocks: list[int] = []
         self.length = 0
         self.window_from = 0
+        # KVSwap: the chain hashes of the leading blocks it evicted (``blocks`` holds -1 for
+        # them, pool/swap.py), so the blocks after them still chain to what precedes them
+        self.evicted_hashes: list[bytes] = []
 
     # -- reading ------------------------------------------------------------------------
 
@@ -73,7 +76,10 @@ class BlockTable:
         """The chain hash before block ``index`` (None if a block before it is unsealed)."""
         if index == 0:
             return self.seed
-        return self.pool.records[self.blocks[index - 1]].hash
+        before = self.blocks[index - 1]
+        if before < 0:  # evicted by KVSwap: its hash is kept
+            return self.evicted_hashes[index - 1]
+        return self.pool.records[before].hash
 
     def token_ids(self) -> list[int]:
         return [t for b in self.blocks for t in self.pool.records[b].tokens]
