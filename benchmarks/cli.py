@@ -39,7 +39,7 @@ def run_bench(args) -> int:
 
         run(args.tokens, args.turn, as_json=args.json)
     elif name == "compute":
-        from .compute import run
+        from .compute import AGENTKV_ARMS, run
 
         run(
             args.rounds,
@@ -50,6 +50,7 @@ def run_bench(args) -> int:
             batch_agents=args.batch_agents,
             batch_context=args.batch_context,
             peer=args.peer,
+            agentkv_arms=tuple(_names(args.arms, AGENTKV_ARMS, "--arms")),
             as_json=args.json,
         )
     elif name == "peers":
@@ -139,6 +140,8 @@ def run_bench(args) -> int:
             agents=0 if args.no_agents else args.agents,
             agent_decode=args.agent_decode,
             tune=args.tune,
+            memory=args.memory or args.memory_only,
+            texts_too=not args.memory_only,
             as_json=args.json,
         )
     elif name == "kv-candidates":

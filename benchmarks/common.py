@@ -44,6 +44,7 @@ def machine() -> dict:
         "device": str(mx.default_device()),
         "blas": agentkv.BLAS_STATUS.description,
         "agentkv": agentkv.__version__,
+        "threads": agentkv._ext.build_info()["threads"],  # agentkv's CPU kernels' pool
     }
 
 

@@ -108,12 +108,15 @@ def run(
     batch_agents: int = 4,
     batch_context: int = 1024,
     peer: str = "auto",
+    agentkv_arms: tuple[str, ...] = AGENTKV_ARMS,
     as_json: bool = False,
 ):
     """``peer``: "auto" (run llama.cpp if its venv exists, else say how to install it),
-    "install" (install it first if missing), "none"."""
+    "install" (install it first if missing), "none". ``agentkv_arms``: which of
+    ``AGENTKV_ARMS`` run (the threads agentkv's kernels take: ``AGENTKV_THREADS``, recorded
+    under ``machine``)."""
     python = _peer(peer)
-    arms = list(AGENTKV_ARMS) + (list(PEER_ARMS) if python else [])
+    arms = list(agentkv_arms) + (list(PEER_ARMS) if python else [])
     work = _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context)
     threads = os.cpu_count() or 1
     rows = []

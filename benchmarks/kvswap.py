@@ -9,7 +9,9 @@ block pool; docs/kvswap.md describes the mechanism.
   tokens of KV resident per layer: staging blocks plus the last block), one as the engine
   swaps by default, one reading ahead (``Engine(kv_swap_read_ahead=True)``: each layer's
   reads start during the layer before, while reads go to disk). Then all three decode the
-  text's next ``decode`` tokens one step at a time (teacher-forced), in turn step by step:
+  text's next ``decode`` tokens one step at a time (teacher-forced), in turn step by step,
+  each block a swapped arm fills written as its block file and evicted (the budget kept, as
+  the engine keeps it):
   tokens/s of each, perplexity of each, their ratio, top-1 agreement of the swapped
   next-token choice with the in-memory one, and what each swap held and read: resident KV
   bytes, bytes read and reuse hit rate per token, time reading (on either thread) and
@@ -26,6 +28,13 @@ block pool; docs/kvswap.md describes the mechanism.
   Swapped: all decode together in one batch, ``agent_decode`` steps. Evict and reload
   (today without a swap budget): two at a time, each pair's blocks read back from their
   block files into the pool, decoded together, given back. Aggregate tokens/s of each.
+* **memory** (``--memory``, or ``--memory-only``): one turn of ``context`` tokens of the
+  first text (``decode`` of them generated, drafts off) through ``Engine`` in a process of
+  its own, all in memory (the default pool) against swapped (``kv_swap_budget=budget``, a
+  pool of half the turn's blocks: it cannot hold the turn), the arms alternating
+  ``MEMORY_REPEATS`` times: each process's peak RSS as the parent reads it
+  (``os.wait4``'s rusage), prefill seconds and decode tokens/s, the saving against the
+  context's KV bytes.
 * ``--tune``: the first text at every rank of ``TUNE_RANKS``, the chosen rank demanding
   only ``TUNE_DEMANDS`` groups a step (the other slots keep what they held), reading ahead,
   and the predictor without low-rank keys (``bounds``: each group's per-channel key ranges), side
@@ -35,10 +44,15 @@ block pool; docs/kvswap.md describes the mechanism.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+from agentkv.format.geometry import BLOCK_TOKENS
 
 from .common import emit, progress
 
@@ -49,6 +63,7 @@ AGENTS = 8
 AGENT_DECODE = 16
 TUNE_RANKS = (8, 16, 24, 32)
 TUNE_DEMANDS = (4, 8)  # groups that must be resident each step (default: every slot)
+MEMORY_REPEATS = 2
 
 
 def run(
@@ -60,8 +75,15 @@ def run(
     agents: int = AGENTS,
     agent_decode: int = AGENT_DECODE,
     tune: bool = False,
+    memory: bool = False,
+    texts_too: bool = True,
     as_json: bool = False,
 ) -> list[dict]:
+    budget = budget or context // 8
+    if not texts_too:
+        rows = memory_rows(context, budget, decode)
+        emit("kvswap", rows, as_json, {"context": context, "budget": budget})
+        return rows
     import mlx.core as mx
 
     from agentkv.model.kvswap import DEFAULT_RANK
@@ -102,6 +124,8 @@ def run(
             rows.append(
                 setup.agents_row(Path(tmp) / "agents", agents, context, budget, rank, agent_decode)
             )
+    if memory:
+        rows += memory_rows(context, budget, decode)
     emit(
         "kvswap",
         rows,
@@ -158,6 +182,17 @@ class _Setup:
             demand=demand,
         )
 
+    def keep_to_budget(self, pool, swap, directory: Path) -> None:
+        """Evict the blocks a swapped arm filled while decoding (their block files written
+        first), as ``Swapper.keep_to_budget`` does: its resident KV stays at the budget."""
+        from agentkv.store.block_files import SharedBlocks
+
+        shared = SharedBlocks(directory, self.spec, self.quant)
+        while (block := swap.next_evictable()) is not None:
+            with shared.writing():
+                (file,) = shared.ensure_pool_blocks(pool, [block])
+            swap.evict_next(file)
+
     def step(self, pool, tables, swaps, tokens):
         """One decode step of these rows; float32 logits [B, vocab]."""
         import mlx.core as mx
@@ -208,6 +243,8 @@ class _Setup:
             for a, (table, swap) in enumerate(zip(tables, swaps)):
                 start = time.perf_counter()
                 logits = self.step(pool, [table], [swap], [token])[0]
+                if swap is not None:  # a block the decode filled goes to its file, as the engine's
+                    self.keep_to_budget(pool, swap, directory / f"arm{a - 1}")
                 seconds[a] += time.perf_counter() - start
                 logp = logits - mx.logsumexp(logits)
                 nll[a] -= float(logp[target])
@@ -409,3 +446,102 @@ def drop_page_cache(files) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def memory_rows(context: int, budget: int, decode: int) -> list[dict]:
+    """The memory arms (module docstring): all in memory and swapped, each turn in a
+    process of its own, alternating; a row per arm (its median) and the comparison."""
+    runs = {"in memory": [], "swapped": []}
+    pool_bytes = None  # the swapped arm's: half the turn's blocks (it cannot hold the turn)
+    for repeat in range(MEMORY_REPEATS):
+        for arm in runs:
+            progress(f"kvswap: memory, {arm} ({repeat + 1} of {MEMORY_REPEATS})...")
+            swapped = arm == "swapped"
+            result = _memory_process(context, budget, decode, pool_bytes if swapped else None)
+            runs[arm].append(result)
+            pool_bytes = pool_bytes or context // BLOCK_TOKENS // 2 * result["block_bytes"]
+    rows = []
+    for arm, results in runs.items():
+        rss = sorted(r["peak_rss_mb"] for r in results)
+        tps = sorted(r["decode_tps"] for r in results)
+        prefill = sorted(r["prefill_s"] for r in results)
+        rows.append(
+            {
+                "arm": f"memory: {arm}",
+                "peak_rss_mb": rss[len(rss) // 2],
+                "peak_rss_mb_each": [r["peak_rss_mb"] for r in results],
+                "decode_tps": tps[len(tps) // 2],
+                "decode_tps_each": [r["decode_tps"] for r in results],
+                "prefill_s": prefill[len(prefill) // 2],
+                "prompt_tokens": results[0]["prompt_tokens"],
+                "generated": results[0]["generated"],
+                "pool_blocks": results[0]["pool_blocks"],
+                "kv_mb": results[0]["kv_mb"],
+            }
+        )
+    mem, swap = rows
+    saving = mem["peak_rss_mb"] - swap["peak_rss_mb"]
+    rows.append(
+        {
+            "arm": "memory: swapped against in memory",
+            "rss_saving_mb": round(saving, 1),
+            "rss_saving_of_kv": round(saving / mem["kv_mb"], 3),
+            "decode_ratio": round(swap["decode_tps"] / mem["decode_tps"], 3),
+        }
+    )
+    return rows
+
+
+def _memory_process(context: int, budget: int, decode: int, pool_bytes: int | None) -> dict:
+    """One arm's turn in a child process (swapped where ``pool_bytes`` is given); its peak
+    RSS from its rusage (``os.wait4``)."""
+    swapped = pool_bytes is not None
+    args = json.dumps([context, budget, decode, pool_bytes])
+    code = (
+        "import json; from agentkv.benchmarks.kvswap import memory_arm; "
+        f"memory_arm(*json.loads({args!r}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        arm = "swapped" if swapped else "in-memory"
+        raise SystemExit(f"agentkv: error: the {arm} arm failed")
+    result = json.loads(out)
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    result["peak_rss_mb"] = round(usage.ru_maxrss * unit / 2**20, 1)
+    return result
+
+
+def memory_arm(context: int, budget: int, decode: int, pool_bytes: int | None) -> None:
+    """The child of ``_memory_process``: one turn, its figures as JSON on stdout."""
+    from agentkv import Engine
+
+    from .kv_candidates import texts
+
+    with tempfile.TemporaryDirectory(prefix="agentkv-bench-kvswap-memory-") as tmp:
+        options = {"cache_dir": Path(tmp), "draft_tokens": 0}
+        if pool_bytes is not None:
+            options.update(kv_swap_budget=budget, pool_bytes=pool_bytes)
+        eng = Engine(**options)
+        block = eng.pool.block_bytes
+        kv_mb = context * block / BLOCK_TOKENS / 2**20
+        pool_blocks = eng.pool.capacity
+        tok = eng.loaded.tokenizer
+        ids = tok.encode(next(iter(texts().values())))[: context - decode]
+        result = eng.generate("long", tok.decode(ids), max_tokens=decode)
+        eng.close()
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": result.stats.prompt_tokens,
+                "generated": result.stats.generated_tokens,
+                "prefill_s": round(result.stats.prefill_ms / 1000, 2),
+                "decode_tps": round(result.stats.decode_tps, 1),
+                "pool_blocks": pool_blocks,
+                "kv_mb": round(kv_mb, 1),
+                "block_bytes": block,
+            }
+        )
+    )

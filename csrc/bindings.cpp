@@ -34,6 +34,7 @@
 #include "core/qmm.h"
 #include "core/rows.h"
 #include "core/store_error.h"
+#include "core/thread_pool.h"
 #include "kernels_cpu.h"
 #include "kvswap_ops.h"
 #include "ops.h"
@@ -430,6 +431,7 @@ nb::dict build_info() {
   info["gemm"] = agentkv::gemm_implementation();
   info["qmm"] = agentkv::qmm_implementation();
   info["attention"] = agentkv::attention_implementation();
+  info["threads"] = static_cast<long>(agentkv::ThreadPool::shared().size());
 #ifdef NDEBUG
   info["build_type"] = "release";
 #else
@@ -608,6 +610,12 @@ void bind_kvswap(nb::module_& m) {
           "reading_ahead", [](const KVSwapSet& s) { return s.predicts(s.predict_from()); },
           "Whether the next steps should read ahead (predict_from is set and a read went to "
           "disk lately).")
+      .def("keys_to_file", &KVSwapSet::keys_to_file, "dir"_a, "capacity"_a,
+           "Keep the low-rank keys in an unlinked temporary file in dir (the page cache's "
+           "memory, not the process's), room for capacity evicted blocks; before set_layer.")
+      .def_prop_ro("keys_in_file", &KVSwapSet::keys_in_file)
+      .def_prop_rw("staging", &KVSwapSet::staging, &KVSwapSet::set_staging,
+                   "The staging blocks' ids (a decoding row's table starts with them).")
       .def_prop_ro("stats", &kvswap_stats)
       .def_prop_ro("error", &KVSwapSet::error)
       .def_prop_ro("failed_block", &KVSwapSet::failed_block)
@@ -685,10 +693,11 @@ NB_MODULE(_ext, m) {
         "swap_rows"_a = std::vector<int>{}, "layer"_a = -1,
         "predict"_a = std::vector<std::optional<mx::array>>{}, "predict_bits"_a = 0,
         "predict_group"_a = 0, "key_plan"_a = nb::none(), "key_counts"_a = std::vector<int64_t>{},
-        "prevs"_a = nb::none(),
+        "prevs"_a = nb::none(), "swap_stream"_a = false,
         "One Llama-family decoder layer over the block pool as one CPU operation (the same "
         "bits as its separate operations); writes the step's keys and values in place. See "
-        "csrc/ops.h.");
+        "csrc/ops.h. swap_stream: the one swapped row's prefill chunk, its attention exact "
+        "over its evicted blocks read back chunk by chunk (docs/kvswap.md).");
   m.def("hadamard_rows", &agentkv::ops::hadamard, "x"_a, "scale"_a,
         "mx.hadamard_transform(x, scale)'s bits as one CPU operation, its rows over agentkv's "
         "thread pool: x float32 [..., n], n a power of two.");
@@ -721,10 +730,12 @@ NB_MODULE(_ext, m) {
   m.def("paged_attention", &agentkv::ops::paged_attention, "queries"_a, "keys"_a, "values"_a,
         "tables"_a, "lengths"_a, "kv_heads"_a, "block_tokens"_a, "scale"_a, "key_bits"_a,
         "value_bits"_a, "group"_a, "window"_a = 0, "sinks"_a = nb::none(), "channel_tokens"_a = 0,
-        "tail"_a = nb::none(), "tail_slots"_a = nb::none(),
+        "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "done"_a = nb::none(),
+        "done_first"_a = nb::none(),
         "Fused attention over paged block arenas for a jagged batch (CPU); see "
         "csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups "
-        "still filling in the float16 tail, slot tail_slots[b] per row.");
+        "still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the "
+        "step completed, in float16, row b's from entry done_first[b] (-1: none).");
   m.def("uninitialized", &uninitialized, "rows"_a, "width"_a, "dtype"_a,
         "An arena [rows, width] whose pages are committed only as they are written.");
   m.def("read_regions", &read_regions, "arenas"_a, "layers"_a, "block_tokens"_a, "components"_a,

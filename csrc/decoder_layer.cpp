@@ -73,7 +73,7 @@ struct LayerParams {
   int predict_bias_at = -1, predict_q_norm_at = -1;
   // A row completes a channel group: kTailRows holds the key plan (KeyWrites), these many of
   // each part, and the prevs are an input (written)
-  std::array<int64_t, 5> key_counts{};
+  std::array<int64_t, 6> key_counts{};
   int prevs_at = -1;
   bool operator==(const LayerParams&) const = default;
 };
@@ -255,12 +255,14 @@ void predict_next(const LayerParams& p, const std::vector<mx::array>& in, const 
 // its tail's rows `gather`, then every new key, as one source list: keys `group_src` (a
 // channel group's tokens after another) are quantized per channel into arena rows
 // `group_rows`, keys `rest_src` go to tail rows `rest_rows`, and each completing row's last
-// group, `prev_src`, to its prevs rows `prev_rows` (float16).
+// group, `prev_src`, to its prevs rows `prev_rows` (float16). The groups, in float16, are
+// what a query inside one reads (AttentionArgs::done_first: each row's first, -1: none).
 struct KeyWrites {
   const int32_t *direct = nullptr, *direct_src = nullptr, *gather = nullptr;
   const int32_t *group_src = nullptr, *group_rows = nullptr, *rest_src = nullptr;
   const int32_t *rest_rows = nullptr, *prev_src = nullptr, *prev_rows = nullptr;
-  int64_t n_direct = 0, n_gather = 0, n_group = 0, n_rest = 0, n_prev = 0;
+  const int32_t* done_first = nullptr;
+  int64_t n_direct = 0, n_gather = 0, n_group = 0, n_rest = 0, n_prev = 0, n_done_first = 0;
 };
 
 KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t written) {
@@ -280,6 +282,7 @@ KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t writte
   w.n_group = p.key_counts[2];
   w.n_rest = p.key_counts[3];
   w.n_prev = p.key_counts[4];
+  w.n_done_first = p.key_counts[5];
   take(w.direct, w.n_direct);
   take(w.direct_src, w.n_direct);
   take(w.gather, w.n_gather);
@@ -289,7 +292,29 @@ KeyWrites key_writes(const LayerParams& p, const mx::array& rows, int64_t writte
   take(w.rest_rows, w.n_rest);
   take(w.prev_src, w.n_prev);
   take(w.prev_rows, w.n_prev);
+  take(w.done_first, w.n_done_first);
   return w;
+}
+
+// A swapped row's prefill (SwapStep::stream): its table names -1 for its evicted blocks,
+// which are read back into its staging blocks; every other block and the staging blocks
+// must lie inside the arenas.
+bool stream_table_ok(agentkv::AttentionArgs a, int64_t blocks, const agentkv::KVSwapSet& set) {
+  const std::vector<int32_t>& staging = set.staging();
+  if (staging.empty()) {
+    return false;
+  }
+  for (int32_t s : staging) {
+    if (s < 0 || s >= blocks) {
+      return false;
+    }
+  }
+  std::vector<int32_t> table(a.tables, a.tables + a.table_stride);
+  for (int i = 0; i < set.blocks() && i < a.table_stride; ++i) {
+    table[i] = staging[0];
+  }
+  a.tables = table.data();
+  return paged_table_ok(a, 0, blocks);
 }
 
 bool within(const int32_t* v, int64_t n, int64_t end) {
@@ -302,9 +327,10 @@ bool within(const int32_t* v, int64_t n, int64_t end) {
 }
 
 // The new keys (float16 bits, [written, hd]) into the tails, the arena's key rows and the
-// prevs as `w` says (the same values as agentkv.pool.arena.KVArena.append writes).
+// prevs as `w` says (the same values as agentkv.pool.arena.KVArena.append writes); each
+// group completed, in float16, into `done` (what attention reads for a query inside it).
 void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
-                const agentkv::KVView& k, uint16_t* prevs) {
+                const agentkv::KVView& k, uint16_t* prevs, std::vector<uint16_t>& done) {
   const int64_t hd = p.head_dim, row_bytes = hd * sizeof(uint16_t);
   auto* tail = const_cast<uint16_t*>(k.tail);
   std::vector<uint16_t> gathered(w.n_gather * hd);  // read before anything is written
@@ -322,6 +348,7 @@ void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
   const int64_t width = hd * p.key_bits / 32, spread = hd / ct;
   std::vector<uint16_t> group(ct * hd), scales(hd), biases(hd);
   std::vector<uint32_t> words(ct * width);
+  done.resize(w.n_group * hd);
   auto* key_words = const_cast<uint32_t*>(k.words);
   auto* key_scales = const_cast<uint16_t*>(k.scales);
   auto* key_biases = const_cast<uint16_t*>(k.biases);
@@ -329,6 +356,7 @@ void write_keys(const LayerParams& p, const KeyWrites& w, const uint16_t* fresh,
     for (int t = 0; t < ct; ++t) {
       std::memcpy(group.data() + t * hd, source(w.group_src[g + t]), row_bytes);
     }
+    std::copy(group.begin(), group.end(), done.begin() + g * hd);
     agentkv::quantize_channels(group.data(), ct, hd, p.key_bits, words.data(), scales.data(),
                                biases.data());
     for (int t = 0; t < ct; ++t) {
@@ -379,7 +407,9 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   const int64_t slots = tail_rows / (static_cast<int64_t>(Hkv) * p.channel_tokens);
   bool ok = true;
   for (int b = 0; b < batch && ok; ++b) {
-    ok = paged_table_ok(a, b, blocks) && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
+    const bool table_ok =
+        p.swap.stream ? stream_table_ok(a, blocks, *p.swap.swaps[0]) : paged_table_ok(a, b, blocks);
+    ok = table_ok && a.tail_slots[b] >= 0 && a.tail_slots[b] < slots;
   }
   const int32_t* value_rows = in[kRows].data<int32_t>();
   const int64_t written = rows * Hkv;
@@ -396,6 +426,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
        within(keys.rest_rows, keys.n_rest, tail_rows) &&
        within(keys.prev_src, keys.n_prev, sources) &&
        within(keys.prev_rows, keys.n_prev, prev_rows);
+  for (int b = 0; b < batch && ok && keys.done_first != nullptr; ++b) {
+    const int ct = p.channel_tokens;  // the groups the row completes, inside what is written
+    const int64_t groups = lengths[b] / ct - (lengths[b] - length) / ct;
+    ok = keys.done_first[b] < 0 ||
+         (lengths[b] >= length && (keys.done_first[b] + groups * Hkv) * ct <= keys.n_group);
+  }
   if (!ok) {
     std::fill_n(y, out.size(), std::numeric_limits<float>::quiet_NaN());
     return;
@@ -436,7 +472,12 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
   }
   uint16_t* prevs =
       p.prevs_at >= 0 ? const_cast<uint16_t*>(in[p.prevs_at].data<uint16_t>()) : nullptr;
-  write_keys(p, keys, fresh.data(), a.k, prevs);
+  std::vector<uint16_t> done;
+  write_keys(p, keys, fresh.data(), a.k, prevs, done);
+  if (keys.done_first != nullptr) {
+    a.k.done = done.data();
+    a.done_first = keys.done_first;
+  }
   const int64_t word_width = hd * p.value_bits / 32, scale_width = hd / p.group;
   std::vector<uint32_t> words(written * word_width);
   std::vector<uint16_t> scales(written * scale_width), biases(written * scale_width);
@@ -456,24 +497,31 @@ void run(LayerParams p, const std::vector<mx::array>& in, mx::array& out) {
 
   // Swapped rows bring the groups their queries need into their staging blocks.
   std::vector<int> failed;
-  if (!p.swap.empty()) {
-    std::vector<const mx::array*> parts;
-    for (int i = 0; i < 6; ++i) {
-      parts.push_back(&in[kKeys + i]);
-    }
+  std::vector<const mx::array*> parts;
+  for (int i = 0; i < 6; ++i) {
+    parts.push_back(&in[kKeys + i]);
+  }
+  if (!p.swap.empty() && !p.swap.stream) {
     failed = stage_swapped_rows(p.swap, qh.data(), H, hd, parts, a.tables, a.table_stride);
     if (p.predict_at >= 0) {
       predict_next(p, in, xs, ends);
     }
   }
 
-  // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd].
+  // Attention (its output in q's buffer, [B, H, L, hd]), then back to [B, L, H * hd]; a
+  // swapped row's prefill chunk streams its evicted blocks in, exactly.
   a.q = qh.data();
   a.q_strides[0] = H * length * hd;
   a.q_strides[1] = length * hd;
   a.q_strides[2] = hd;
   a.out = q.data();
-  agentkv::quantized_attention(a);
+  if (p.swap.stream) {
+    if (!stream_swapped_row(p.swap, a, parts)) {
+      failed.push_back(p.swap.rows[0]);
+    }
+  } else {
+    agentkv::quantized_attention(a);
+  }
   if (p.rotate) {
     agentkv::hadamard_rows(q.data(), rows * H, hd, rotation);
   }
@@ -547,7 +595,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
                         int predict_group, const std::optional<mx::array>& key_plan,
                         const std::vector<int64_t>& key_counts,
-                        const std::optional<mx::array>& prevs) {
+                        const std::optional<mx::array>& prevs, bool swap_stream) {
   require(x.dtype() == mx::float32 && x.ndim() == 3, "x must be float32 [B, L, D]");
   const int batch = x.shape(0), length = x.shape(1), dim = x.shape(2);
   require(norms.size() == 2 && linears.size() == 3 * kLinears && bits.size() == kLinears &&
@@ -633,16 +681,18 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
       "the new keys go to tail_rows, or (a row completing a channel group) as key_plan "
       "says, with the prevs");
   if (key_plan) {
-    require(key_counts.size() == 5 &&
+    require(key_counts.size() == 6 &&
                 std::all_of(key_counts.begin(), key_counts.end(), [](int64_t c) { return c >= 0; }),
-            "key_counts: five counts (direct, gathered, group, rest and prev rows)");
-    // direct rows and their sources, gathered rows, then sources and rows of the others
-    const int64_t n =
-        2 * key_counts[0] + key_counts[1] + 2 * (key_counts[2] + key_counts[3] + key_counts[4]);
-    require(key_counts[2] % channel_tokens == 0 && n > 0 && n < (int64_t{1} << 31) &&
-                int32_vector(*key_plan, static_cast<int>(n)),
+            "key_counts: six counts (direct, gathered, group, rest and prev rows, done_first)");
+    // direct rows and their sources, gathered rows, then sources and rows of the others, then
+    // each row's first completed group (B of them)
+    const int64_t n = 2 * key_counts[0] + key_counts[1] +
+                      2 * (key_counts[2] + key_counts[3] + key_counts[4]) + key_counts[5];
+    require(key_counts[2] % channel_tokens == 0 && key_counts[5] == batch && n > 0 &&
+                n < (int64_t{1} << 31) && int32_vector(*key_plan, static_cast<int>(n)),
             "key_plan: int32 direct rows and sources, gathered rows, group sources and rows, "
-            "rest sources and rows, prev sources and rows, as many as key_counts says");
+            "rest sources and rows, prev sources and rows, each row's first completed group, "
+            "as many as key_counts says");
     require(prevs->dtype() == mx::float16 && prevs->shape() == tail.shape() &&
                 prevs->flags().row_contiguous,
             "the prevs are float16, shaped as the tail");
@@ -663,8 +713,13 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   require(!positions || (positions->dtype() == mx::int32 && positions->ndim() == 1 &&
                          positions->shape(0) == batch),
           "positions must be int32 [B]");
-  require(swaps.size() == swap_rows.size() && (swaps.empty() || (length == 1 && layer >= 0)),
+  require(swaps.size() == swap_rows.size() &&
+              (swaps.empty() || ((length == 1 || swap_stream) && layer >= 0)),
           "swapped rows: one row per swap set, one new token a row, and the layer");
+  require(!swap_stream ||
+              (swaps.size() == 1 && batch == 1 && window == 0 && swaps[0]->staging().size() >= 2),
+          "swap_stream: one swapped row alone (its prefill chunk), no sliding window, two "
+          "staging blocks at least");
   for (size_t i = 0; i < swaps.size(); ++i) {
     require(swaps[i] && swap_rows[i] >= 0 && swap_rows[i] < batch, "a swapped row is bad");
   }
@@ -702,7 +757,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   }
 
   LayerParams p;
-  p.swap = SwapStep{swaps, swap_rows, layer};
+  p.swap = SwapStep{swaps, swap_rows, layer, swap_stream};
   p.heads = heads;
   p.kv_heads = kv_heads;
   p.head_dim = head_dim;

@@ -34,6 +34,51 @@ std::vector<int> stage_swapped_rows(const SwapStep& step, const float* q, int q_
   return failed;
 }
 
+bool stream_swapped_row(const SwapStep& step, agentkv::AttentionArgs a,
+                        const std::vector<const mx::array*>& parts) {
+  agentkv::SwapArena arena;
+  for (const auto* p : parts) {
+    arena.base.push_back(const_cast<uint8_t*>(p->data<uint8_t>()));
+    arena.row_bytes.push_back(static_cast<int64_t>(p->shape(1)) * p->itemsize());
+    arena.rows = p->shape(0);
+  }
+  agentkv::KVSwapSet& set = *step.swaps[0];
+  const int b = step.rows[0];
+  const std::vector<int32_t>& staging = set.staging();
+  const int chunk_keys = agentkv::attention_chunk_keys();
+  const int per_chunk = chunk_keys / a.block_tokens;  // blocks a key chunk spans
+  if (a.batch != 1 || b != 0 || chunk_keys % a.block_tokens ||
+      staging.size() < static_cast<size_t>(per_chunk) || a.window != 0) {
+    return false;
+  }
+  // The row's table with each evicted block pointing at a staging block: the chunk being
+  // run names the staging block its evicted blocks were read into; the others are not read.
+  std::vector<int32_t> table(a.tables, a.tables + a.table_stride);
+  const int evicted = set.blocks();
+  for (int i = 0; i < evicted && i < a.table_stride; ++i) {
+    table[i] = staging[0];
+  }
+  a.tables = table.data();
+  const int length = a.lengths[0];
+  const int chunks = (length + chunk_keys - 1) / chunk_keys;
+  std::vector<float> states;
+  agentkv::attention_stream_start(a, states);
+  for (int c = 0; c < chunks; ++c) {
+    for (int j = 0; j < per_chunk; ++j) {
+      const int block = c * per_chunk + j;
+      if (block < evicted) {
+        if (!set.load_block(step.layer, block, arena, j)) {
+          return false;
+        }
+        table[block] = staging[j];
+      }
+    }
+    agentkv::attention_stream_chunk(a, 0, c, states);
+  }
+  agentkv::attention_stream_finish(a, 0, states);
+  return true;
+}
+
 namespace {
 
 class KVSwapStage : public mx::UnaryPrimitive {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/attention.h"
 #include "core/kvswap.h"
 
 namespace agentkv::ops {
@@ -19,6 +20,9 @@ struct SwapStep {
   std::vector<std::shared_ptr<agentkv::KVSwapSet>> swaps;
   std::vector<int> rows;
   int layer = -1;
+  // A prefill chunk of one swapped row (the step's only row): exact attention over its whole
+  // context, its evicted blocks streamed in (stream_swapped_row), not KVSwap's choice.
+  bool stream = false;
   bool operator==(const SwapStep&) const = default;
   bool empty() const {
     return swaps.empty();
@@ -31,6 +35,14 @@ struct SwapStep {
 std::vector<int> stage_swapped_rows(const SwapStep& step, const float* q, int q_heads, int head_dim,
                                     const std::vector<const mx::array*>& parts,
                                     const int32_t* tables, int table_stride);
+
+// The attention of a swapped row's prefill chunk, exact (docs/kvswap.md): key chunk by key
+// chunk (attention_stream_*), each chunk's evicted blocks read back into the row's first
+// staging blocks first (KVSwapSet::load_block). `a` describes the step (one row, its table
+// naming -1 for evicted blocks: a private copy is patched here). False if a read failed (the
+// set's error() says why): the row's output is then not written.
+bool stream_swapped_row(const SwapStep& step, agentkv::AttentionArgs a,
+                        const std::vector<const mx::array*>& parts);
 
 // A copy of `queries` [B, Hq, 1, D] float32 that is evaluated after each swapped row has
 // staged its groups for `layer` into `keys` / `values` (the layer's arena, written in

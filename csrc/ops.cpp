@@ -345,6 +345,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     int kv_heads = 0;  // > 0: paged caches (block arenas read through tables and lengths)
     int block_tokens = 0;
     int channel_tokens = 0;  // > 0: per-channel keys with a float16 tail (paged only)
+    bool done = false;       // paged per-channel keys: the groups the step completed, in float16
     bool operator==(const Params&) const = default;
   };
 
@@ -457,17 +458,35 @@ class QuantizedAttention : public mx::UnaryPrimitive {
       tail_slots = tail.shape(0) / (static_cast<int64_t>(p.kv_heads) * p.channel_tokens);
       a.tail_slots = inputs[next++].data<int32_t>();
     }
+    int64_t done_entries = 0;
+    if (p.done) {
+      const mx::array& done = inputs[next++];
+      a.k.done = done.data<uint16_t>();
+      done_entries = done.shape(0) / p.channel_tokens;
+      a.done_first = inputs[next++].data<int32_t>();
+    }
     const int64_t blocks = keys[0].shape(0) / (static_cast<int64_t>(p.kv_heads) * p.block_tokens);
     for (int b = 0; b < a.batch; ++b) {
       const bool tail_ok =
           a.tail_slots == nullptr || (a.tail_slots[b] >= 0 && a.tail_slots[b] < tail_slots);
-      if (!paged_table_ok(a, b, blocks) ||
-          !tail_ok) {  // NaN, never a plausible answer from wrong memory
+      if (!paged_table_ok(a, b, blocks) || !tail_ok ||
+          !done_ok(a, b, done_entries)) {  // NaN, never a plausible answer from wrong memory
         std::fill_n(a.out, out.size(), std::numeric_limits<float>::quiet_NaN());
         return;
       }
     }
     agentkv::quantized_attention(a);
+  }
+
+  // Row b's groups completed by the step all lie inside `done` (or it has none).
+  static bool done_ok(const agentkv::AttentionArgs& a, int b, int64_t entries) {
+    if (a.done_first == nullptr || a.done_first[b] < 0) {
+      return true;
+    }
+    const int ct = a.k.channel_tokens;
+    const int len = a.lengths[b];
+    const int groups = len / ct - (len - a.queries) / ct;  // completed by the step
+    return len >= a.queries && a.done_first[b] + int64_t{groups} * a.kv_heads <= entries;
   }
 
   Params params_;
@@ -590,7 +609,9 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                           int key_bits, int value_bits, int group, int window,
                           const std::optional<mx::array>& sinks, int channel_tokens,
                           const std::optional<mx::array>& tail,
-                          const std::optional<mx::array>& tail_slots) {
+                          const std::optional<mx::array>& tail_slots,
+                          const std::optional<mx::array>& done,
+                          const std::optional<mx::array>& done_first) {
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   if (!supported(key_bits) || !supported(value_bits)) {
     throw std::invalid_argument("paged attention supports 2, 4, 8 and 16 bits");
@@ -647,6 +668,14 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
         "tail_slots [B]");
   }
   const int batch = queries.shape(0);
+  if (done.has_value() != done_first.has_value() ||
+      (done && (channel_tokens == 0 || done->ndim() != 2 || done->dtype().size() != 2 ||
+                done->shape(1) != dim || done->shape(0) % channel_tokens ||
+                done_first->ndim() != 1 || done_first->shape(0) != batch))) {
+    throw std::invalid_argument(
+        "paged attention: done (per-channel keys only) is float16 [entries * channel_tokens, "
+        "D], with done_first [B]");
+  }
   if (tables.ndim() != 2 || tables.shape(0) != batch || lengths.ndim() != 1 ||
       lengths.shape(0) != batch ||
       (sinks && sinks->size() != static_cast<size_t>(queries.shape(1)))) {
@@ -672,6 +701,10 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
     inputs.push_back(*tail);
     inputs.push_back(packed(mx::astype(*tail_slots, mx::int32, stream), stream));
   }
+  if (done) {
+    inputs.push_back(packed(*done, stream));
+    inputs.push_back(packed(mx::astype(*done_first, mx::int32, stream), stream));
+  }
   mx::Shape shape = queries.shape();
   shape.back() = dim_v;
   QuantizedAttention::Params params{scale,         key_bits,
@@ -680,6 +713,7 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                                     false,         sinks.has_value(),
                                     kv_heads,      block_tokens,
                                     channel_tokens};
+  params.done = done.has_value();
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }

@@ -56,14 +56,18 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
 // [blocks * kv_heads * block_tokens, width] (see csrc/core/attention.h); row b of the batch
 // holds lengths[b] tokens in blocks tables[b, :], and its L queries are its last L tokens.
 // A jagged batch: no padding, no copies. CPU only. Per-channel keys (channel_tokens > 0):
-// the groups still filling are float16 rows of `tail`, slot tail_slots[b] per batch row.
+// the groups still filling are float16 rows of `tail`, slot tail_slots[b] per batch row;
+// `done` (float16 [entries * channel_tokens, D]) holds the groups the step completed, row b's
+// from entry done_first[b] (-1: none), which a query inside one reads until its last token.
 mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
                           const mx::array& lengths, int kv_heads, int block_tokens, float scale,
                           int key_bits, int value_bits, int group, int window,
                           const std::optional<mx::array>& sinks, int channel_tokens = 0,
                           const std::optional<mx::array>& tail = std::nullopt,
-                          const std::optional<mx::array>& tail_slots = std::nullopt);
+                          const std::optional<mx::array>& tail_slots = std::nullopt,
+                          const std::optional<mx::array>& done = std::nullopt,
+                          const std::optional<mx::array>& done_first = std::nullopt);
 
 // x [..., D] * rsqrt(mean(x^2) + eps) * w, float32, each row alone (csrc/core/rows.h):
 // one graph operation where MLX's CPU fallback for mx.fast.rms_norm makes eight. CPU only.
@@ -125,6 +129,7 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                         const std::vector<std::optional<mx::array>>& predict, int predict_bits,
                         int predict_group, const std::optional<mx::array>& key_plan = std::nullopt,
                         const std::vector<int64_t>& key_counts = {},
-                        const std::optional<mx::array>& prevs = std::nullopt);
+                        const std::optional<mx::array>& prevs = std::nullopt,
+                        bool swap_stream = false);
 
 }  // namespace agentkv::ops

@@ -241,6 +241,18 @@ void tail_rows(const AttentionArgs& a, int b, int h, int t0, int t1, int64_t* ou
   }
 }
 
+// Per-channel keys: where rows [t0, t1) of batch row b, KV head h lie in the float16 keys
+// of the group starting at `own`, which this step completed (KVView::done), or -1 (outside
+// that group). `from`: the first group the step completed.
+void done_rows(const AttentionArgs& a, int b, int h, int own, int from, int t0, int t1,
+               int64_t* out) {
+  const int ct = a.k.channel_tokens;
+  const int64_t entry = a.done_first[b] + static_cast<int64_t>(own - from) / ct * a.kv_heads + h;
+  for (int t = t0; t < t1; ++t) {
+    out[t - t0] = t >= own && t < own + ct ? (entry * ct + t - own) * a.k.dim : -1;
+  }
+}
+
 namespace portable {
 using Ops = Portable;
 #include "attention_impl.inc"
@@ -987,7 +999,73 @@ void run_kernel(const AttentionArgs& a, int blocks, TaskFn task, FinishFn finish
       });
 }
 
+// One implementation's streaming steps (its namespace's stream_chunk and stream_finish).
+using StreamFn = void (*)(const AttentionArgs&, int, int, int, int, int, float*);
+using StreamFinishFn = void (*)(const AttentionArgs&, int, int, int, int, float*);
+
+struct StreamImpl {
+  StreamFn chunk;
+  StreamFinishFn finish;
+};
+
+StreamImpl stream_impl() {
+#if defined(AGENTKV_ATTENTION_X86)
+  if (use_avx512()) {
+    return {&avx512::stream_chunk, &avx512::stream_finish};
+  }
+  if (use_avx2()) {
+    return {&avx2::stream_chunk, &avx2::stream_finish};
+  }
+#endif
+#if defined(__aarch64__)
+  if (!portable_only()) {
+    return {&neon::stream_chunk, &neon::stream_finish};
+  }
+#endif
+  return {&portable::stream_chunk, &portable::stream_finish};
+}
+
+// Each (KV head, query block) of a streamed row, on the thread pool: `run(kvh, i0, i1, states)`.
+template <typename Run>
+void stream_tasks(const AttentionArgs& a, std::vector<float>& states, Run run) {
+  const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
+  const size_t stride = static_cast<size_t>(a.q_heads / a.kv_heads) *
+                        std::min(a.queries, kQueryBlock) * (a.v.dim + 2);
+  const std::function<void(size_t)> task = [&](size_t t) {
+    const int kvh = static_cast<int>(t / blocks), block = static_cast<int>(t % blocks);
+    const int i0 = block * kQueryBlock, i1 = std::min(a.queries, i0 + kQueryBlock);
+    run(kvh, i0, i1, states.data() + t * stride);
+  };
+  ThreadPool::shared().run(static_cast<size_t>(a.kv_heads) * blocks, task);
+}
+
 }  // namespace
+
+int attention_chunk_keys() {
+  return kChunk;
+}
+
+void attention_stream_start(const AttentionArgs& a, std::vector<float>& states) {
+  const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;
+  const size_t entries = static_cast<size_t>(a.kv_heads) * blocks * (a.q_heads / a.kv_heads) *
+                         std::min(a.queries, kQueryBlock);
+  states.assign(entries * (a.v.dim + 2), 0.0f);
+  for (size_t n = 0; n < entries; ++n) {
+    states[n * (a.v.dim + 2)] = -std::numeric_limits<float>::infinity();
+  }
+}
+
+void attention_stream_chunk(const AttentionArgs& a, int b, int chunk, std::vector<float>& states) {
+  const StreamImpl impl = stream_impl();
+  stream_tasks(a, states,
+               [&](int kvh, int i0, int i1, float* s) { impl.chunk(a, b, kvh, i0, i1, chunk, s); });
+}
+
+void attention_stream_finish(const AttentionArgs& a, int b, std::vector<float>& states) {
+  const StreamImpl impl = stream_impl();
+  stream_tasks(a, states,
+               [&](int kvh, int i0, int i1, float* s) { impl.finish(a, b, kvh, i0, i1, s); });
+}
 
 void quantized_attention(const AttentionArgs& a) {
   const int blocks = (a.queries + kQueryBlock - 1) / kQueryBlock;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace agentkv {
 
@@ -52,6 +53,14 @@ struct KVView {
   // tail_slots[b] (paged) or b (contiguous: tail [B, Hkv, channel_tokens, D]).
   int channel_tokens = 0;
   const uint16_t* tail = nullptr;
+  // Per-channel keys of the groups this very step completed (paged caches; null: none), in
+  // float16 rows ((entry * channel_tokens) + t - group start) * dim, entry =
+  // AttentionArgs::done_first[b] + (group start - the step's first group start) /
+  // channel_tokens * kv_heads + h. A query reads its own group in float16 until the group is
+  // complete at the query (as one token at a time would), and quantized from its last token
+  // on: so a query's result, and every key stored after it, depend on the tokens alone, never
+  // on how a prompt was cut into steps or who wrote a shared prefix.
+  const uint16_t* done = nullptr;
 };
 
 // Paged caches hold every token row of a block together, per head:
@@ -74,10 +83,24 @@ struct AttentionArgs {
   int table_stride = 0;
   int block_tokens = 256;
   const int32_t* tail_slots = nullptr;  // [B]: per-channel keys (KVView::channel_tokens)
+  const int32_t* done_first = nullptr;  // [B]: row b's first entry of KVView::done, -1: none
   KVView k, v;
 };
 
 void quantized_attention(const AttentionArgs& args);
+
+// Row b's attention streamed key chunk by key chunk (KVSwap's prefill: between two chunks the
+// caller puts the next chunk's blocks where the row's table says, e.g. evicted blocks read
+// back into staging blocks). Key chunk c is keys [c * attention_chunk_keys(), ...) of every
+// query (no sliding window); `states` holds each query's running softmax, from
+// attention_stream_start; attention_stream_chunk folds chunk c (in order, 0 first) into it;
+// attention_stream_finish writes the row's outputs. The same operations in the same order
+// as quantized_attention, so the same bits. `args` describes row b alone or with others.
+int attention_chunk_keys();
+void attention_stream_start(const AttentionArgs& args, std::vector<float>& states);
+void attention_stream_chunk(const AttentionArgs& args, int b, int chunk,
+                            std::vector<float>& states);
+void attention_stream_finish(const AttentionArgs& args, int b, std::vector<float>& states);
 
 // "avx512-vnni", "avx512", "avx2-fma-f16c", "neon" or "portable": the lanes this CPU runs.
 const char* attention_implementation();

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -162,6 +163,84 @@ KVSwapSet::~KVSwapSet() {
   for (int fd : fds_) {
     ::close(fd);
   }
+  if (keys_fd_ >= 0) {
+    ::close(keys_fd_);
+  }
+}
+
+void KVSwapSet::keys_to_file(const std::string& dir, int capacity) {
+  if (keys_fd_ >= 0 || capacity < blocks_) {
+    throw std::invalid_argument("kvswap: keys already in a file, or a capacity below the blocks");
+  }
+  for (const auto& l : layer_state_) {
+    if (l.has_keys) {
+      throw std::invalid_argument("kvswap: keys_to_file comes before set_layer");
+    }
+  }
+  int fd = -1;
+#if defined(O_TMPFILE)
+  fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+#endif
+  if (fd < 0) {  // no O_TMPFILE here: a named file, unlinked at once
+    std::string path = dir + "/.kvswap-keys-XXXXXX";
+    fd = ::mkstemp(path.data());
+    if (fd >= 0) {
+      ::unlink(path.c_str());
+    }
+  }
+  if (fd < 0) {
+    throw std::runtime_error("kvswap: cannot make a file for the low-rank keys in " + dir + ": " +
+                             std::strerror(errno));
+  }
+  keys_fd_ = fd;
+  keys_capacity_ = capacity;
+}
+
+void KVSwapSet::set_staging(std::vector<int32_t> staging) {
+  if (staging.size() * groups_per_block_ != static_cast<size_t>(slots_)) {
+    throw std::invalid_argument("kvswap: one staging block per groups-per-block slots");
+  }
+  staging_ = std::move(staging);
+}
+
+void KVSwapSet::write_keys(int layer, int block, const uint8_t* keys, int64_t bytes) {
+  const int64_t at = (static_cast<int64_t>(layer) * keys_capacity_ + block) * block_key_bytes();
+  int64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pwrite(keys_fd_, keys + done, bytes - done, at + done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      throw std::runtime_error(std::string("kvswap: cannot write the low-rank keys: ") +
+                               std::strerror(errno));
+    }
+    done += n;
+  }
+}
+
+const uint8_t* KVSwapSet::layer_keys(int layer) const {
+  const auto& l = layer_state_[layer];
+  if (keys_fd_ < 0) {
+    return l.keys.data();
+  }
+  const int64_t bytes = static_cast<int64_t>(blocks_) * block_key_bytes();
+  const int64_t at = static_cast<int64_t>(layer) * keys_capacity_ * block_key_bytes();
+  keys_buffer_.resize(static_cast<size_t>(bytes));
+  int64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(keys_fd_, keys_buffer_.data() + done, bytes - done, at + done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      keys_error_ = std::string("kvswap: cannot read the low-rank keys back: ") +
+                    (n == 0 ? "the file is short" : std::strerror(errno));
+      return nullptr;
+    }
+    done += n;
+  }
+  return keys_buffer_.data();
 }
 
 void KVSwapSet::set_demand(int demand) {
@@ -180,11 +259,17 @@ void KVSwapSet::set_layer(int layer, const float* query_projection, const int8_t
   const size_t groups = static_cast<size_t>(blocks_) * groups_per_block_;
   l.projection.assign(query_projection,
                       query_projection + static_cast<size_t>(kv_heads_) * head_dim_ * rank_);
-  l.keys.resize(static_cast<size_t>(kv_heads_) * rank_ * tokens);
+  std::vector<uint8_t> interleaved(static_cast<size_t>(kv_heads_) * rank_ * tokens);
   for (int b = 0; b < blocks_; ++b) {
     const size_t block = static_cast<size_t>(b) * kv_heads_ * rank_ * block_tokens_;
-    interleave_keys(keys + block, kv_heads_, rank_, block_tokens_, l.keys.data() + block);
+    interleave_keys(keys + block, kv_heads_, rank_, block_tokens_, interleaved.data() + block);
   }
+  if (keys_fd_ >= 0) {
+    write_keys(layer, 0, interleaved.data(), static_cast<int64_t>(interleaved.size()));
+  } else {
+    l.keys = std::move(interleaved);
+  }
+  l.has_keys = true;
   l.scales.assign(scales, scales + static_cast<size_t>(kv_heads_) * groups);
 }
 
@@ -198,9 +283,12 @@ void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& o
   }
   settle();
   for (const auto& l : layer_state_) {
-    if (l.keys.empty()) {
+    if (!l.has_keys) {
       throw std::invalid_argument("kvswap: blocks join only a set with low-rank keys");
     }
+  }
+  if (keys_fd_ >= 0 && blocks_ >= keys_capacity_) {
+    throw std::invalid_argument("kvswap: the low-rank keys' file holds no more blocks");
   }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -213,11 +301,15 @@ void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& o
   crcs_.insert(crcs_.end(), crcs.begin(), crcs.end());
   const size_t block_keys = static_cast<size_t>(kv_heads_) * rank_ * block_tokens_;
   const size_t block_scales = static_cast<size_t>(kv_heads_) * groups_per_block_;
+  std::vector<uint8_t> interleaved(block_keys);
   for (int layer = 0; layer < layers_; ++layer) {
     auto& l = layer_state_[layer];
-    const size_t at = l.keys.size();
-    l.keys.resize(at + block_keys);
-    interleave_keys(keys[layer], kv_heads_, rank_, block_tokens_, l.keys.data() + at);
+    interleave_keys(keys[layer], kv_heads_, rank_, block_tokens_, interleaved.data());
+    if (keys_fd_ >= 0) {
+      write_keys(layer, blocks_, interleaved.data(), static_cast<int64_t>(block_keys));
+    } else {
+      l.keys.insert(l.keys.end(), interleaved.begin(), interleaved.end());
+    }
     l.scales.insert(l.scales.end(), scales[layer], scales[layer] + block_scales);
     l.where.resize(l.where.size() + groups_per_block_, -1);
   }
@@ -227,13 +319,13 @@ void KVSwapSet::add_block(const std::string& path, const std::vector<int64_t>& o
 int64_t KVSwapSet::resident_bytes() const {
   int64_t total = 0;
   for (const auto& l : layer_state_) {
-    total += static_cast<int64_t>(l.keys.size() + l.scales.size() * sizeof(float) +
+    total += static_cast<int64_t>(l.keys.capacity() + l.scales.size() * sizeof(float) +
                                   (l.lo.size() + l.hi.size()) * sizeof(float) +
                                   l.projection.size() * sizeof(float) +
                                   l.slot_group.size() * (sizeof(int32_t) + sizeof(uint64_t)) +
                                   l.where.size() * sizeof(int32_t));
   }
-  return total;
+  return total + static_cast<int64_t>(keys_buffer_.capacity());
 }
 
 namespace {
@@ -349,7 +441,7 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
   const auto& l = layer_state_[layer];
   const int per = q_heads_ / kv_heads_;
   const int groups = blocks_ * groups_per_block_;
-  if (l.keys.empty() && l.lo.empty()) {
+  if (!l.has_keys && l.lo.empty()) {
     return std::vector<float>(groups, 0.0f);
   }
   std::vector<float> best(static_cast<size_t>(q_heads_) * groups);  // [q head][group]
@@ -399,12 +491,16 @@ std::vector<float> KVSwapSet::group_scores(int layer, const float* q) const {
     }
     bias[h] = 128 * sum;
   }
+  const uint8_t* all_keys = layer_keys(layer);
+  if (all_keys == nullptr) {
+    return {};  // (plan() fails the stage)
+  }
   const GroupMaxima maxima_of = group_maxima_kernel();
   ThreadPool::shared().run(static_cast<size_t>(blocks_), [&](size_t block) {
     int32_t maxima[kMaxPer];
     for (int g = 0; g < kv_heads_; ++g) {
       const size_t head = block * kv_heads_ + g;
-      const uint8_t* keys = l.keys.data() + head * rank_ * block_tokens_;
+      const uint8_t* keys = all_keys + head * rank_ * block_tokens_;
       const int8_t* q_group = q8.data() + static_cast<size_t>(g) * per * rank_;
       for (int in_block = 0; in_block < groups_per_block_; ++in_block) {
         const int64_t first = static_cast<int64_t>(in_block) * group_;
@@ -455,6 +551,9 @@ void KVSwapSet::set_bounds(int layer, const float* lo, const float* hi) {
 
 std::vector<int32_t> KVSwapSet::ranked(int layer, const float* q) const {
   const std::vector<float> scores = group_scores(layer, q);
+  if (scores.empty()) {
+    return {};
+  }
   std::vector<int32_t> order(scores.size() - 1);
   std::iota(order.begin(), order.end(), 1);  // group 0 is always resident (the sinks)
   std::stable_sort(order.begin(), order.end(),
@@ -603,6 +702,11 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
   // The layer's own query chooses (the same groups whether or not reads ran ahead), while
   // the reads ahead finish; they stay the set's (`settle` waits for them) until then.
   const Plan p = plan(layer, q);
+  if (!keys_error_.empty()) {
+    settle();
+    error_ = keys_error_;
+    return false;
+  }
   std::unique_ptr<Ahead> ahead;
   if (ahead_) {
     const uint64_t start = now_ns();
@@ -692,6 +796,44 @@ bool KVSwapSet::stage(int layer, const float* q, const SwapArena& arena, const i
       return false;
     }
   }
+  return true;
+}
+
+bool KVSwapSet::load_block(int layer, int block, const SwapArena& arena, int which) {
+  if (!error_.empty()) {
+    return false;
+  }
+  settle();
+  if (layer < 0 || layer >= layers_ || block < 0 || block >= blocks_ || which < 0 ||
+      static_cast<size_t>(which) >= staging_.size() ||
+      arena.base.size() != static_cast<size_t>(comps_)) {
+    error_ = "kvswap: bad layer, block, staging block or arena";
+    return false;
+  }
+  const uint64_t start = now_ns();
+  for (int in_block = 0; in_block < groups_per_block_; ++in_block) {
+    const int group = block * groups_per_block_ + in_block;
+    const Extent e = extent_of(layer, group);
+    extent_.resize(static_cast<size_t>(e.size));
+    int got = read_cached(e, extent_.data());
+    if (got == kNotCached) {
+      got = read_extent(e, extent_.data());
+      ++stats_.disk_reads;
+    }
+    stats_.bytes_read += e.size;
+    if (got != kReadOk) {
+      fail_read(layer, group, got);
+      return false;
+    }
+    const int slot = which * groups_per_block_ + in_block;
+    if (!place(layer, group, slot, extent_.data(), arena, staging_.data())) {
+      return false;
+    }
+    layer_state_[layer].slot_used[slot] = 0;  // the first a stage replaces
+  }
+  const uint64_t spent = now_ns() - start;
+  stats_.read_ns += spent;
+  stats_.wait_ns += spent;
   return true;
 }
 

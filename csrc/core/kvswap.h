@@ -86,6 +86,24 @@ class KVSwapSet {
   // Or a layer's per-channel bounds of each group's keys, lo and hi [kv_heads][groups][dim]
   // (format 2 stores them: a group's bias and bias + scale * levels); they take precedence.
   void set_bounds(int layer, const float* lo, const float* hi);
+  // Keep the low-rank keys in a file instead of memory: an unlinked temporary file in `dir`
+  // (the page cache's memory, not the process's), room for `capacity` evicted blocks; each
+  // scoring reads its layer's keys back (one pread). Before set_layer; throws if the file
+  // cannot be made.
+  void keys_to_file(const std::string& dir, int capacity);
+  bool keys_in_file() const {
+    return keys_fd_ >= 0;
+  }
+  // The staging blocks (the pool blocks a row's table starts with while it decodes).
+  void set_staging(std::vector<int32_t> staging);
+  const std::vector<int32_t>& staging() const {
+    return staging_;
+  }
+  // A prefill over the evicted blocks (docs/kvswap.md): evicted block `block`'s rows of
+  // `layer` read back whole into staging block `which`, each group checked against its
+  // checksum; the slots of that staging block hold these groups afterwards (the next stage
+  // reads what it needs again). False (and `error()` set) if a read failed.
+  bool load_block(int layer, int block, const SwapArena& arena, int which);
 
   // Make this layer's slots hold the groups `q` (rotated queries [q_heads, head_dim] of the
   // row's new token) needs, reading into `arena` at the staging blocks `staging`
@@ -168,8 +186,9 @@ class KVSwapSet {
   struct Layer {
     std::vector<float> projection;  // [kv_heads][head_dim][rank]
     // [blocks][kv_heads][rank / 4][block_tokens][4]: each token's int8 key + 128, four
-    // ranks side by side (the operand order of vpdpbusd)
+    // ranks side by side (the operand order of vpdpbusd); in the keys file where there is one
     std::vector<uint8_t> keys;
+    bool has_keys = false;
     std::vector<float> scales;  // [blocks][kv_heads][groups per block]
     std::vector<int32_t> slot_group;
     std::vector<uint64_t> slot_used;
@@ -203,6 +222,13 @@ class KVSwapSet {
   };
 
   std::vector<float> group_scores(int layer, const float* q) const;
+  // A layer's low-rank keys (read back from the keys file where they are kept there, into a
+  // buffer valid until the next call), or null if that read failed (keys_error_ says why).
+  const uint8_t* layer_keys(int layer) const;
+  int64_t block_key_bytes() const {
+    return static_cast<int64_t>(kv_heads_) * rank_ * block_tokens_;
+  }
+  void write_keys(int layer, int block, const uint8_t* keys, int64_t bytes);
   std::vector<float> softmax_sum(const std::vector<float>& best, int groups) const;
   Plan plan(int layer, const float* q);
   Extent extent_of(int layer, int group) const;
@@ -234,6 +260,10 @@ class KVSwapSet {
   SwapStats stats_;
   std::string error_;
   int failed_block_ = -1;
+  std::vector<int32_t> staging_;
+  int keys_fd_ = -1, keys_capacity_ = 0;
+  mutable std::vector<uint8_t> keys_buffer_;
+  mutable std::string keys_error_;
 };
 
 }  // namespace agentkv

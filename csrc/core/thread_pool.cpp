@@ -2,6 +2,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -112,11 +117,26 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& f) {
   spin_until([&] { return inside_.load() == 0; });  // a late worker may hold the job's address
 }
 
+int ThreadPool::default_threads() {
+  if (const char* env = std::getenv("AGENTKV_THREADS")) {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && n >= 1) {
+      return static_cast<int>(std::min<long>(n, kMaxThreads));
+    }
+  }
+#if defined(__linux__)
+  cpu_set_t set;  // the CPUs this process may run on (taskset, a container's cpuset)
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, std::min(CPU_COUNT(&set), kMaxThreads));
+  }
+#endif
+  return static_cast<int>(
+      std::clamp(std::thread::hardware_concurrency(), 1u, static_cast<unsigned>(kMaxThreads)));
+}
+
 ThreadPool& ThreadPool::shared() {
-  static ThreadPool* pool = [] {
-    const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-    return new ThreadPool(static_cast<int>(std::min(4u, hw)) - 1);  // never destroyed
-  }();
+  static ThreadPool* pool = new ThreadPool(default_threads() - 1);  // never destroyed
   return *pool;
 }
 

@@ -33,8 +33,12 @@ class ThreadPool {
     return static_cast<int>(workers_.size()) + 1;
   }
 
-  // min(4, hardware threads) threads in all, the caller included.
+  // default_threads() threads in all, the caller included.
   static ThreadPool& shared();
+  // AGENTKV_THREADS where it is set (an integer >= 1), else the CPUs this process may run on
+  // (its affinity: taskset, a container's cpuset), at most kMaxThreads.
+  static int default_threads();
+  static constexpr int kMaxThreads = 256;
 
  private:
   struct Job {

@@ -27,6 +27,7 @@ from .errors import (
     InvalidAgentIdError,
     InvalidRequestError,
     ModelImportError,
+    TurnFailedError,
 )
 from .kv.cache import AgentKVCache
 from .format.quant import KVQuant
@@ -50,6 +51,7 @@ __all__ = [
     "KVQuant",
     "ModelImportError",
     "ToolSpec",
+    "TurnFailedError",
     "TurnStats",
     "__version__",
     "load_prompt_cache",

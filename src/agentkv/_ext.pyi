@@ -54,6 +54,21 @@ class KVSwapSet:
         Whether the next steps should read ahead (predict_from is set and a read went to disk lately).
         """
 
+    def keys_to_file(self, dir: str, capacity: int) -> None:
+        """
+        Keep the low-rank keys in an unlinked temporary file in dir (the page cache's memory, not the process's), room for capacity evicted blocks; before set_layer.
+        """
+
+    @property
+    def keys_in_file(self) -> bool: ...
+
+    @property
+    def staging(self) -> list[int]:
+        """The staging blocks' ids (a decoding row's table starts with them)."""
+
+    @staging.setter
+    def staging(self, arg: Sequence[int], /) -> None: ...
+
     @property
     def stats(self) -> dict: ...
 
@@ -117,9 +132,9 @@ def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.arra
     x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
     """
 
-def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array | None, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0, key_plan: mlx.core.array | None = None, key_counts: Sequence[int] = [], prevs: mlx.core.array | None = None) -> mlx.core.array:
+def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array | None, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0, key_plan: mlx.core.array | None = None, key_counts: Sequence[int] = [], prevs: mlx.core.array | None = None, swap_stream: bool = False) -> mlx.core.array:
     """
-    One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h.
+    One Llama-family decoder layer over the block pool as one CPU operation (the same bits as its separate operations); writes the step's keys and values in place. See csrc/ops.h. swap_stream: the one swapped row's prefill chunk, its attention exact over its evicted blocks read back chunk by chunk (docs/kvswap.md).
     """
 
 def hadamard_rows(x: mlx.core.array, scale: float) -> mlx.core.array:
@@ -165,9 +180,9 @@ def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array],
     Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), each row's group still filling in tail [B, Hkv, channel_tokens, D].
     """
 
-def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None) -> mlx.core.array:
+def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None) -> mlx.core.array:
     """
-    Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups still filling in the float16 tail, slot tail_slots[b] per row.
+    Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the step completed, in float16, row b's from entry done_first[b] (-1: none).
     """
 
 def uninitialized(rows: int, width: int, dtype: str) -> mlx.core.array:

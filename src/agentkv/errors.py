@@ -28,6 +28,11 @@ class CacheFormatError(AgentKVError):
         self.reason = reason
 
 
+class TurnFailedError(AgentKVError):
+    """A turn that failed on the engine's side (its agent's KV could not be read back):
+    nothing of it was kept, and the agent's next turn runs as if it had not been sent."""
+
+
 class EngineBusyError(AgentKVError):
     """The engine's queue of waiting turns is full; try again after ``retry_after`` seconds."""
 

@@ -15,7 +15,6 @@ from agentkv.cli.parser import build_parser
 from agentkv.engine.drafts import FIRST_DRAFT, ContextDrafter, room
 from agentkv.engine.generation import SamplingParams
 from agentkv.format.geometry import BLOCK_TOKENS
-from agentkv.mlx_adapter import top_p_filter
 
 WEATHER = {
     "type": "object",
@@ -81,23 +80,46 @@ def test_drafted_turns_give_the_tokens_text_and_kv_of_one_token_a_step(engine, t
     assert kept > 0 and drafted > kept  # drafts were kept, and some were cut
 
 
+def _frequencies(draw, vocab: int, n: int) -> np.ndarray:
+    return np.bincount([draw() for _ in range(n)], minlength=vocab) / n
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_a_drafted_position_samples_the_one_token_samplers_distribution(temperature, top_p):
-    """Speculative sampling with a one-token draft: the draft token with its probability,
-    else the rest renormalized; every token's frequency is its probability under the turn's
-    sampling, whichever token was drafted (seeded: the same draws every run)."""
+@pytest.mark.parametrize("grammar", [False, True], ids=["free", "under a grammar"])
+def test_a_drafted_position_samples_mlx_lm_s_distribution(engine, temperature, top_p, grammar):
+    """Speculative sampling with a one-token draft draws every token as often as mlx-lm's
+    own sampler (``mlx_lm.sample_utils.make_sampler`` over the logprobs, as mlx-lm's
+    generation calls it) does from the same logits, whichever token was drafted: the likeliest,
+    a middling one, one top-p or the grammar removes. Under a grammar both sample the logits
+    a real JSON-schema grammar's first state masks, as a constrained turn does. Seeded: the
+    same draws every run; each frequency within 5 standard errors of the difference."""
+    from mlx_lm.sample_utils import make_sampler
+
+    vocab = engine.loaded.tokenizer.vocab_size if grammar else 6
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(0.0, 3.0, (1, vocab)).astype(np.float32))
+    if grammar:
+        logits = engine.grammars.start(Constraint.json_schema(WEATHER)).mask(logits)
+    allowed = np.flatnonzero(np.isfinite(np.array(logits[0])))
+    order = allowed[np.argsort(-np.array(logits[0])[allowed])]
+    banned = int(np.flatnonzero(~np.isfinite(np.array(logits[0])))[0]) if grammar else 4
+    drafted = (int(order[0]), int(order[min(2, len(order) - 1)]), banned)
+    theirs_sample = make_sampler(temp=temperature, top_p=top_p)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    n = 3000
     mx.random.seed(11)
-    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
-    params = SamplingParams.create(temperature=temperature, top_p=top_p)
-    draw, n = params.draft_sampler(), 4000
-    x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    x = top_p_filter(x, top_p) if top_p < 1.0 else x
-    p = np.array(mx.softmax(x / temperature, axis=-1))[0]
-    for wanted in (5, 0, 4):  # the likeliest, a middling one, one top-p may cut
-        seen = np.bincount([draw(logits, wanted).item() for _ in range(n)], minlength=6) / n
-        assert np.all(np.abs(seen - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (wanted, seen, p)
+    theirs = _frequencies(lambda: theirs_sample(logprobs).item(), vocab, n)
+    draw = SamplingParams.create(temperature=temperature, top_p=top_p).draft_sampler()
+    for wanted in drafted:
+        mx.random.seed(12 + wanted)
+        ours = _frequencies(lambda w=wanted: draw(logits, w).item(), vocab, n)
+        p = (ours + theirs) / 2
+        bound = 5 * np.sqrt(2 * p * (1 - p) / n) + 1.5 / n
+        assert np.all(np.abs(ours - theirs) <= bound), (wanted, np.flatnonzero(ours - theirs))
+    if grammar:
+        assert theirs[banned] == 0  # what the grammar removes, mlx-lm never draws either
     greedy = SamplingParams.create().draft_sampler()
-    assert greedy(logits, 0).item() == 5
+    assert greedy(logits, banned).item() == int(order[0])
 
 
 def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
@@ -111,6 +133,41 @@ def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
     assert state.table.length == state.size
     fed = state.size - result.stats.prompt_tokens  # all but the last token (and an EOS)
     assert fed in (len(result.tokens) - 1, len(result.tokens))
+
+
+def test_a_constrained_turn_at_a_temperature_drafts_within_its_grammar(engine):
+    """A JSON-schema reply at a temperature, drafts on: every drafted token is sampled under
+    the grammar (a draft the grammar forbids is cut), so the reply is valid JSON of the
+    schema, drafts were tried, and the table holds exactly the agent's tokens."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "names": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 24},
+                "maxItems": 4,
+            }
+        },
+        "required": ["names"],
+        "additionalProperties": False,
+    }
+    mx.random.seed(9)
+    ask = CODE + CODE.replace("parse", "parse_all") + "\nList every function name, as JSON."
+    result = engine.chat(
+        "draft-grammar",
+        [{"role": "user", "content": ask}],
+        max_tokens=160,
+        temperature=0.7,
+        constraint=Constraint.json_schema(schema),
+    )
+    jsonschema.validate(json.loads(result.text), schema)
+    assert result.stats.draft_tokens > 0
+    state = engine.residency.get("draft-grammar")
+    assert state.table.length == state.size
 
 
 def test_a_draft_is_what_followed_the_latest_match_of_the_longest_suffix():

@@ -117,3 +117,31 @@ def test_a_restart_cut_back_into_the_last_complete_group_matches_hot(fresh_engin
     manifest.prev = manifest.prev[:, :, :10]
     with pytest.raises(ValueError, match="last channel group's keys"):
         encode_manifest(manifest)
+
+
+@pytest.mark.slow
+def test_a_cut_past_the_last_complete_group_feeds_that_group_again(fresh_engine, tmp_path):
+    """An edited message cuts the stored state back into a complete channel group whose
+    float16 keys are gone (only the last complete group's are kept): the turn cuts at that
+    group's start and feeds the rest again, never dequantized keys; so hot, warm after a
+    restart and a fresh agent of the edited conversation give the same tokens."""
+    system = {"role": "system", "content": " ".join(["Answer briefly and plainly."] * 54)}
+    rivers = " ".join(f"River {i} flows north, then east." for i in range(12))
+    asked = [system, {"role": "user", "content": f"Of these, which is longest? {rivers}"}]
+    edited = [system, {"role": "user", "content": f"Which is the shortest? {rivers}"}]
+    hot = fresh_engine(cache_dir=tmp_path / "hot")
+    first = hot.chat("cut", asked, max_tokens=12)
+    stored = first.stats.prompt_tokens + first.stats.generated_tokens - 1
+    second_hot = hot.chat("cut", edited, max_tokens=12)
+    kept = second_hot.stats.reused_tokens
+    assert second_hot.stats.cache == "hot" and kept % 64 == 0  # cut at a group's start
+    assert kept < stored // 64 * 64 - 64  # before the last complete group
+    alone = fresh_engine(cache_dir=tmp_path / "alone").chat("fresh", edited, max_tokens=12)
+    assert second_hot.tokens == alone.tokens
+
+    before = fresh_engine(cache_dir=tmp_path / "warm")
+    assert before.chat("cut", asked, max_tokens=12).tokens == first.tokens
+    before.close()
+    second_warm = fresh_engine(cache_dir=tmp_path / "warm").chat("cut", edited, max_tokens=12)
+    assert second_warm.stats.cache == "warm" and second_warm.stats.reused_tokens == kept
+    assert second_warm.tokens == second_hot.tokens

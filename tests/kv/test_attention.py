@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import FUSED_ATOL
+from helpers import attention_atol
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +77,9 @@ def test_fused_matches_reference(
         q, keys, values, scale=dim**-0.5, mask=mask, quant=quant, sinks=sinks
     )
     assert ours.shape == theirs.shape and ours.dtype == mx.float32
-    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=FUSED_ATOL)
+    np.testing.assert_allclose(
+        np.array(ours), np.array(theirs), rtol=2e-4, atol=attention_atol(quant)
+    )
 
 
 def test_a_row_in_a_padded_batch_equals_the_row_alone():
@@ -140,7 +142,9 @@ def test_long_ranges_merge_their_chunks_like_the_reference(window):
     theirs = reference.quantized_attention(
         q, keys, values, scale=64**-0.5, mask=mask, quant=quant, sinks=sinks
     )
-    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=2e-4, atol=FUSED_ATOL)
+    np.testing.assert_allclose(
+        np.array(ours), np.array(theirs), rtol=2e-4, atol=attention_atol(quant)
+    )
 
 
 def test_a_long_row_gives_the_same_bits_alone_and_in_a_batch():
@@ -223,7 +227,9 @@ def test_caches_take_the_fused_path_only_for_masks_they_understand(monkeypatch):
         attention.DENSE: 0,
         attention.REFERENCE: 1,
     }
-    np.testing.assert_allclose(np.array(fast), np.array(slow), rtol=2e-4, atol=FUSED_ATOL)
+    np.testing.assert_allclose(
+        np.array(fast), np.array(slow), rtol=2e-4, atol=attention_atol(cache.quant)
+    )
 
 
 def test_batch_cache_attention_matches_reference(monkeypatch):
@@ -251,6 +257,11 @@ def test_batch_cache_attention_matches_reference(monkeypatch):
     }
     # Row 0's first 3 queries are padding: they see no key, and what comes out is unused.
     np.testing.assert_allclose(
-        np.array(fast[0, :, 3:]), np.array(slow[0, :, 3:]), rtol=2e-4, atol=FUSED_ATOL
+        np.array(fast[0, :, 3:]),
+        np.array(slow[0, :, 3:]),
+        rtol=2e-4,
+        atol=attention_atol(batch.quant),
     )
-    np.testing.assert_allclose(np.array(fast[1]), np.array(slow[1]), rtol=2e-4, atol=FUSED_ATOL)
+    np.testing.assert_allclose(
+        np.array(fast[1]), np.array(slow[1]), rtol=2e-4, atol=attention_atol(batch.quant)
+    )

@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import FUSED_ATOL
+from helpers import attention_atol
 
 from agentkv.benchmarks.kv_candidates import (
     CANDIDATES,
@@ -116,7 +116,7 @@ def test_the_simulation_stores_and_attends_like_the_real_cache():
             assert mx.array_equal(read, simulated), name
         ours = cache_attention(q, real_k, real_v, scale=0.125, mask="causal", quant=quant)
         theirs = mx.fast.scaled_dot_product_attention(q, sim_k, sim_v, scale=0.125, mask="causal")
-        assert mx.allclose(ours, theirs, atol=FUSED_ATOL), name
+        assert mx.allclose(ours, theirs, atol=attention_atol(quant)), name
 
 
 @pytest.mark.slow

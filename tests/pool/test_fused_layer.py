@@ -284,17 +284,18 @@ def test_bad_layer_arguments_are_clear_errors(engine):
     # A key plan (a row completing a channel group): it goes with the prevs, its counts must
     # match it, and a group row past the arena gives NaN and writes nothing.
     prevs = arena.prevs[0]
-    counts = [0, 63, 64, 0, 64]  # gathered, group sources and rows, prev sources and rows
+    # gathered, group sources and rows, prev sources and rows, the row's first group
+    counts = [0, 63, 64, 0, 64, 1]
     plan = np.concatenate(
-        [np.arange(63), np.arange(64), np.arange(64), np.arange(64), np.arange(64)]
+        [np.arange(63), np.arange(64), np.arange(64), np.arange(64), np.arange(64), [0]]
     )
     completing = {**common, "tail_rows": None, "key_plan": mx.array(plan.astype(np.int32))}
     with pytest.raises(ValueError, match="key_plan"):
         _ext.decoder_layer(x, **args, **completing, key_counts=counts)
     with pytest.raises(ValueError, match="key_counts"):
-        _ext.decoder_layer(x, **args, **completing, key_counts=counts[:4], prevs=prevs)
+        _ext.decoder_layer(x, **args, **completing, key_counts=counts[:5], prevs=prevs)
     with pytest.raises(ValueError, match="key_plan"):
-        _ext.decoder_layer(x, **args, **completing, key_counts=[0, 63, 64, 0, 63], prevs=prevs)
+        _ext.decoder_layer(x, **args, **completing, key_counts=[0, 63, 64, 0, 63, 1], prevs=prevs)
     plan[63 + 64 :][:64] = arena.rows  # group rows past the arena
     before = np.array(prevs)
     out = _ext.decoder_layer(

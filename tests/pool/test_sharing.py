@@ -1,7 +1,8 @@
 """Shared prefix blocks on the real model: what is shared, and that nothing else is.
 
-Isolation: 16 agents whose prompts share prefixes of random lengths run at once; every one
-gives exactly the tokens it gives alone (with nothing shared), and holds only blocks whose
+Isolation: 16 agents whose prompts share prefixes of random lengths run at once, in the
+default KV format; every one gives exactly the tokens it gives alone (with nothing shared),
+batched or not, in other prefill chunks, and after a restart; and holds only blocks whose
 tokens are its own."""
 
 import random
@@ -41,12 +42,9 @@ def test_a_second_agent_shares_the_first_ones_system_prompt(fresh_engine):
 
 
 def test_sharing_gives_the_same_tokens_as_prefilling_alone(fresh_engine):
-    """Format 1: attention over what is stored does not depend on how the prompt was fed,
-    so a shared prefix gives the very tokens of a cold prefill (a tenant salt keeps that one
-    apart). Format 2 reads a query's unfinished key group in float16 and a finished one
-    quantized, so feeding a prompt in other pieces (or after a shared prefix) moves the
-    last bits (docs/kv-format-v2.md)."""
-    eng = fresh_engine(kv_format=1)
+    """The stored bits are a function of the tokens (docs/kv-format-v2.md), so a shared prefix
+    gives the very tokens of a cold prefill (a tenant salt keeps that one apart)."""
+    eng = fresh_engine()
     system = {"role": "system", "content": brief(420)}
     eng.chat("same-a", [system, {"role": "user", "content": "Who parses?"}], max_tokens=4)
     ask = [system, {"role": "user", "content": "Who writes?"}]
@@ -112,29 +110,40 @@ def test_forked_agents_share_every_block_until_one_writes(fresh_engine):
 
 
 @pytest.mark.slow
-def test_sixteen_agents_with_random_shared_prefixes_equal_their_solo_runs(fresh_engine):
-    """Format 1, where the bits do not depend on how a prompt is fed: each agent's tokens
-    are its solo run's. (In format 2 a prompt fed after a shared prefix or in other chunks
-    moves the last bits of the logits, docs/kv-format-v2.md: measured on these 16 prompts,
-    9 agents' logits differ from their solo runs' in the last bits, and at 6 tokens one
-    near tie flips with the packed matmul's rounding.)"""
-    rng = random.Random(20261123)
+def test_sixteen_agents_sharing_a_prompt_give_their_solo_tokens_batched_and_after_a_restart(
+    fresh_engine, tmp_path
+):
+    """The default KV format. 16 agents whose system prompts share prefixes of random lengths
+    (a brief cut anywhere: whole shared blocks, copied groups, nothing) each run alone (a
+    salt of their own: nothing shared), then all together in a random order, batched 8 at a
+    time with other prefill chunks, then a second turn each after a restart, warm, in
+    another order and other chunks: every agent gives exactly its solo tokens each time."""
+    rng = random.Random(20261127)
     base = brief(700)
-    prompts = []
+    first_turns = []
     for i in range(16):
-        cut = rng.randint(0, len(base))
-        prompts.append(base[:cut] + f" Agent {i}: summarise it in one line.")
-    alone = fresh_engine(kv_format=1)
-    solo = [
-        alone.generate(f"solo-{i}", p, max_tokens=6, cache_salt=f"solo-{i}").tokens
-        for i, p in enumerate(prompts)
-    ]
-    eng = fresh_engine(max_batch=8, kv_format=1)
-    results = eng.generate_many([(f"agent-{i}", p) for i, p in enumerate(prompts)], max_tokens=6)
-    assert [r.tokens for r in results] == solo
-    assert sum(r.stats.shared_tokens for r in results) > 0  # sharing did happen
+        system = {"role": "system", "content": base[: rng.randint(0, len(base))]}
+        first_turns.append([system, {"role": "user", "content": f"Agent {i}: sum it up."}])
+    alone = fresh_engine(cache_dir=tmp_path / "alone")
+    solo, second_turns, solo_again = [], [], []
+    for i, messages in enumerate(first_turns):
+        first = alone.chat(f"solo-{i}", messages, max_tokens=6, cache_salt=f"solo-{i}")
+        more = messages + [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "Then list its three parts."},
+        ]
+        second = alone.chat(f"solo-{i}", more, max_tokens=6, cache_salt=f"solo-{i}")
+        assert second.stats.cache == "hot"
+        solo.append(first.tokens)
+        second_turns.append(more)
+        solo_again.append(second.tokens)
+    order = rng.sample(range(16), 16)
+    eng = fresh_engine(max_batch=8, prefill_chunk=rng.choice([96, 160, 200]))
+    results = eng.chat_many([(f"agent-{i}", first_turns[i]) for i in order], max_tokens=6)
+    assert [r.tokens for r in results] == [solo[i] for i in order]
+    assert sum(r.stats.shared_tokens for r in results) > 4 * BLOCK_TOKENS  # sharing did happen
     records = eng.pool.blocks.records
-    for i in range(len(results)):
+    for i in range(16):
         state = eng.residency.get(f"agent-{i}")
         # Every block it holds carries exactly its own tokens at that place.
         assert state.table.token_ids()[: state.table.length] == state.tokens
@@ -143,6 +152,12 @@ def test_sixteen_agents_with_random_shared_prefixes_equal_their_solo_runs(fresh_
             held = records[block].tokens[: min(BLOCK_TOKENS, state.size - start)]
             assert held == state.tokens[start : start + len(held)]
     eng.pool.blocks.check()
+    eng.close()
+    restarted = fresh_engine(max_batch=8, prefill_chunk=rng.choice([64, 128, 300]))
+    order = rng.sample(range(16), 16)
+    results = restarted.chat_many([(f"agent-{i}", second_turns[i]) for i in order], max_tokens=6)
+    assert all(r.stats.cache == "warm" for r in results)
+    assert [r.tokens for r in results] == [solo_again[i] for i in order]
 
 
 @pytest.mark.slow

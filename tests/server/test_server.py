@@ -950,3 +950,19 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path):
             assert running.result().status_code == 200 and waiting.result().status_code == 200
     finally:
         proc.stop(signal.SIGKILL)
+
+
+def test_a_turn_that_failed_is_a_500_and_a_closing_engine_a_503():
+    """A turn that failed on the engine's side (a KVSwap read: TurnFailedError, whose message
+    names no file) is a server error of that turn, not "unavailable", which means the server
+    is shutting down; each API's error shape says so."""
+    from agentkv.server.endpoint import as_api_error
+    from agentkv.server.errors import ANTHROPIC, OPENAI
+
+    failed = agentkv.TurnFailedError("this turn of agent 'a' failed: part of its context ...")
+    error = as_api_error(failed, None)
+    assert (error.status, error.kind, error.message) == (500, "server", str(failed))
+    assert OPENAI.error_body(error)["error"]["type"] == "server_error"
+    assert ANTHROPIC.error_body(error)["error"]["type"] == "api_error"
+    closing = as_api_error(agentkv.AgentKVError("the engine is closed"), None)
+    assert (closing.status, closing.kind) == (503, "unavailable")

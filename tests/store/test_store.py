@@ -382,3 +382,40 @@ def test_missing_manifest_means_no_state(store, pool):
     os.unlink(store.agent_dir("a1") / MANIFEST_NAME)
     assert store.read_manifest("a1")[0] is None
     assert store.read_manifest("never-seen")[0] is None
+
+
+def test_a_block_file_is_reused_only_for_the_bytes_it_holds(store, pool):
+    """Two agents hold the same tokens but other bytes (as an agent computed by an earlier
+    agentkv or another machine would): the second does not take the first one's block files
+    for its own; it writes *variants*, named by the hash and its bytes' checksum, and each
+    loads back its own bytes. A third with the first one's bytes reuses its files."""
+    from agentkv.store.format import block_file_name, is_variant
+
+    ids = text_for(600, 1)[0]
+    a = fill_table(pool, 600, seed=1)
+    elsewhere = pool_for(store.spec)  # (in one pool, b's blocks would seal as a's)
+    b = fill_table(elsewhere, 600, seed=2, ids=ids)  # the same tokens, other bytes
+    save(store, pool, "a", a)
+    report, _ = save(store, elsewhere, "b", b)
+    ma, _ = store.read_manifest("a")
+    mb, _ = store.read_manifest("b")
+    for x, y in zip(ma.blocks[:2], mb.blocks[:2]):
+        assert x.hash == y.hash and x.checksum != y.checksum
+        assert x.segment == block_file_name(bytes.fromhex(x.hash)) and not is_variant(x.segment)
+        assert y.segment == block_file_name(bytes.fromhex(y.hash), 3, y.checksum)
+    assert report.bytes_written > 2 * pool.block_bytes  # b's own two block files
+    for agent, table, held in (("a", a, pool), ("b", b, elsewhere)):
+        for w, g in zip(table_arrays(held, table), loaded_into_pool(store, agent, 600)):
+            assert np.array_equal(w, g)
+    c_pool = pool_for(store.spec)
+    c = fill_table(c_pool, 600, seed=1)  # a's bytes again
+    again, _ = save(store, c_pool, "c", c)
+    mc, _ = store.read_manifest("c")
+    assert [x.segment for x in mc.blocks[:2]] == [x.segment for x in ma.blocks[:2]]
+    assert again.bytes_written < pool.block_bytes  # only its tail
+    # KVSwap's block files are the same ones: the pool's bytes, checked, never the others'.
+    with store.shared.writing():
+        files = store.shared.ensure_pool_blocks(elsewhere, b.blocks[:2])
+    assert [f.path for f in files] == [str(store.model_dir / y.segment) for y in mb.blocks[:2]]
+    assert [f.checksum for f in files] == [y.checksum for y in mb.blocks[:2]]
+    assert store.collect_blocks() == 0  # every file is named

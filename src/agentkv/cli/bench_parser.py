@@ -71,6 +71,12 @@ def _compute(compute: argparse.ArgumentParser) -> None:
     add_count(compute, "--decode-tokens", 32, "tokens decoded per measured decode (default 32)")
     add_count(compute, "--batch-agents", 4, "agents decoding together (default 4)")
     add_count(compute, "--batch-context", 1024, "tokens of each batched agent (default 1024)")
+    compute.add_argument(
+        "--arms",
+        default="agentkv-float32,agentkv-quantized",
+        help="agentkv's arms (default agentkv-float32,agentkv-quantized); AGENTKV_THREADS sets "
+        "their threads",
+    )
     _add_peer(compute)
 
 
@@ -298,3 +304,10 @@ def _kvswap(kvswap: argparse.ArgumentParser) -> None:
     add_flag(kvswap, "--no-agents", "skip the batch test")
     add_count(kvswap, "--agent-decode", 16, "tokens each agent decodes there (default 16)")
     add_flag(kvswap, "--tune", "sweep the rank (and the predictor without low-rank keys)")
+    add_flag(
+        kvswap,
+        "--memory",
+        "also one turn of --context tokens in a process of its own, all in memory and "
+        "swapped on a pool that cannot hold it: peak RSS and decode tokens/s (~3 minutes)",
+    )
+    add_flag(kvswap, "--memory-only", "only the --memory arms")

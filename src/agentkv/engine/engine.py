@@ -224,6 +224,9 @@ class Engine:
             swapper=self.swapper,
             draft_tokens=config.draft_tokens,
         )
+        if self.swapper is not None:  # a turn over the budget: its blocks one by one
+            self.swapper.prefill_chunk = self.runner.prefill_chunk
+            resumer.swapper = self.swapper
         self.residency.save = self.runner.save
 
     def _check_swappable(self) -> None:

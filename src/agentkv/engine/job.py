@@ -249,7 +249,7 @@ class Job:
             if not self.prompt_recorded:
                 self.record_prompt()  # only the chunks done
                 self.prompt_recorded = True
-            self.state.table.trim(self.state.size)  # no generated token stays
+            self.state.fit_table()  # no generated token stays
             self.finish_reason = "cancelled"
             return
         if not self._scanner.stopped and self.generated and self.generated[-1] not in self._eos:

@@ -16,7 +16,9 @@ is left.
 
 from __future__ import annotations
 
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,10 +29,11 @@ from ..format.quant import KVQuant
 from ..kv.cache import window_start
 from ..pool import KVPool, Reservation
 from ..pool.arena import WritePlan
-from ..pool.hashing import chain_seed
+from ..pool.hashing import BACKENDS, bits_identity, chain_seed, private_seed
 from ..pool.sharing import SharePlan, Stored, apply_sharing, plan_sharing
+from ..pool.tables import exact_keep
 from ..store.agent_store import AgentStore, DurableState
-from ..store.format import Manifest, is_shared_file
+from ..store.format import Manifest, is_shared_file, is_variant
 from ..store.writer import BackgroundWriter
 from ..text.matcher import Match, MatchKind, match_prefix
 from ..text.tokens import TokenText
@@ -43,6 +46,25 @@ from .state import AgentState
 SALT_CHANGED = (
     "this turn's cache_salt differs from the one the agent's cache was built under; "
     "its context is prefilled again"
+)
+
+
+def _exact_of(manifest: Manifest) -> Callable[[int], int]:
+    """``BlockTable.exact_keep`` of the table a stored agent loads into."""
+    ct = manifest.quant.channel_tokens if manifest.quant.channel_keys else 0
+    prev = manifest.prev_group if manifest.prev is not None else None
+    return lambda keep: exact_keep(keep, manifest.token_count, ct, prev)
+
+
+# An agent whose stored bytes are not the ones this engine computes for its tokens keeps
+# them as its own (pool.hashing.private_seed); its note says why.
+ELSEWHERE_NOTE = (
+    "its KV was computed by an earlier agentkv or on another backend: it continues as its "
+    "own (its blocks are not shared with other agents)"
+)
+VARIANT_NOTE = (
+    "some of its blocks hold other bytes than the block files of the same tokens: it "
+    "continues as its own (its blocks are not shared with other agents)"
 )
 
 
@@ -76,6 +98,10 @@ class ResumePlan:
     # them, and the cached ones among them are out of ``available()`` when it reserves.
     pinned: list[int] = field(default_factory=list)
     resumer: Resumer | None = field(default=None, repr=False)
+    nonce: str | None = None  # the agent's bytes are its own (pool.hashing.private_seed)
+    # Over the KVSwap budget: the turn streams (engine/swapping.py), holding at most this
+    # many pool blocks at once; None: it holds its whole context
+    streams: int | None = None
 
     def cancel(self) -> None:
         """The turn waits: give a hot agent back as it was."""
@@ -130,6 +156,7 @@ class Resumer:
         self.min_reuse = min_reuse
         self.context_limit = context_limit
         self.default_seed = pool.seed()
+        self.swapper = None  # KVSwap (engine/swapping.py): turns over its budget stream
 
     # -- planning -------------------------------------------------------------------------
 
@@ -152,14 +179,15 @@ class Resumer:
             m = self._exact_or_enough(m, self._exact_from(state.size, state.table.prev_group))
             if m.kind is MatchKind.DIVERGE:
                 plan = self._plan(agent_id, "cold", m, state.size, prompt, fresh_seed)
-            elif state.table.seed != fresh_seed:
+            elif state.table.seed != self._salt_seed(salt, state.table.nonce):
                 plan = self._plan(
                     agent_id, "cold", m, state.size, prompt, fresh_seed, note=SALT_CHANGED
                 )
             elif self._window_rows_held(state, m.reuse):
                 plan = self._plan(
-                    agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans
-                )
+                    agent_id, "hot", m, state.size, prompt, state.table.seed, spans=state.spans,
+                    tokens=state.tokens, exact=state.table.exact_keep,
+                )  # fmt: skip
             else:  # the sliding layers' rows of its window are gone: read them again
                 held[0] = None
                 self.residency.put(state)
@@ -211,19 +239,25 @@ class Resumer:
         m = match_prefix(manifest.text, manifest.spans[:, 1], manifest.tokens, prompt, min_reuse=1)
         prev = manifest.prev_group if manifest.prev is not None else None
         m = self._exact_or_enough(m, self._exact_from(stored, prev, manifest.quant))
-        seed = bytes.fromhex(manifest.chain_seed) if manifest.chain_seed else self.default_seed
-        if manifest.chain_seed and seed != chain_seed(
-            self.pool.spec.fingerprint, manifest.quant.identity, salt
-        ):
+        namespace = self._stored_namespace(manifest, salt)
+        if namespace is None:
             return self._plan(agent_id, "cold", m, stored, prompt, fresh_seed, note=SALT_CHANGED)
-        if convert:  # every block is written again, in this KV format: named under its chain
-            seed = fresh_seed
+        seed, nonce, own_note = namespace
+        if convert:  # its bytes are converted: its own from now on
+            nonce = secrets.token_hex(8)
+            seed, own_note = self.pool.private_seed(salt, nonce), None
         m = self._readable_prefix(manifest, m)
         if m.kind is MatchKind.DIVERGE or m.reuse == 0:
             plan = self._plan(agent_id, "cold", m, stored, prompt, fresh_seed)
         else:
-            plan = self._plan(agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans)
+            plan = self._plan(
+                agent_id, "warm", m, stored, prompt, seed, spans=manifest.spans,
+                tokens=manifest.tokens, exact=None if convert else _exact_of(manifest),
+            )  # fmt: skip
             plan.manifest = manifest
+            plan.nonce = nonce
+            if own_note is not None:
+                plan.note = own_note + (f"; {plan.note}" if plan.note else "")
             if convert:
                 plan.note = (
                     f"converted from the stored {manifest.quant.label} KV format to "
@@ -233,11 +267,48 @@ class Resumer:
         plan.load_ms = load_ms
         return plan
 
+    def _salt_seed(self, salt: str | None, nonce: str | None) -> bytes:
+        """The chain seed of an agent under ``salt``, private where it has a ``nonce``."""
+        if nonce is not None:
+            return self.pool.private_seed(salt, nonce)
+        return self.pool.seed(salt) if salt else self.default_seed
+
+    def _stored_namespace(self, manifest: Manifest, salt: str | None):
+        """Where a stored agent's blocks are named: (seed, nonce, note), or None where it was
+        built under another salt. An agent whose bytes were computed elsewhere (an earlier
+        agentkv, another backend) is given a private seed of its own (a note says so): its
+        bytes stay its own, never taken for the ones this engine computes."""
+        fingerprint, kind = self.pool.spec.fingerprint, manifest.quant.identity
+        if manifest.chain_seed is None:  # store version 1: no salt, no hashes
+            return self._own_namespace(salt)
+        stored = bytes.fromhex(manifest.chain_seed)
+        if manifest.nonce is not None:  # its own already: under this salt?
+            if stored == private_seed(
+                chain_seed(fingerprint, kind, salt, self.pool.bits), manifest.nonce
+            ):
+                return stored, manifest.nonce, None
+            salts = [chain_seed(fingerprint, kind, salt, bits_identity(b)) for b in BACKENDS]
+            found = any(stored == private_seed(s, manifest.nonce) for s in salts)
+            return self._own_namespace(salt) if found else None
+        if stored == chain_seed(fingerprint, kind, salt, self.pool.bits):
+            if any(is_variant(name) for name in manifest.segments):
+                return self._own_namespace(salt, VARIANT_NOTE)
+            return stored, None, None
+        elsewhere = [chain_seed(fingerprint, kind, salt)] + [
+            chain_seed(fingerprint, kind, salt, bits_identity(b)) for b in BACKENDS
+        ]
+        return self._own_namespace(salt) if stored in elsewhere else None
+
+    def _own_namespace(self, salt: str | None, note: str = ELSEWHERE_NOTE):
+        nonce = secrets.token_hex(8)
+        return self.pool.private_seed(salt, nonce), nonce, note
+
     def _exact_from(self, size: int, prev_group: int | None, quant: KVQuant | None = None) -> int:
-        """The first token from which a cut of a ``size``-token state keeps its keys exactly
-        as they are: KV format 2 quantizes keys per 64-token channel group, and a cut inside
-        a quantized group reads them back from their bits, unless the group is the one still
-        filling (float16) or the last full one (``prev_group``: its float16 keys are kept)."""
+        """The first token from which a cut of a ``size``-token state keeps its keys as they
+        are: KV format 2 quantizes keys per 64-token channel group, and a cut inside a
+        quantized group goes back to the group's start and feeds its kept tokens again
+        (``BlockTable.exact_keep``), unless the group is the one still filling (float16) or
+        the last full one (``prev_group``: its float16 keys are kept)."""
         quant = quant or self.pool.quant
         if not quant.channel_keys:
             return 0  # every token quantized on its own: any cut is exact
@@ -246,9 +317,9 @@ class Resumer:
         return min(exact, prev_group) if prev_group is not None else exact
 
     def _exact_or_enough(self, m: Match, exact_from: int) -> Match:
-        """A partial match is reused where the cut keeps the kept keys exact, or where it
-        keeps at least ``min_reuse`` tokens (worth the keys read back from their bits);
-        otherwise the turn starts fresh, and the note says why."""
+        """A partial match is reused where the cut keeps the kept keys as they are, or where
+        it keeps at least ``min_reuse`` tokens (worth feeding the cut group's kept tokens
+        again); otherwise the turn starts fresh, and the note says why."""
         if m.kind is not MatchKind.PARTIAL or m.reuse >= min(self.min_reuse, exact_from):
             return m
         note = (
@@ -292,8 +363,12 @@ class Resumer:
         *,
         spans: np.ndarray | None = None,
         note: str | None = None,
+        tokens=None,
+        exact: Callable[[int], int] | None = None,
     ) -> ResumePlan:
-        """Tokenize what the own state does not cover (with the refeed and BOS rules)."""
+        """Tokenize what the own state does not cover (with the refeed and BOS rules).
+        ``exact``: how many of the kept tokens keep exact keys (``BlockTable.exact_keep``):
+        the others are fed again, from the own ``tokens`` and ``spans``."""
         reusing = tier != "cold" and m is not None
         reuse = m.reuse if reusing else 0
         resume = m.resume_at if reusing else 0
@@ -307,6 +382,10 @@ class Resumer:
             new_spans = np.concatenate([np.zeros((1, 2), dtype=np.int64), new_spans])
         if not ids:
             raise InvalidRequestError("the prompt is empty")
+        if reusing and exact is not None and (kept := exact(reuse)) < reuse:
+            ids = [int(t) for t in tokens[kept:reuse]] + ids
+            new_spans = np.concatenate([np.asarray(spans[kept:reuse], np.int64), new_spans])
+            reuse = kept
         total = reuse + len(ids)
         if self.context_limit is not None and total >= self.context_limit:
             raise InvalidRequestError(
@@ -336,6 +415,13 @@ class Resumer:
         else:
             own = []
         context = own + plan.prefill_ids
+        if self.swapper is not None:
+            plan.streams = self.swapper.bounded_blocks(len(context) + max_new)
+        if plan.streams is not None:  # it holds a few blocks at a time: read, never shared
+            plan.share = None
+            plan.blocks_needed = plan.streams
+            self._pin(plan)
+            return plan
         plan.share = plan_sharing(self.pool, self.store, plan.seed, context, own=plan.reuse)
         reused = plan.share.reuse if plan.share is not None else plan.reuse
         reads = 0
@@ -403,10 +489,13 @@ class Resumer:
             if plan.hot is not None:  # its text diverged: the old state goes
                 plan.hot.release()
                 plan.hot = None
-            state = AgentState(plan.agent_id, self.pool.quant, self.pool.new_table(plan.seed))
+            table = self.pool.new_table(plan.seed, nonce=plan.nonce)
+            state = AgentState(plan.agent_id, self.pool.quant, table)
             taken.append(state)
             if plan.tier == "warm" and plan.manifest.quant != self.pool.quant:
                 self._convert_own(plan, state, reservation)
+            elif plan.tier == "warm" and plan.streams is not None:
+                self._stream_own(plan, state, reservation)
             elif plan.tier == "warm":
                 self._read_own(plan, state, reservation)
         shared = 0
@@ -476,6 +565,38 @@ class Resumer:
                 if block is not None:
                     pool.release(block)
         table.seal_full()
+        self._own_state(plan, state)
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _stream_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
+        """Warm, over the KVSwap budget: the agent's blocks read one after another (from the
+        pool where it holds them), each evicted as the next comes in, so the turn holds a few
+        blocks whatever its context (engine/swapping.py)."""
+        t0 = time.perf_counter()
+        manifest, reuse = plan.manifest, plan.reuse
+        pool = self.pool.blocks
+        table = state.table
+        sources = self.store.block_sources(manifest, plan.agent_id, blocks_for(reuse))
+        try:
+            for i, src in enumerate(sources):
+                ids = manifest.tokens[i * BLOCK_TOKENS : i * BLOCK_TOKENS + src.tokens].tolist()
+                held = pool.lookup(src.hash) if src.hash is not None else None
+                if held is not None and pool.records[held].tokens == ids:
+                    table.adopt(held)
+                else:
+                    fresh = pool.allocate(reserved=reservation.take())
+                    table.attach(fresh, ids)
+                    self.store.read_into(self.pool.arena, plan.agent_id, [(src, fresh)])
+                    table.seal_full()
+                self.swapper.evict_filled(state, reservation)
+        except CacheFormatError as exc:
+            raise ReloadNeeded(self._reject_file(plan.agent_id, exc)) from None
+        self._own_state(plan, state)
+        plan.load_ms += (time.perf_counter() - t0) * 1000
+
+    def _own_state(self, plan: ResumePlan, state: AgentState) -> None:
+        """The read agent's tail, last group's keys and text, cut to the plan's reuse."""
+        manifest, reuse, table = plan.manifest, plan.reuse, state.table
         if manifest.tail is not None:  # KV format 2: the keys of the group still filling
             self.pool.arena.write_tail(table.take_tail(), manifest.tail)
             if manifest.prev is not None:  # and the last full group's, as computed
@@ -491,7 +612,6 @@ class Resumer:
             bytes.fromhex(b.hash) if b.hash else None
             for b in manifest.blocks[: reuse // BLOCK_TOKENS]
         ]
-        plan.load_ms += (time.perf_counter() - t0) * 1000
 
     def _convert_own(self, plan: ResumePlan, state: AgentState, reservation: Reservation) -> None:
         """Warm, from another KV format: read the stored blocks, dequantize them and store

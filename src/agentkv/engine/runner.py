@@ -128,18 +128,27 @@ class TurnRunner:
         reservations=None,
         logits: bool | str = True,
         swaps=None,
+        before=None,
     ):
         """Feed ``ids`` (as many per row) through the model on these block tables, growing
         each from its reservation; the logits after each row's last token, or None
         (``logits=False``: a prefill chunk that is not the last, whose output projection
         is then never computed), or ``logits="every"``: after each token, [B, n, vocab] (a
-        drafted step). ``swaps``: each row's KVSwap state or None (a row whose reads failed
-        gets NaN logits and its state's ``error``: ``check_swap``)."""
+        drafted step). ``swaps``: each row's KVSwap state or None. A row whose reads failed
+        gets NaN logits and its state's ``error`` (``check_swap``), and nothing of the
+        step is recorded for it: no token, no block sealed (its turn must fail).
+        ``before(tables)``: called once the tables are grown, before the step (a streamed
+        prefill evicts its filled blocks there); it returns the swaps, and a streamed
+        prefill step is one whose only row is swapped."""
         count = len(ids[0])
         arena = self.pool.arena
         for table, reservation in zip(tables, reservations or [None] * len(tables)):
             table.grow(count, arena.copy_rows, reservation)
-        step = PagedStep(arena, self.loaded.spec, tables, count, swaps=swaps)
+        stream = False
+        if before is not None:
+            swaps = before(tables)
+            stream = swaps is not None and count > 1
+        step = PagedStep(arena, self.loaded.spec, tables, count, swaps=swaps, stream=stream)
         last = None
         try:
             if logits == "every":
@@ -154,9 +163,29 @@ class TurnRunner:
             arena.discard_writes()
             raise
         arena.settle()
-        for table, row in zip(tables, ids):
-            table.written(row)
+        for table, row, swap in zip(tables, ids, swaps or [None] * len(tables)):
+            if swap is None or not swap.error:  # a failed row keeps nothing of the step
+                table.written(row)
         return last
+
+    def prefill(self, job: Job, ids: list[int], logits: bool):
+        """One prefill chunk of ``job``'s turn (``forward``'s logits); a turn over the
+        KVSwap budget streams: its filled blocks evicted first, its attention reading them
+        back (engine/swapping.py). Raises the turn's error if a read failed."""
+        state, reservation = job.state, job.reservation
+        before = None
+        if self.swapper is not None and self.swapper.streaming(state, len(ids)):
+
+            def before(tables):
+                self.swapper.evict_filled(state, reservation)
+                return [state.swap] if state.swap is not None else None
+
+        out = self.forward(
+            [state.table], [ids], reservations=[reservation], logits=logits, before=before
+        )
+        if self.swapper is not None:
+            self.swapper.check(state)
+        return out
 
     def draft_for(self, job: Job) -> list[int]:
         """A draft for the decoding ``job``'s next step, [] where it takes none
@@ -176,14 +205,14 @@ class TurnRunner:
         """A turn's prefill is done: swap the agent's leading blocks out if it is over the
         engine's KVSwap budget (engine/swapping.py)."""
         if self.swapper is not None and job.state is not None:
-            self.swapper.start(job.state)
+            self.swapper.start(job.state, job.reservation)
 
     def check_swap(self, job: Job) -> None:
         """Raise the agent's error if its KVSwap reads failed in the last step; else evict
         a block it filled (engine/swapping.py)."""
         if self.swapper is not None and job.state is not None:
             self.swapper.check(job.state)
-            self.swapper.keep_to_budget(job.state)
+            self.swapper.keep_to_budget(job.state, job.reservation)
 
     # -- the end of a turn --------------------------------------------------------------------
 
@@ -201,7 +230,7 @@ class TurnRunner:
             state.release()
             return
         try:
-            state.table.trim(state.size)  # the last sampled token was never fed
+            state.fit_table()  # the last sampled token was never fed
             self.save(state)
             self._cap_window(state)
         except BaseException:  # e.g. no memory to pack the save: drop it, reload from disk
@@ -230,6 +259,7 @@ class TurnRunner:
             text=state.text,
             messages=state.messages,
             evicted=state.swap.records if state.swap is not None else None,
+            evicted_files=state.swap.files if state.swap is not None else None,
         )
         job.hold, state.swap_hold = state.swap_hold, None  # released once it is written
         try:

@@ -257,9 +257,7 @@ class Scheduler:
             return
         try:
             ids, last = job.next_chunk()
-            logits = self.runner.forward(
-                [job.state.table], [ids], reservations=[job.reservation], logits=last
-            )
+            logits = self.runner.prefill(job, ids, last)
             job.chunk_done()
             if not last:
                 self._prefilling.append(job)

@@ -52,7 +52,8 @@ class AgentState:
         return len(self.table.blocks)
 
     def trim(self, keep: int) -> None:
-        """Forget every token after the first ``keep``."""
+        """Forget every token after the first ``keep`` (which ``BlockTable.exact_keep``
+        must allow)."""
         if self.size > keep:
             self.table.trim(keep)
             self.tokens = self.tokens[:keep]
@@ -60,6 +61,15 @@ class AgentState:
             self.text = self.text[: int(self.spans[-1, 1]) if keep else 0]
         self.durable = min(self.durable, keep)
         del self.saved_blocks[keep // BLOCK_TOKENS :]
+
+    def fit_table(self) -> None:
+        """Cut the table back to the agent's tokens (it may hold more: the last sampled token
+        of a turn, a cancelled reply), or to fewer where a cut inside a complete channel
+        group would not keep exact keys (``BlockTable.exact_keep``): the agent's tokens then
+        go with it, and its next turn feeds them again."""
+        keep = self.table.exact_keep(min(self.size, self.table.length))
+        self.table.trim(keep)
+        self.trim(keep)
 
     def append(self, ids: list[int], spans: np.ndarray, text: bytes) -> None:
         """Record tokens already written into the table and the text they cover."""

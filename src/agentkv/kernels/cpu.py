@@ -63,6 +63,8 @@ def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float)
         paged.channel_tokens,
         paged.tail,
         paged.tail_slots,
+        paged.done if paged.done_first is not None else None,
+        paged.done_first if paged.done is not None else None,
     )
 
 

@@ -59,8 +59,40 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
             quant=row_quant,
             sinks=paged.sinks,
         )
+        if paged.done is not None and int(paged.done_first[b].item()) >= 0:
+            out = _inside_done_groups(queries, paged, b, n, keys, values, mask, out, scale)
         outs.append(out)
     return mx.concatenate(outs, axis=0)
+
+
+def _inside_done_groups(queries, paged: PagedQuery, b, n, keys, values, mask, out, scale):
+    """Row ``b``'s queries inside a channel group its step completed, before the group's last
+    token, read that group in float16 (``paged.done``), as they would one token at a time."""
+    ct, heads = paged.channel_tokens, paged.kv_heads
+    L = queries.shape[2]
+    done_from, tail_from = (n - L) // ct * ct, n // ct * ct
+    first = int(paged.done_first[b].item())
+    parts, at = [], 0
+    for group in range(done_from, tail_from, ct):
+        lo, hi = max(group, n - L), group + ct - 1  # positions inside it, its last excluded
+        if lo >= hi:
+            continue
+        entry = first + (group - done_from) // ct * heads
+        rows = paged.done[entry * ct : (entry + heads) * ct].reshape(1, heads, ct, -1)
+        own = mx.concatenate([keys[0][:, :, :group], rows, keys[0][:, :, group + ct :]], axis=2)
+        i0, i1 = lo - (n - L), hi - (n - L)
+        inside = quantized_attention(
+            queries[b : b + 1, :, i0:i1],
+            (own,),
+            values,
+            scale=scale,
+            mask=mask[i0:i1],
+            quant=replace(paged.quant(), key_bits=FLOAT_BITS, key_scheme="token"),
+            sinks=paged.sinks,
+        )
+        parts += [out[:, :, at:i0], inside]
+        at = i1
+    return mx.concatenate([*parts, out[:, :, at:]], axis=2)
 
 
 def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:

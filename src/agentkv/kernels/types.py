@@ -45,6 +45,12 @@ class PagedQuery(NamedTuple):
     # the same tables, lengths and tail slots on the host where the caller has them (a pool
     # step does): the GPU paths then plan without reading the device (no synchronisation)
     host: HostIndex | None = None
+    # KV format 2 in a pool step: the groups the step completed, float16 [entries * ct, D],
+    # row b's from entry done_first[b] (-1: none; pool.arena.WritePlan), which a query inside
+    # one reads until its last token (csrc/core/attention.h). The CPU paths read them; the
+    # GPU paths do not yet (docs/kv-format-v2.md)
+    done: mx.array | None = None
+    done_first: mx.array | None = None
 
     def quant(self) -> KVQuant:
         """The KV format these arenas hold."""

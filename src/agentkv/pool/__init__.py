@@ -9,13 +9,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from ..errors import InvalidRequestError
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import KVQuant
 from ..format.spec import LayerKind, ModelCacheSpec
+from ..kernels import gpu
 from .arena import KVArena
 from .blocks import BlockPool, BlockRecord, BlockState, PoolExhaustedError, Reservation
-from .hashing import chain_seed
+from .hashing import bits_identity, chain_seed, private_seed
 from .tables import BlockTable
 
 __all__ = [
@@ -47,6 +50,13 @@ def default_pool_bytes() -> int:
     return max(MIN_DEFAULT_BYTES, min(MAX_DEFAULT_BYTES, total // 4))
 
 
+def device_backend() -> str:
+    """The backend the default device computes on: "cpu", "metal" or "cuda"."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    return "metal" if gpu.metal_available() else "cuda"
+
+
 @dataclass(frozen=True)
 class PoolStats:
     """What ``Engine.pool_stats()`` reports."""
@@ -63,6 +73,10 @@ class PoolStats:
     resident_bytes: int  # blocks in use or cached, each counted once
     evictions: int  # cached blocks reused for new ones
     arena_copies: int  # arena writes that were not in place (should stay 0)
+    # KVSwap: blocks of swapped agents held only in their block files (their pages went back
+    # to the system when they were evicted), and their bytes
+    swapped_blocks: int = 0
+    swapped_bytes: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -97,17 +111,25 @@ class KVPool:
         )
         windows = [layer.window for layer in spec.layers if layer.kind is LayerKind.SLIDING]
         self.window = max(windows) if windows else None
+        self.bits = bits_identity(device_backend())  # what computes the bytes its blocks hold
+        self.swapped_blocks = 0  # KVSwap's evicted blocks, out of memory (pool/swap.py)
 
     @property
     def capacity(self) -> int:
         return self.blocks.capacity
 
     def seed(self, salt: str | None = None) -> bytes:
-        return chain_seed(self.spec.fingerprint, self.quant.identity, salt)
+        """The chain seed of agents under ``salt`` whose bytes this pool computes."""
+        return chain_seed(self.spec.fingerprint, self.quant.identity, salt, self.bits)
 
-    def new_table(self, seed: bytes) -> BlockTable:
+    def private_seed(self, salt: str | None, nonce: str) -> bytes:
+        """The chain seed of an agent whose bytes are its own (``pool.hashing``)."""
+        return private_seed(self.seed(salt), nonce)
+
+    def new_table(self, seed: bytes, *, nonce: str | None = None) -> BlockTable:
+        """An empty table under ``seed`` (``nonce``: the one of a ``private_seed``)."""
         tails = self.arena if self.arena.ct else None
-        return BlockTable(self.blocks, seed, window=self.window, tails=tails)
+        return BlockTable(self.blocks, seed, window=self.window, tails=tails, nonce=nonce)
 
     def reserve(self, blocks: int) -> Reservation:
         return Reservation(self.blocks, blocks)
@@ -136,4 +158,6 @@ class KVPool:
             resident_bytes=self.resident_bytes(),
             evictions=b.evictions,
             arena_copies=self.arena.copies,
+            swapped_blocks=self.swapped_blocks,
+            swapped_bytes=self.swapped_blocks * self.block_bytes,
         )

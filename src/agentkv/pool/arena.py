@@ -61,7 +61,10 @@ class WritePlan:
     group's ``ct`` keys (per head, in token order) from it into arena rows ``group_rows``,
     and ``rest_src`` the keys after the last complete group into tail rows ``rest_rows``.
     ``key_plan`` / ``key_counts``: all of it as the fused decoder layer takes it (None where
-    no row completes a group).
+    no row completes a group). The groups a step completes are listed row by row, group by
+    group, head by head: row b's first is entry ``done_first[b]`` (-1: it completes none), and
+    ``done[layer]`` holds them in float16 once ``KVArena.append`` has run: attention reads a
+    query's own group there until the query is its last token (csrc/core/attention.h).
     """
 
     def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
@@ -75,6 +78,8 @@ class WritePlan:
         group_src, group_rows, rest_src, rest_rows = [], [], [], []
         prev_src, prev_rows = [], []
         self.prev_groups: list[int | None] = [getattr(t, "prev_group", None) for t in tables]
+        self.done: dict[int, mx.array] = {}
+        done_first = [-1] * len(tables)
         completing = []
         for b, (t, start) in enumerate(zip(tables, starts)):
             r = start % ct
@@ -96,34 +101,45 @@ class WritePlan:
                     gather.extend(range(first, first + r))
             n_gather = len(gather)
             gathered = 0  # tail rows of the completing rows before this one, per head
+            entries = 0  # groups (of one head) listed so far
             for b, t, start, r in completing:
                 total = r + count
                 full = total // ct * ct
                 rows = arena.write_rows([t.blocks], [start - r], full).reshape(heads, full)
+                seqs = []
                 for h in range(heads):
                     old = [gathered * heads + h * r + i for i in range(r)]
                     new = [n_gather + (b * heads + h) * count + i for i in range(count)]
                     seq = old + new
-                    group_src.extend(seq[:full])
-                    group_rows.extend(rows[h].tolist())
+                    seqs.append(seq)
                     rest_src.extend(seq[full:])
                     first = (t.tail * heads + h) * ct
                     rest_rows.extend(range(first, first + total - full))
                     prev_src.extend(seq[full - ct : full])  # the last group completed
                     prev_rows.extend(range(first, first + ct))
+                for g in range(0, full, ct):  # group by group, head by head
+                    for h in range(heads):
+                        group_src.extend(seqs[h][g : g + ct])
+                        group_rows.extend(rows[h][g : g + ct].tolist())
+                done_first[b] = entries
+                entries += full // ct * heads
                 self.prev_groups[b] = start - r + full - ct
                 gathered += r
         self.key_plan, self.key_counts = None, None
+        self.done_first = None
         if completing:  # the fused layer's form (csrc/ops.h, decoder_layer)
             parts = [direct, direct_src, gather, group_src, group_rows, rest_src, rest_rows]
-            self.key_plan = mx.array(np.asarray(sum(parts + [prev_src, prev_rows], []), np.int32))
+            parts += [prev_src, prev_rows, done_first]
+            self.key_plan = mx.array(np.asarray(sum(parts, []), np.int32))
             self.key_counts = [
                 len(direct),
                 len(gather),
                 len(group_src),
                 len(rest_src),
                 len(prev_src),
+                len(done_first),
             ]
+            self.done_first = mx.array(np.asarray(done_first, np.int32))
         self._arena = arena
         self._gather = _index(gather)
         self._gathered: list[mx.array] | None = None
@@ -245,30 +261,22 @@ class KVArena:
                 arrays[layer][put] = part
             self.settle()
 
-    def refill_tail(self, slot: int, blocks: list[int], keep: int, prev_group=None) -> None:
-        """The tail of a table cut to ``keep`` tokens inside a complete channel group: the
-        group's first ``keep % ct`` keys into ``slot``: exactly from the slot's previous-group
-        rows if they hold that group (``prev_group``, its first token), else dequantized
-        from its arena rows (they are quantized again when the group completes)."""
+    def refill_tail(self, slot: int, keep: int, prev_group: int | None) -> None:
+        """The tail of a table cut to ``keep`` tokens inside its last complete channel group:
+        the group's first ``keep % ct`` keys into ``slot``, from the slot's previous-group
+        rows, which hold that group (``prev_group``, its first token) as it was computed.
+        (``BlockTable.trim`` never cuts into an earlier group: its float16 keys are gone.)"""
         first = keep // self.ct * self.ct
         count = keep - first
         if not count:
             return
-        if prev_group == first:
-            take, put = self._tail_rows(slot, 0, count), self._tail_rows(slot, 0, count)
-            rows = [self.prevs[layer][take] for layer in range(self.spec.num_layers)]
-            mx.eval(rows)
-            for layer, part in enumerate(rows):
-                self.tails[layer][put] = part
-            self.settle()
-            return
-        rows = self.write_rows([blocks], [first], self.ct)  # the whole group: its scales
-        rows = mx.array(rows)
-        put = self._tail_rows(slot, 0, count)
-        for layer in range(self.spec.num_layers):
-            parts = tuple(a[rows].reshape(self.heads, self.ct, -1) for a in self.keys(layer))
-            keys = self.layer_quants[layer].dequantize_keys(parts)
-            self.tails[layer][put] = keys[:, :count].reshape(-1, keys.shape[-1]).astype(mx.float16)
+        if prev_group != first:
+            raise ValueError(f"tail slot {slot} holds no float16 keys of the group at {first}")
+        take, put = self._tail_rows(slot, 0, count), self._tail_rows(slot, 0, count)
+        rows = [self.prevs[layer][take] for layer in range(self.spec.num_layers)]
+        mx.eval(rows)
+        for layer, part in enumerate(rows):
+            self.tails[layer][put] = part
         self.settle()
 
     def _slot_views(self, slot: int, arrays: list[mx.array] | None = None) -> list[np.ndarray]:
@@ -359,6 +367,7 @@ class KVArena:
         if plan.group_src is not None:
             source = new if plan.gathered is None else mx.concatenate([plan.gathered[layer], new])
             groups = source[plan.group_src].reshape(-1, self.ct, keys.shape[-1])
+            plan.done[layer] = groups.reshape(-1, keys.shape[-1])
             for target, part in zip(arrays[: self.key_parts], q.quantize_channels(groups)):
                 target[plan.group_rows] = part.reshape(-1, part.shape[-1])
             if plan.rest_src is not None:

@@ -54,6 +54,12 @@ class Reservation:
         self.left -= 1
         return True
 
+    def refill(self, blocks: int) -> None:
+        """Promise the turn ``blocks`` more (blocks it just gave back: KVSwap's evictions,
+        so a prefill into block files draws on a reservation of its budget's size)."""
+        self.pool.reserve(blocks)
+        self.left += blocks
+
     def close(self) -> None:
         self.pool.unreserve(self.left)
         self.left = 0
@@ -197,24 +203,31 @@ class BlockPool:
         record.refs += 1
         self._touch(record)
 
-    def release(self, block: int) -> None:
-        """One table fewer holds ``block``; at zero it is cached (if indexed) or freed."""
+    def release(self, block: int, *, keep: bool = True) -> bool:
+        """One table fewer holds ``block``; at zero it is cached (if indexed) or freed.
+        ``keep=False`` (KVSwap's evictions: the block's bytes are in its block file): at
+        zero it is freed whatever it holds, its pages handed back at once. Returns whether
+        the block went free."""
         record = self.records[block]
         if record.refs < 1:
             raise ValueError(f"block {block} is not held")
         record.refs -= 1
         self._touch(record)
         if record.refs:
-            return
-        if record.hash is not None:
+            return False
+        if record.hash is not None and keep:
             self._cached[block] = None
-            return
+            return False
         self._forget(record)
         self._free.append(block)
+        if not keep:
+            self._on_free(block)
+            return True
         self._committed_free[block] = None
         while len(self._committed_free) > self.keep_committed:
             oldest, _ = self._committed_free.popitem(last=False)
             self._on_free(oldest)
+        return True
 
     def release_all(self, blocks: Iterable[int]) -> None:
         for block in reversed(list(blocks)):  # tails first, so they are evicted first

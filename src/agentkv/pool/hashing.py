@@ -1,10 +1,18 @@
 """Chained block hashes: one hash names a block and certifies every token before it.
 
-``seed = sha256("agentkv/block/v1" | model fingerprint | KV format | tenant salt)``
+``seed = sha256("agentkv/block/v1" | model fingerprint | KV format | tenant salt | bits)``
 ``hash(block i) = sha256(hash(block i-1) | its 256 token ids as int32 little-endian)``,
 with ``hash(block -1) = seed``. The same tokens under the same model, KV format and salt
 always give the same hash (in any process, on any machine), so hashes name shared
 blocks in memory and on disk. Never Python's ``hash()``.
+
+A hash names bytes, not only tokens: the bytes a block stores are a function of its
+tokens and everything before them, computed by one arithmetic (``bits_identity``: the
+backend, and ``BITS_VERSION`` of its kernels), so the seed names that arithmetic too and
+blocks computed by another are never taken for these. An agent whose bytes are not the
+ones its tokens give here (converted from another KV format, stored by an earlier agentkv
+or on another backend) hashes its blocks under a seed of its own (``private_seed``): its
+forks share them, no one else does.
 """
 
 from __future__ import annotations
@@ -17,15 +25,37 @@ import numpy as np
 from ..format.geometry import BLOCK_TOKENS
 
 DOMAIN = b"agentkv/block/v1"
+PRIVATE_DOMAIN = b"agentkv/private/v1"
+# The version of the arithmetic that computes stored bytes from tokens: bump it with any
+# change to the kernels that changes the bytes stored for the same tokens (or how a step
+# reads what it stores), so blocks computed before the change are never shared with blocks
+# computed after it.
+BITS_VERSION = 1
+BACKENDS = ("cpu", "metal", "cuda")
 
 
-def chain_seed(fingerprint: str, kv_format: str, salt: str | None = None) -> bytes:
-    """The parent hash of an agent's first block."""
+def bits_identity(backend: str) -> str:
+    """What computed a block's bytes: a backend and its kernels' ``BITS_VERSION``."""
+    return f"{backend}/{BITS_VERSION}"
+
+
+def chain_seed(
+    fingerprint: str, kv_format: str, salt: str | None = None, bits: str | None = None
+) -> bytes:
+    """The parent hash of an agent's first block. ``bits`` (``bits_identity``) None: the
+    seed of agentkv before it named the arithmetic (read, never written)."""
     h = hashlib.sha256(DOMAIN)
-    for part in (fingerprint, kv_format, salt or ""):
+    parts = (fingerprint, kv_format, salt or "") + (() if bits is None else (bits,))
+    for part in parts:
         data = part.encode("utf-8")
         h.update(len(data).to_bytes(4, "little") + data)
     return h.digest()
+
+
+def private_seed(seed: bytes, nonce: str) -> bytes:
+    """The seed of an agent whose bytes are its own (module docstring): ``seed``, the one its
+    salt gives, made its own by ``nonce``."""
+    return hashlib.sha256(PRIVATE_DOMAIN + seed + nonce.encode("ascii")).digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:

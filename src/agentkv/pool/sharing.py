@@ -6,8 +6,10 @@ the pool index by hash, else read from a block file another agent stored (a hit 
 is always confirmed by comparing the 256 token ids). At the first block neither has, the
 pool blocks that follow the same prefix — complete, or another agent's tail still
 filling — are compared token by token, and the longest common run, rounded down to
-``GROUP_TOKENS``, is copied into a private block: bit-exact, since every token is
-quantized on its own. At least one token is left to prefill (its logits are sampled).
+``GROUP_TOKENS``, is copied into a private block. Either way the agent gets the very bytes
+it would have computed: the bytes a block stores are a function of its tokens and those
+before it (docs/kv-format-v2.md), and the chain seed names the arithmetic that computed
+them (``pool.hashing``). At least one token is left to prefill (its logits are sampled).
 
 Only identical token prefixes are ever shared: a block is reached only through the chain
 of hashes of everything before it, and every token of it is compared.

@@ -43,6 +43,7 @@ class PagedStep:
         *,
         fused: bool = True,
         swaps: Sequence[SwapState | None] | None = None,
+        stream: bool = False,
     ):
         if not tables or count < 1:
             raise ValueError("a step needs at least one table and one token")
@@ -52,10 +53,18 @@ class PagedStep:
                 raise ValueError("grow every table before its step")
         swaps = list(swaps) if swaps is not None else [None] * len(tables)
         if len(swaps) != len(tables) or any(
-            s is not None and (s.table is not t or count != 1) for s, t in zip(swaps, tables)
+            s is not None and (s.table is not t or (count != 1 and not stream))
+            for s, t in zip(swaps, tables)
         ):
             raise ValueError("a swapped table decodes one token a step, as its own row")
-        rows = [t.blocks if s is None else s.attention_row() for s, t in zip(swaps, tables)]
+        if stream and (len(tables) != 1 or swaps[0] is None or not (fused and fuses(arena))):
+            raise ValueError("a swapped table's prefill runs alone, through the fused layers")
+        # What attention reads: a swapped row that decodes reads its staging blocks, then its
+        # resident ones (pool/swap.py); one that prefills (``stream``) its whole table, its
+        # evicted blocks (-1) read back chunk by chunk into its staging blocks.
+        rows = [
+            t.blocks if s is None or stream else s.attention_row() for s, t in zip(swaps, tables)
+        ]
         width = max(len(r) for r in rows)
         table = np.full((len(tables), width), -1, dtype=np.int32)
         for b, r in enumerate(rows):
@@ -70,11 +79,12 @@ class PagedStep:
         # What attention reads; a swapped row reads its staging blocks, then its resident
         # ones (pool/swap.py), and RoPE takes its true positions (`positions`).
         lengths = np.asarray(
-            [e if s is None else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
+            [e if s is None or stream else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
             dtype=np.int32,
         )
         self.lengths = mx.array(lengths)
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
+        self.stream = stream
         # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers
         # then take the next one's query weights, to predict its query)
         self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
@@ -92,13 +102,19 @@ class PagedStep:
     def _fusable(self) -> bool:
         """Whether a block can run this step as one operation (``_ext.decoder_layer``): on
         CPU, format 2 with 2/4/8-bit values (a row completing a channel group included)."""
-        quant = self.quant
-        return (
-            mx.default_device() == mx.cpu
-            and os.environ.get(ATTENTION_ENV) != "reference"
-            and quant.channel_keys
-            and quant.value_bits in (2, 4, 8)
-        )
+        return fuses(self.arena)
+
+
+def fuses(arena: KVArena) -> bool:
+    """Whether the pool's steps can run their blocks as one operation each
+    (``PagedStep._fusable``)."""
+    quant = arena.quant
+    return (
+        mx.default_device() == mx.cpu
+        and os.environ.get(ATTENTION_ENV) != "reference"
+        and quant.channel_keys
+        and quant.value_bits in (2, 4, 8)
+    )
 
 
 class PagedLayerCache(CacheBase):
@@ -156,9 +172,13 @@ class PagedLayerCache(CacheBase):
             tail=step.arena.tails[self.layer] if channel else None,
             tail_slots=step.plan.tail_slots if channel else None,
             host=step.host,
+            done=step.plan.done.get(self.layer) if channel else None,
+            done_first=step.plan.done_first if channel else None,
         )
         rotate = quant.rotate
         q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
+        if step.stream:
+            raise ValueError("a swapped table's prefill runs through the fused layers only")
         if step.swapped:  # the swapped rows' groups come into their staging blocks first
             q = _ext.kvswap_stage(
                 q.astype(mx.float32),
@@ -181,7 +201,8 @@ class PagedLayerCache(CacheBase):
             return None
         arena, quant, plan = step.arena, self.quant, step.plan
         # KVSwap: the next layer's query, predicted here, starts that layer's reads
-        predict = layer.predict if step.reading_ahead and layer.predict is not None else {}
+        reads_ahead = step.reading_ahead and not step.stream and layer.predict is not None
+        predict = layer.predict if reads_ahead else {}
         keys = {"tail_rows": plan.direct}  # where the new keys go
         if plan.key_plan is not None:  # a row completes a channel group
             keys = {
@@ -212,6 +233,7 @@ class PagedLayerCache(CacheBase):
             swaps=[s.swapset for _, s in step.swapped],
             swap_rows=[b for b, _ in step.swapped],
             layer=self.layer,
+            swap_stream=step.stream,
             **predict,
         )
         arena.written_by(out)

@@ -20,9 +20,12 @@ group and positions live in the stored keys, so the kernel reads it as it reads 
 RoPE takes the true positions (``PagedStep`` passes them apart from the table's lengths).
 
 Invariants: while a table is swapped its ``blocks[:evicted]`` are -1 and the pool holds no
-reference for them; only ``SwapState`` touches them (``release`` gives the staging blocks
-and the table back; a save names them by hash: ``store.agent_store.build_save_job``).
-Staging blocks are private to the state.
+reference for them (their pages went back to the system when they were evicted: their
+bytes are in their block files); only ``SwapState`` touches them (``release`` gives the
+staging blocks and the table back; a save names their files: ``store.agent_store
+.build_save_job``). Staging blocks are private to the state. A turn's prefill evicts too,
+block by block as they fill (``engine/swapping.py``): its attention then reads the evicted
+blocks back whole, chunk by chunk, into the staging blocks (exact: ``PagedStep(stream=)``).
 """
 
 from __future__ import annotations
@@ -124,9 +127,16 @@ class SwapState:
         staging: int,
         demand: int | None = None,
         attention_scale: float | None = None,
+        reservation=None,
+        keys_dir=None,
+        capacity: int = 0,
     ) -> SwapState:
         """Evict ``table``'s first ``len(files)`` blocks (complete and sealed; ``files[i]``
-        holds block i) and take ``staging`` pool blocks for their reuse buffers."""
+        holds block i) and take ``staging`` pool blocks for their reuse buffers, from
+        ``reservation`` where given (it gets the evicted blocks back). The evicted blocks'
+        pages go back to the system at once (their bytes are in their files). ``keys_dir``:
+        the low-rank keys go to an unlinked file there (room for ``capacity`` blocks: the
+        context's), out of the process's memory."""
         evicted = len(files)
         if pool.window is not None:
             raise ValueError("KVSwap needs a model without sliding-window layers")
@@ -136,7 +146,8 @@ class SwapState:
         blocks = table.blocks[:evicted]
         if any(b < 0 or records[b].hash is None or not records[b].full for b in blocks):
             raise ValueError("KVSwap evicts only complete, sealed blocks")
-        if pool.blocks.available() + cls.frees(pool, table, evicted) < staging:
+        spare = reservation.left if reservation is not None else 0
+        if pool.blocks.available() + spare + cls.frees(pool, table, evicted) < staging:
             raise ValueError(f"KVSwap needs {staging} free pool blocks for its reuse buffers")
         spec, arena = pool.spec, pool.arena
         pool.arena.settle()
@@ -165,6 +176,8 @@ class SwapState:
         )
         if projections is not None and projections.predict_from is not None:
             swapset.predict_from = projections.predict_from
+        if keys_dir is not None and projections is not None:
+            swapset.keys_to_file(str(keys_dir), max(capacity, evicted))
         for layer in range(spec.num_layers):
             if projections is None:
                 swapset.set_bounds(layer, *key_bounds(pool, layer, blocks))
@@ -172,10 +185,15 @@ class SwapState:
                 keys, scales = low_rank_keys(pool, layer, blocks, projections)
                 swapset.set_layer(layer, projections.queries[layer], keys, scales)
         kept = [(records[b].hash, records[b].parent, tuple(records[b].tokens)) for b in blocks]
-        for b in blocks:
-            pool.blocks.release(b)  # cached by hash until the pool needs the room
+        freed = sum(pool.blocks.release(b, keep=False) for b in blocks)
+        table.evicted_hashes = [digest for digest, _, _ in kept]
         table.blocks[:evicted] = [-1] * evicted
-        taken = [pool.blocks.allocate() for _ in range(staging)]
+        pool.swapped_blocks += evicted
+        if reservation is not None:
+            reservation.refill(freed)
+        take = reservation.take if reservation is not None else (lambda: False)
+        taken = [pool.blocks.allocate(reserved=take()) for _ in range(staging)]
+        swapset.staging = taken
         return cls(pool, table, swapset, taken, kept, list(files), projections)
 
     def next_evictable(self) -> int | None:
@@ -188,8 +206,9 @@ class SwapState:
         record = self.pool.blocks.records[table.blocks[index]]
         return table.blocks[index] if record.hash is not None and record.full else None
 
-    def evict_next(self, file: StoredFile) -> None:
-        """Evict ``next_evictable()``, whose block file ``file`` is."""
+    def evict_next(self, file: StoredFile, reservation=None) -> None:
+        """Evict ``next_evictable()``, whose block file ``file`` is (its pages back to the
+        system at once; ``reservation`` gets the block back)."""
         block = self.next_evictable()
         if block is None:
             raise ValueError("KVSwap: no complete, sealed block to evict next")
@@ -211,10 +230,14 @@ class SwapState:
         )
         record = pool.blocks.records[block]
         self.records.append((record.hash, record.parent, tuple(record.tokens)))
+        self.table.evicted_hashes.append(record.hash)
         self.files.append(file)
-        pool.blocks.release(block)
+        freed = pool.blocks.release(block, keep=False)
         self.table.blocks[self.evicted] = -1
         self.evicted += 1
+        pool.swapped_blocks += 1
+        if reservation is not None and freed:
+            reservation.refill(1)
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -253,6 +276,8 @@ class SwapState:
             self.pool.blocks.release(b)
         self.staging = []
         del self.table.blocks[: self.evicted]
+        self.table.evicted_hashes = []
+        self.pool.swapped_blocks -= self.evicted
         self.evicted = 0
         self.table.release()
 

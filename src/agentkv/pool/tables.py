@@ -17,8 +17,12 @@ holds one reference on each of its blocks (``refs`` counts tables); on a model w
 sliding-window layers it also holds a window reference on ``blocks[window_from:]``.
 Per-channel keys (KV format 2): from its first ``grow`` until ``release`` the table owns a
 tail slot of the arena (``tail``), holding the keys of its channel group still filling:
-tokens ``[length // ct * ct, length)``; ``fork`` copies it, ``trim`` into a complete
-group refills it from the group's quantized keys.
+tokens ``[length // ct * ct, length)``, and the float16 keys of its last complete group
+(``prev_group``); ``fork`` copies them. A ``trim`` back into that group refills the tail
+from them, exactly; a trim into an earlier complete group cannot keep exact keys (only its
+quantized ones are left), so it is refused: ``exact_keep`` says how far to cut instead,
+and the caller feeds the rest of that group again. So the bytes a table holds are always
+those its tokens give (docs/kv-format-v2.md).
 """
 
 from __future__ import annotations
@@ -31,10 +35,30 @@ from .blocks import BlockPool, PoolExhaustedError, Reservation
 CopyRows = Callable[[int, int, int], None]  # (src block, dst block, tokens)
 
 
+def exact_keep(keep: int, length: int, ct: int, prev_group: int | None) -> int:
+    """How many of a table's first ``keep`` tokens (of ``length``; channel groups of ``ct``
+    tokens, 0: none) a trim keeps with their exact keys: ``keep``, unless it cuts into a
+    complete group other than the one whose float16 keys are held (``prev_group``, its first
+    token): then that group's start, the rest to be fed again."""
+    if not ct or keep >= length // ct * ct:
+        return keep
+    first = keep // ct * ct
+    return keep if keep == first or prev_group == first else first
+
+
 class BlockTable:
-    def __init__(self, pool: BlockPool, seed: bytes, *, window: int | None = None, tails=None):
+    def __init__(
+        self,
+        pool: BlockPool,
+        seed: bytes,
+        *,
+        window: int | None = None,
+        tails=None,
+        nonce: str | None = None,
+    ):
         self.pool = pool
         self.seed = seed
+        self.nonce = nonce  # a private seed's (pool.hashing.private_seed): its bytes its own
         self.window = window
         self.tails = tails  # the arena, for per-channel keys (None: no tails)
         self.tail: int | None = None
@@ -42,6 +66,9 @@ class BlockTable:
         self.blocks: list[int] = []
         self.length = 0
         self.window_from = 0
+        # KVSwap: the chain hashes of the leading blocks it evicted (``blocks`` holds -1 for
+        # them, pool/swap.py), so the blocks after them still chain to what precedes them
+        self.evicted_hashes: list[bytes] = []
 
     # -- reading ------------------------------------------------------------------------
 
@@ -49,7 +76,10 @@ class BlockTable:
         """The chain hash before block ``index`` (None if a block before it is unsealed)."""
         if index == 0:
             return self.seed
-        return self.pool.records[self.blocks[index - 1]].hash
+        before = self.blocks[index - 1]
+        if before < 0:  # evicted by KVSwap: its hash is kept
+            return self.evicted_hashes[index - 1]
+        return self.pool.records[before].hash
 
     def token_ids(self) -> list[int]:
         return [t for b in self.blocks for t in self.pool.records[b].tokens]
@@ -61,6 +91,12 @@ class BlockTable:
             and self.length % BLOCK_TOKENS != 0
             and not self.pool.writable(self.blocks[-1])
         )
+
+    def exact_keep(self, keep: int) -> int:
+        """``exact_keep`` for this table: the most of its first ``keep`` tokens ``trim``
+        keeps with exact keys."""
+        ct = self.tails.ct if self.tail is not None else 0
+        return exact_keep(keep, self.length, ct, self.prev_group)
 
     def blocks_needed(self, tokens: int) -> int:
         """Blocks ``grow(tokens)`` would take from the pool."""
@@ -176,7 +212,9 @@ class BlockTable:
     def fork(self) -> BlockTable:
         """A second table over the same blocks (refcounts only; the tail is copied when
         either appends)."""
-        twin = BlockTable(self.pool, self.seed, window=self.window, tails=self.tails)
+        twin = BlockTable(
+            self.pool, self.seed, window=self.window, tails=self.tails, nonce=self.nonce
+        )
         if self.tail is not None:
             twin.tail = self.tails.take_tail()
             prev = self.prev_group is not None
@@ -194,13 +232,18 @@ class BlockTable:
     # -- shrinking ----------------------------------------------------------------------
 
     def trim(self, keep: int) -> None:
-        """Forget every token after the first ``keep``."""
+        """Forget every token after the first ``keep`` (which ``exact_keep`` must allow)."""
         if not 0 <= keep <= self.length:
             raise ValueError(f"cannot keep {keep} of {self.length} tokens")
+        if self.exact_keep(keep) != keep:
+            raise ValueError(
+                f"keeping {keep} tokens cuts into a complete channel group whose exact keys "
+                f"are gone; keep {self.exact_keep(keep)} and feed the rest again"
+            )
         if self.tail is not None and keep < self.length // self.tails.ct * self.tails.ct:
-            # Cut inside a quantized channel group: its kept keys go back to the tail
-            # (dequantized: they are quantized again when the group completes).
-            self.tails.refill_tail(self.tail, self.blocks, keep, self.prev_group)
+            # Cut inside the last complete channel group: its kept keys go back to the tail
+            # from their float16 copy, as they were before the group completed.
+            self.tails.refill_tail(self.tail, keep, self.prev_group)
             self.prev_group = None  # the group before it was never kept in float16
         count = blocks_for(keep)
         for index in range(len(self.blocks) - 1, count - 1, -1):

@@ -14,7 +14,13 @@ from jinja2.exceptions import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import AgentKVError, EngineBusyError, InvalidAgentIdError, InvalidRequestError
+from ..errors import (
+    AgentKVError,
+    EngineBusyError,
+    InvalidAgentIdError,
+    InvalidRequestError,
+    TurnFailedError,
+)
 from .common import ServerLimits
 from .errors import API, APIError, bad_request
 from .metrics import Metrics
@@ -70,6 +76,8 @@ def as_api_error(exc: Exception, request: Request) -> APIError:
     if isinstance(exc, EngineBusyError):
         retry = str(max(1, round(exc.retry_after)))
         return APIError(429, "rate_limit", str(exc), headers={"retry-after": retry})
+    if isinstance(exc, TurnFailedError):  # this turn alone failed: it may be sent again
+        return APIError(500, "server", str(exc))
     if isinstance(exc, AgentKVError):  # the engine is closed: shutting down
         return APIError(503, "unavailable", str(exc))
     log.error("agentkv: %s %s failed", request.method, request.url.path, exc_info=exc)

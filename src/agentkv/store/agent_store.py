@@ -85,7 +85,8 @@ class StoreConflictError(Exception):
 
 class NewRegion(NamedTuple):
     """One block packed for a save: a region of ``SaveJob.packed``; or (``offset`` -1, no
-    bytes) a block KVSwap evicted, which is a block file already and must still be one."""
+    bytes) a block KVSwap evicted, which is a block file already (``file``, its region's
+    ``checksum``) and must still be one."""
 
     offset: int
     length: int
@@ -95,6 +96,7 @@ class NewRegion(NamedTuple):
     parent: bytes | None
     ids: np.ndarray | None  # int32 [256] token ids of a hashed block
     layout: int = PLANES  # of its bytes: GROUPS for a block file, PLANES for a segment
+    file: str | None = None  # the path of an evicted block's file
 
 
 @dataclass
@@ -120,6 +122,7 @@ class SaveJob:
     # The block files' lock a KVSwap agent took when it wrote block files no manifest names
     # yet (``SharedBlocks.hold``): the writer releases it once this job is done.
     hold: object | None = None
+    nonce: str | None = None  # the agent's bytes are its own (``Manifest.nonce``)
 
     @property
     def nbytes(self) -> int:
@@ -410,12 +413,12 @@ class AgentStore:
         fsynced."""
         part = WrittenPart([], {}, 0)
         for r in regions:
-            existed = any(
-                (self.model_dir / block_file_name(r.hash, version)).exists() for version in (3, 2)
-            )
+            names = {block_file_name(r.hash, 3, variant) for variant in (None, r.checksum)}
+            existed = {name for name in names if (self.model_dir / name).exists()}
             if r.offset < 0:  # evicted by KVSwap: its block file is all there is
-                stored = self.shared.find(r.hash)
-                if stored is None:
+                name = str(Path(r.file).relative_to(self.model_dir))
+                stored = self.shared.find_file(name, r.hash)
+                if stored is None or stored.checksum != r.checksum:
                     raise StoreConflictError(
                         f"the block file of {r.hash.hex()[:16]}, evicted while the agent "
                         "decoded, is gone or damaged; the agent cannot be saved whole"
@@ -436,7 +439,7 @@ class AgentStore:
                     r.hash.hex(),
                 )
             )
-            part.bytes_written += 0 if existed else stored.size
+            part.bytes_written += 0 if stored.name in existed else stored.size
         self.shared.sync_dirs(part.segments)
         return part
 
@@ -497,6 +500,7 @@ class AgentStore:
             chain_seed=job.chain_seed.hex(),
             tail=job.tail,
             prev=job.prev,
+            nonce=job.nonce,
         )
         data = encode_manifest(manifest)
         atomic_write_bytes(self.manifest_path(job.agent_id), data, label="manifest")
@@ -625,10 +629,12 @@ def build_save_job(
     text: bytes,
     messages: list | None,
     evicted: list | None = None,
+    evicted_files: list | None = None,
 ) -> SaveJob:
     """Pack the table's blocks from ``keep`` on (one copy each, checksummed) for a save.
     ``evicted``: (hash, parent, token ids) of the table's first blocks where KVSwap evicted
-    them (``table.blocks`` holds -1 there): named by hash, never packed."""
+    them (``table.blocks`` holds -1 there), ``evicted_files`` the block files KVSwap read
+    them from: named as they are, never packed."""
     pool = table.pool
     evicted = evicted or []
     slots = table.blocks[keep:]
@@ -667,8 +673,12 @@ def build_save_job(
     for i, (slot, packed_record) in enumerate(zip(slots, records)):
         if slot < 0:
             digest, parent, ids = evicted[keep + i]
+            file = evicted_files[keep + i]
+            ids = np.asarray(ids, np.int32)
             regions.append(
-                NewRegion(-1, 0, 0, BLOCK_TOKENS, digest, parent, np.asarray(ids, np.int32), GROUPS)
+                NewRegion(
+                    -1, 0, file.checksum, BLOCK_TOKENS, digest, parent, ids, GROUPS, file.path
+                )
             )
             continue
         _, offset, length, checksum, count = packed_record
@@ -704,6 +714,7 @@ def build_save_job(
         ),
         tail,
         prev,
+        nonce=table.nonce,
     )
 
 

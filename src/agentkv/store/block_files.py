@@ -107,12 +107,12 @@ class SharedBlocks:
 
     # -- reading ------------------------------------------------------------------------
 
-    def find(self, digest: bytes, *, grouped: bool = False) -> StoredBlock | None:
+    def find(self, digest: bytes) -> StoredBlock | None:
         """The stored block with this hash, if there is a sound one (a damaged file is
-        moved to quarantine and reported as absent): its store-version-3 file, else (unless
-        ``grouped``: KVSwap reads only version 3) its version-2 file."""
+        moved to quarantine and reported as absent): the hash's own store-version-3 file,
+        else its version-2 file (never a variant: ``ensure``)."""
         found = self.find_file(block_file_name(digest), digest)
-        if found is None and not grouped:
+        if found is None:
             found = self.find_file(block_file_name(digest, 2), digest)
         return found
 
@@ -161,19 +161,59 @@ class SharedBlocks:
         region: memoryview,
         checksum: int,
         *,
-        grouped: bool = False,
+        version: int = STORE_VERSION,
     ) -> StoredBlock:
-        """The block file of ``digest``, written from ``region`` (groups layout: store
-        version 3) unless a sound one exists (``grouped``: a version-3 one).
+        """The block file of ``digest`` holding exactly ``region`` (laid out for store
+        ``version``: groups for 3), written where missing: the hash's own file where its
+        bytes are these (read and compared), else a *variant* named by the hash and the
+        checksum (the hash's own file holds other bytes: computed by an earlier agentkv or
+        another machine). So a file is reused only for the bytes it holds; one whose bytes
+        no longer match its own checksum is quarantined and written again.
 
         Call inside ``writing()``. The file is fsynced and renamed into place (fault points
         ``block-written``, ``block-renamed``); its directory is fsynced by ``sync_dirs``
         before any manifest names it.
         """
-        found = self.find(digest, grouped=grouped)
-        if found is not None:
+        name = block_file_name(digest, version)
+        found = self._holding(name, digest, region)
+        if found is None:
+            return self.write(digest, parent, tokens, region, checksum, version)
+        if found is not True:
             return found
-        return self.write(digest, parent, tokens, region, checksum)
+        variant = block_file_name(digest, version, checksum)
+        other = self._holding(variant, digest, region)
+        if other is not None and other is not True:
+            return other
+        log.warning(
+            "agentkv: block file %s holds other bytes than this block of the same tokens; "
+            "writing this one as %s",
+            name,
+            variant,
+        )
+        return self.write(digest, parent, tokens, region, checksum, version, variant=checksum)
+
+    def _holding(self, name: str, digest: bytes, region) -> StoredBlock | bool | None:
+        """The sound block file ``name`` if its region's bytes are ``region``'s; True if it
+        is sound and holds other bytes; None if there is none (a damaged one is moved to
+        quarantine: a region that does not match its own checksum too)."""
+        found = self.find_file(name, digest)
+        if found is None:
+            return None
+        try:
+            with open(self.path(name), "rb") as fh:
+                fh.seek(found.offset)
+                held = fh.read(found.length)
+        except OSError as exc:
+            log.warning("agentkv: cannot read block file %s: %s", name, exc)
+            return True  # kept, not taken
+        if len(held) == found.length and held == bytes(region):
+            return found
+        if len(held) != found.length or _ext.block_checksum(np.frombuffer(held, np.uint8)) != (
+            found.checksum
+        ):
+            self.quarantine(name, "block region does not match its checksum")
+            return None
+        return True
 
     def write(
         self,
@@ -183,10 +223,13 @@ class SharedBlocks:
         region,
         checksum: int,
         version: int = STORE_VERSION,
+        *,
+        variant: int | None = None,
     ) -> StoredBlock:
         """Write the block file of ``digest`` of store ``version`` from ``region`` (laid out
-        for that version: groups for 3, planes for 2), as ``ensure`` does."""
-        name = block_file_name(digest, version)
+        for that version: groups for 3, planes for 2), as ``ensure`` does (``variant``: the
+        name of a variant)."""
+        name = block_file_name(digest, version, variant)
         path = self.path(name)
         secure_mkdir(path.parent)
         header = encode_block_header(
@@ -229,9 +272,7 @@ class SharedBlocks:
         for block, (_, offset, length, checksum, _count) in zip(blocks, regions):
             record = records[block]
             region = view[offset : offset + length]
-            stored = self.ensure(
-                record.hash, record.parent, record.tokens, region, checksum, grouped=True
-            )
+            stored = self.ensure(record.hash, record.parent, record.tokens, region, checksum)
             found.append(stored)
         self.sync_dirs([f.name for f in found])
         return [

@@ -62,7 +62,11 @@ MANIFEST_KIND = "agentkv-manifest"
 SEGMENT_KIND = "agentkv-segment"
 BLOCK_KIND = "agentkv-block"
 SEGMENT_RE = re.compile(r"^seg-\d{8}\.safetensors$")
-BLOCK_FILE_RE = re.compile(r"^blocks/([0-9a-f]{2})/([0-9a-f]{64})(\.v3)?\.safetensors$")
+# <hash>[.<variant>][.v3].safetensors: a variant (a checksum) names a block file of a hash
+# whose bytes differ from those of the hash's own file (``block_file_name``)
+BLOCK_FILE_RE = re.compile(
+    r"^blocks/([0-9a-f]{2})/([0-9a-f]{64})(\.[0-9a-f]{8})?(\.v3)?\.safetensors$"
+)
 # How a file lays out its block regions (csrc/core/block_io.h): in planes (segments, block
 # files of store version 2) or in groups of GROUP_TOKENS (block files of store version 3).
 PLANES, GROUPS = 0, 1
@@ -75,11 +79,20 @@ def segment_name(generation: int) -> str:
     return f"seg-{generation:08d}.safetensors"
 
 
-def block_file_name(digest: bytes, version: int = STORE_VERSION) -> str:
-    """Where a shared block of this store version lives, relative to the model directory."""
+def block_file_name(digest: bytes, version: int = STORE_VERSION, variant: int | None = None) -> str:
+    """Where a shared block of this store version lives, relative to the model directory.
+    ``variant`` (the region's checksum): the file of a block whose hash's own file holds
+    other bytes (computed elsewhere: ``SharedBlocks.ensure``)."""
     hex_digest = digest.hex()
     suffix = _V3_BLOCK_SUFFIX if version >= 3 else ".safetensors"
-    return f"blocks/{hex_digest[:2]}/{hex_digest}{suffix}"
+    tag = "" if variant is None else f".{variant:08x}"
+    return f"blocks/{hex_digest[:2]}/{hex_digest}{tag}{suffix}"
+
+
+def is_variant(name: str) -> bool:
+    """Whether a block file is a variant (``block_file_name``)."""
+    match = BLOCK_FILE_RE.match(name)
+    return match is not None and match.group(3) is not None
 
 
 def is_shared_file(name: str) -> bool:
@@ -138,6 +151,9 @@ class Manifest:
     extra: dict = field(default_factory=dict)
     tail: np.ndarray | None = None  # float16 [layers, heads, n % ct, key_dim]: KV format 2
     prev: np.ndarray | None = None  # float16 [layers, heads, ct, key_dim]: the last full group
+    # an agent whose bytes are its own (pool.hashing.private_seed): chain_seed is private,
+    # made from its salt's seed and this nonce
+    nonce: str | None = None
 
     def tail_shape(self) -> tuple[int, ...] | None:
         """The shape ``tail`` must have (None: this KV format keeps no tail)."""
@@ -215,6 +231,8 @@ def encode_manifest(m: Manifest) -> bytes:
         "messages": m.messages,
         "updated_at": m.updated_at,
     }
+    if m.nonce is not None:
+        record["nonce"] = m.nonce
     arrays = {"tokens": tokens, "spans": spans, "text": text}
     if m.tail_shape() is not None:
         if m.tail is None or m.tail.shape != m.tail_shape() or m.tail.dtype != np.float16:
@@ -359,6 +377,9 @@ def _manifest_of(record: dict, arrays: dict[str, np.ndarray], path) -> Manifest:
         seed = record.get("chain_seed") if version >= 2 else None
         if seed is not None:
             bytes.fromhex(seed)
+        nonce = record.get("nonce")
+        if nonce is not None and (seed is None or not str(nonce).isalnum()):
+            raise ValueError(f"bad nonce {nonce!r}")
     except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
     return Manifest(
@@ -378,6 +399,7 @@ def _manifest_of(record: dict, arrays: dict[str, np.ndarray], path) -> Manifest:
         block_tokens=block_tokens,
         chain_seed=seed,
         store_version=version,
+        nonce=None if nonce is None else str(nonce),
     )
 
 
@@ -432,8 +454,9 @@ def _check_blocks(m: Manifest, path) -> None:
             path,
             f"block {i} names an unknown segment {b.segment!r}",
         )
-        named = b.hash is not None and b.segment == block_file_name(
-            bytes.fromhex(b.hash), block_file_version(b.segment)
+        named = b.hash is not None and b.segment in (
+            block_file_name(bytes.fromhex(b.hash), block_file_version(b.segment), variant)
+            for variant in (None, b.checksum)
         )
         _require(
             not shared or named,

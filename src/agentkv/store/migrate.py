@@ -7,9 +7,10 @@ layer, one extent per 64-token group, which KVSwap reads with one ``pread``
 
 1. per agent, under the block files' lock (shared) and then its own lock (exclusive), the
    order a save takes them in: for each block its manifest names in a version-2 block
-   file, the version-3 file of the same hash, found, or written from the old file's bytes
-   once they match the checksum the manifest records (a damaged old file is quarantined
-   and the agent left as it was);
+   file, the old file's bytes once they match the checksum the manifest records (a
+   damaged old file is quarantined and the agent left as it was), laid out in groups, and
+   the version-3 file holding those very bytes, found or written (``SharedBlocks.ensure``:
+   a file of the same hash holding other bytes is not taken);
 2. the manifest is switched (written, fsynced, renamed) to name the new files;
 3. after every agent, the block files no manifest names (the old ones) are collected.
 
@@ -130,16 +131,12 @@ def _named(block: ManifestBlock, stored) -> ManifestBlock:
 
 
 def _block_file(shared: SharedBlocks, manifest: Manifest, block: ManifestBlock, version, report):
-    """The block file of ``block``'s hash in store ``version``: found, or written from the
-    file the manifest names (checked against the manifest's checksum first)."""
+    """The block file of store ``version`` holding ``block``'s bytes (the file the manifest
+    names, checked against the manifest's checksum, laid out again): found (``ensure``: a
+    file of the hash holding other bytes is not taken), or written."""
     if block.hash is None or block.tokens != BLOCK_TOKENS:
         raise CacheFormatError(shared.path(block.segment), "a block file holds a complete block")
     digest = bytes.fromhex(block.hash)
-    name = block_file_name(digest, version)
-    found = shared.find_file(name, digest)
-    if found is not None:
-        report.reused += 1
-        return found
     source = shared.find_file(block.segment, digest)  # its header, token ids and parent
     path = shared.path(block.segment)
     if source is None:
@@ -152,8 +149,19 @@ def _block_file(shared: SharedBlocks, manifest: Manifest, block: ManifestBlock, 
     layout = GROUPS if version >= 3 else PLANES
     converted = regroup(region, shared.components, BLOCK_TOKENS, layout)
     checksum = _ext.block_checksum(converted)
-    report.written += 1
-    return shared.write(digest, source.parent, source.tokens, converted, checksum, version)
+    there = {
+        name
+        for name in (block_file_name(digest, version, v) for v in (None, checksum))
+        if shared.path(name).exists()
+    }
+    stored = shared.ensure(
+        digest, source.parent, source.tokens, converted, checksum, version=version
+    )
+    if stored.name in there:
+        report.reused += 1
+    else:
+        report.written += 1
+    return stored
 
 
 def regroup(region: np.ndarray, components, tokens: int, layout: int) -> np.ndarray:
