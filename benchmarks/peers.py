@@ -10,7 +10,7 @@ against real server processes on 127.0.0.1, one after another (issue 21):
 - ``llama.cpp-disk``: the same with its other prompt cache, on disk (``--cache_type disk``,
   in the server's working directory, kept over the restart), so after the restart it can
   load a stored state instead of prefilling the conversation again. Both run: which of the
-  two is llama.cpp's best depends on the turn (session T measured both);
+  two is llama.cpp's best depends on the turn (the 2026-11-27 runs in RESULTS.md measured both);
 - ``llama.cpp-lookup``: the RAM-cache server with its speculative decoding by prompt lookup
   (``--draft_model prompt-lookup-decoding``, 2 tokens a draft: its README's advice for
   CPU-only machines), the peer of agentkv's drafts from the context (docs/drafts.md);

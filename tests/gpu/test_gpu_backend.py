@@ -194,7 +194,7 @@ def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
 def test_a_float32_row_in_a_batch_gets_its_products_alone():
     """agentkv keeps MLX's float32 matmuls out of TF32 (``agentkv._numerics``): one row alone
     takes a full-precision GEMV and three rows a GEMM, so with TF32 the row's products moved by
-    up to 7e-3 here (an H100, session V) and float32 models batched other tokens than alone;
+    up to 7e-3 here (an H100, 2026-11-27) and float32 models batched other tokens than alone;
     in float32 they move by rounding alone (2.9e-6 there)."""
     mx.random.seed(0)
     rows, weight = mx.random.normal((3, 1, 64)), mx.random.normal((128, 64))
