@@ -13,6 +13,9 @@ topics), greedy decoding, times taken from outside as a user sees them:
 * ``batch``: ``batch`` agents of ``batch_context`` tokens each decode together: aggregate
   tokens/s (agentkv: a hot turn of every agent through ``generate_many``; mlx-lm:
   ``batch_generate``'s generation rate).
+* ``step_anatomy``: one decode step at ``batch_context`` tokens taken apart (building the
+  step and its graph, evaluating it, settling the pool, sampling), for agentkv's arms and
+  mlx-lm's.
 * ``kernel``: the paged attention kernel alone at ``kernel_context`` tokens (one layer,
   one decode query per query head, the default format) against ``mx.fast.
   scaled_dot_product_attention`` over float16 keys and values, ``CALLS`` independent calls
@@ -149,9 +152,11 @@ def mlx_lm_generate(model, tokenizer, prompt, max_tokens: int, **options) -> dic
 
 def agentkv_generate(engine, agent: str, prompt: str, max_tokens: int) -> tuple[dict, str]:
     """A turn through ``stream_generate``, timed by its pieces (the first comes with the first
-    token, the last with the last); its row and its text."""
+    token, the last with the last); its row and its text. Each agent is its own tenant (its
+    id as the cache salt), so a cold turn prefills its whole prompt: the prompts all begin
+    with the same text, whose blocks it would otherwise share with the agents before it."""
     timing = Timing()
-    stream = engine.stream_generate(agent, prompt, max_tokens=max_tokens)
+    stream = engine.stream_generate(agent, prompt, max_tokens=max_tokens, cache_salt=agent)
     for _ in stream:
         timing.token()
     result = stream.result
@@ -159,7 +164,7 @@ def agentkv_generate(engine, agent: str, prompt: str, max_tokens: int) -> tuple[
     row = timing.row()
     row.update(engine_ttft_ms=round(result.stats.ttft_ms, 1),
                engine_decode_tps=round(result.stats.decode_tps, 1),
-               cache=result.stats.cache)  # fmt: skip
+               cache=result.stats.cache, reused_tokens=result.stats.reused_tokens)  # fmt: skip
     return row, result.text
 
 
@@ -185,7 +190,7 @@ def run(
         raise SystemExit("agentkv: error: bench gpu needs MLX's GPU (Metal or CUDA); none here")
     source = tokenizer_dir(tokenizer)
     rows: list[dict] = []
-    extra = {"gpu": gpu_name(), "copy_gbps": round(copy_gbps(), 1)}
+    extra = {"gpu": gpu_name(), "copy_gbps": round(copy_gbps(1 << 30 if gpu else 64 << 20), 1)}
     extra["nominal_gbps"] = next((v for k, v in NOMINAL_GBPS.items() if k in extra["gpu"]), None)
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-gpu-") as tmp:
         for shape in shapes:
@@ -271,6 +276,10 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
         guarded(rows, what, lambda: _batch(shape, model, tokenizer, engines, s))
         engine = engines["agentkv-q4"]
         guarded(rows, what, lambda: _kernel(shape, engine, s["kernel_context"], extra))
+        at = s["batch_context"]
+        for name, engine in engines.items():
+            guarded(rows, {**what, "arm": name}, lambda e=engine, n=name: _anatomy(shape, n, e, at))
+        guarded(rows, what, lambda: _mlx_lm_anatomy(shape, model, at))
     finally:
         for engine in engines.values():
             engine.close()
@@ -411,6 +420,77 @@ def _kernel(shape, engine, context: int, extra: dict) -> list[dict]:
         })  # fmt: skip
     table.release()
     return rows
+
+
+ANATOMY_STEPS = 48
+
+
+def _anatomy(shape: str, name: str, engine, context: int) -> list[dict]:
+    """Where one decode step's time goes in agentkv's engine (median ms of ANATOMY_STEPS
+    steps at ``context`` tokens, the runner's own operations one by one on this thread
+    while the scheduler idles): building the step and its graph, evaluating it, settling the
+    arenas, sampling. What a GPU spends beyond mlx-lm's step is here."""
+    import mlx.core as mx
+
+    from agentkv import mlx_adapter
+    from agentkv.pool.step import PagedStep
+
+    runner, pool = engine.runner, engine.pool
+    table = pool.new_table(pool.seed("agentkv/anatomy"))
+    reservation = pool.reserve(-(-(context + ANATOMY_STEPS + 1) // 256) + 1)
+    parts: dict[str, list[float]] = {"build": [], "eval": [], "settle": [], "sample": []}
+    try:
+        logits = runner.forward([table], [[7] * context], reservations=[reservation])
+        token = int(mx.argmax(logits, axis=-1).item())
+        for _ in range(ANATOMY_STEPS):
+            t0 = time.perf_counter()
+            table.grow(1, pool.arena.copy_rows, reservation)
+            step = PagedStep(pool.arena, engine.loaded.spec, [table], 1)
+            logits = mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
+            t1 = time.perf_counter()
+            mx.eval(logits)
+            t2 = time.perf_counter()
+            pool.arena.settle()
+            t3 = time.perf_counter()
+            token = int(mx.argmax(logits, axis=-1).item())
+            table.written([token])
+            t4 = time.perf_counter()
+            for key, a, b in (("build", t0, t1), ("eval", t1, t2), ("settle", t2, t3),
+                              ("sample", t3, t4)):  # fmt: skip
+                parts[key].append(b - a)
+    finally:
+        reservation.close()
+        table.release()
+    row = {"shape": shape, "arm": name, "measure": "step_anatomy", "context": context}
+    row.update({f"{k}_ms": median_ms(v) for k, v in parts.items()})
+    row["step_ms"] = round(sum(row[f"{k}_ms"] for k in parts), 3)
+    return [row]
+
+
+def _mlx_lm_anatomy(shape: str, model, context: int) -> list[dict]:
+    """mlx-lm's decode step the same way: its model over its float16 cache, built, evaluated,
+    sampled (``stream_generate`` overlaps building the next step with evaluating this one)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[7] * context]), cache=cache)[:, -1, :]
+    token = int(mx.argmax(logits, axis=-1).item())
+    parts: dict[str, list[float]] = {"build": [], "eval": [], "sample": []}
+    for _ in range(ANATOMY_STEPS):
+        t0 = time.perf_counter()
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        t1 = time.perf_counter()
+        mx.eval(logits)
+        t2 = time.perf_counter()
+        token = int(mx.argmax(logits, axis=-1).item())
+        t3 = time.perf_counter()
+        for key, a, b in (("build", t0, t1), ("eval", t1, t2), ("sample", t2, t3)):
+            parts[key].append(b - a)
+    row = {"shape": shape, "arm": "mlx-lm-fp16", "measure": "step_anatomy", "context": context}
+    row.update({f"{k}_ms": median_ms(v) for k, v in parts.items()})
+    row["step_ms"] = round(sum(row[f"{k}_ms"] for k in parts), 3)
+    return [row]
 
 
 def _time(fn, repeats: int = 50) -> float:
