@@ -54,7 +54,8 @@ simt::Thread paged_attention_thread(simt::Group& kv_ctx, unsigned int kv_tid, ui
                                     const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
                                     const uint16_t* vb, const int* tables, const int* lengths,
                                     const int* dims, const float* sinks, const float* scale,
-                                    const uint16_t* tail, const int* tail_slots, float* out,
+                                    const uint16_t* tail, const int* tail_slots,
+                                    const uint16_t* done, const int* done_first, float* out,
                                     float* stats) {
   using T = float;
   int kv_shared = 0;
@@ -140,6 +141,8 @@ struct PagedArgs {
   const float* scale;
   const uint16_t* tail;
   const int* tail_slots;
+  const uint16_t* done;
+  const int* done_first;
   float* out;
   float* stats;
 };
@@ -152,7 +155,8 @@ void run_paged_group(const PagedArgs& a, uint3 group) {
   g.run(kThreadgroup, [&](int t) {
     return paged_attention_thread<NQ, KL, kThreadgroup>(
         g, static_cast<unsigned>(t), group, a.q, a.kw, a.ks, a.kb, a.vw, a.vs, a.vb, a.tables,
-        a.lengths, a.dims, a.sinks, a.scale, a.tail, a.tail_slots, a.out, a.stats);
+        a.lengths, a.dims, a.sinks, a.scale, a.tail, a.tail_slots, a.done, a.done_first, a.out,
+        a.stats);
   });
 }
 
@@ -195,7 +199,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
                           const std::optional<mx::array>& sinks_in, float scale_value, int threads,
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in, int vectors,
-                          int lanes_per_key) {
+                          int lanes_per_key, const std::optional<mx::array>& done_in,
+                          const std::optional<mx::array>& done_first_in) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
@@ -229,7 +234,11 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       tail_in ? mx::contiguous(mx::view(*tail_in, mx::uint16)) : mx::zeros({1}, mx::uint16);
   mx::array tail_slots = tail_slots_in ? mx::contiguous(mx::astype(*tail_slots_in, mx::int32))
                                        : mx::zeros({n_rows}, mx::int32);
-  std::vector<mx::array> to_eval = {q, tables, lengths, sinks, tail, tail_slots};
+  mx::array done =
+      done_in ? mx::contiguous(mx::view(*done_in, mx::uint16)) : mx::zeros({1}, mx::uint16);
+  mx::array done_first = done_first_in ? mx::contiguous(mx::astype(*done_first_in, mx::int32))
+                                       : mx::full({n_rows}, -1, mx::int32);
+  std::vector<mx::array> to_eval = {q, tables, lengths, sinks, tail, tail_slots, done, done_first};
   to_eval.insert(to_eval.end(), parts.begin(), parts.end());
   mx::eval(to_eval);
   if (q.size() != static_cast<size_t>(n_rows) * q_heads * n_queries * dim ||
@@ -247,6 +256,18 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       if (tail_slots.size() != static_cast<size_t>(n_rows) || slot < 0 || slot >= slots) {
         throw std::invalid_argument("paged attention: a tail slot outside the tails");
       }
+    }
+  }
+  if (done_first.size() != static_cast<size_t>(n_rows)) {
+    throw std::invalid_argument("paged attention: done_first must have one entry a row");
+  }
+  for (int b = 0; b < n_rows && channel_tokens > 0; ++b) {  // a row's completed groups
+    const int first = done_first.data<int>()[b];
+    const int groups = len[b] / channel_tokens - (len[b] - n_queries) / channel_tokens;
+    const int64_t end = (int64_t{first} + int64_t{groups} * kv_heads) * channel_tokens * dim;
+    if (first >= 0 && (!done_in || end > static_cast<int64_t>(done.size()))) {
+      throw std::invalid_argument("paged attention: row " + std::to_string(b) +
+                                  "'s completed groups lie outside `done`");
     }
   }
   for (int b = 0; b < n_rows; ++b) {  // every block a query can read must lie in the arenas
@@ -285,6 +306,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
                        scale,
                        tail.data<uint16_t>(),
                        tail_slots.data<int>(),
+                       done.data<uint16_t>(),
+                       done_first.data<int>(),
                        parts_out.data<float>(),
                        stats.data<float>()};
   const int across = splits * tiles;

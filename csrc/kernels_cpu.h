@@ -18,13 +18,15 @@ namespace mx = mlx::core;
 // then kernels/paged_attention_merge.metal where dims[14] (splits) > 1: dims as the body
 // documents them; `vectors` and `lanes_per_key` are its NQ and KL. Keys and values are
 // (words, scales, biases); 16-bit kinds pass their float16 rows as words and any scales.
+// Format 2: `done` and `done_first`, the groups the step completes (none where absent).
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
                           const mx::array& lengths, const std::array<int, 16>& dims,
                           const std::optional<mx::array>& sinks, float scale, int threads,
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots, int vectors,
-                          int lanes_per_key);
+                          int lanes_per_key, const std::optional<mx::array>& done,
+                          const std::optional<mx::array>& done_first);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

@@ -26,10 +26,16 @@
 //          scale   float[1]
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
 //          tail_slots int[B]
+//          done    half[entries * channel_tokens * D]  the channel groups this step
+//                  completes, group by group, head by head; row b's from entry
+//          done_first int[B]                          done_first[b] (-1: none)
 // Per-channel keys (KV format 2, channel_tokens > 0): ks/kb hold one scale and bias per
 // channel per group of channel_tokens tokens, spread over the group's rows (D /
 // channel_tokens per row); the tokens after the row's last complete group are float16
-// keys in its tail slot. Rotation (format 2) is the caller's: queries in, output out.
+// keys in its tail slot. A query inside a group its step completes, before the group's last
+// token, reads that group's keys in float16 from `done` (one token at a time, they would
+// still be in its tail): its other groups quantized, as every later query reads them.
+// Rotation (format 2) is the caller's: queries in, output out.
 // outputs: splits == 1: out T[B * Hq * L * Dv], the attention; stats unwritten.
 //          splits > 1:  out float[B * Hq * L * splits * Dv], each split's sum of
 //                       exp(score - m) * value, and stats float[B * Hq * L * splits * 2]
@@ -130,6 +136,7 @@ const int value_count = dv0 < dim_v ? (dim_v - dv0 < per_lane_v ? dim_v - dv0 : 
 float q[NQ][8];
 int first_key[NQ];  // what query j sees: keys first_key[j] ..= last_key[j]
 int last_key[NQ];
+int own[NQ];  // the group it reads from `done` (its first token), or -1
 int k_lo = length;
 int k_hi = 0;
 for (int j = 0; j < NQ; ++j) {
@@ -144,6 +151,15 @@ for (int j = 0; j < NQ; ++j) {
   }
   first_key[j] = real ? lo : 1;
   last_key[j] = real ? p : 0;
+  own[j] = -1;
+  if (real && channel_tokens > 0 && done_first[b] >= 0) {
+    const int g = p / channel_tokens * channel_tokens;
+    const int done_from = (length - n_queries) / channel_tokens * channel_tokens;
+    const int complete_at = length / channel_tokens * channel_tokens;
+    if (g >= done_from && g < complete_at && p < g + channel_tokens - 1) {
+      own[j] = g;
+    }
+  }
   if (real) {
     k_lo = lo < k_lo ? lo : k_lo;
     k_hi = p + 1 > k_hi ? p + 1 : k_hi;
@@ -166,10 +182,14 @@ const unsigned int k_groups = (unsigned int)(dim / (channel_tokens > 0 ? channel
 const unsigned int v_groups = (unsigned int)(dim_v / group);
 int complete = length + 1;  // per-channel keys: tokens from here on are in the tail
 unsigned int tail0 = 0u;
+int done_from = 0;  // the first group this step completes (its entry: done0)
+unsigned int done0 = 0u;
 if (channel_tokens > 0) {
   complete = length / channel_tokens * channel_tokens;
   tail0 = ((unsigned int)tail_slots[b] * (unsigned int)kv_heads + (unsigned int)kvh) *
           (unsigned int)channel_tokens;
+  done_from = (length - n_queries) / channel_tokens * channel_tokens;
+  done0 = (unsigned int)(done_first[b] > 0 ? done_first[b] : 0);
 }
 
 float m[NQ];
@@ -220,11 +240,33 @@ for (int base = s0; base < s1; base += n_teams) {
   for (int e = 0; e < 8; ++e) {
     x[e] = e < key_count ? x[e] : 0.0f;
   }
+  // the key's group read in float16 too, where a query of the tile reads it so
+  const int key_group = channel_tokens > 0 && t < complete ? t / channel_tokens * channel_tokens : -2;
+  bool wanted = false;
+  for (int j = 0; j < NQ; ++j) {
+    wanted = wanted || own[j] == key_group;
+  }
+  float xf[8];
+  for (int e = 0; e < 8; ++e) {
+    xf[e] = 0.0f;
+  }
+  if (wanted) {
+    const unsigned int entry = done0 +
+                               (unsigned int)((key_group - done_from) / channel_tokens) *
+                                   (unsigned int)kv_heads +
+                               (unsigned int)kvh;
+    const unsigned int at = (entry * (unsigned int)channel_tokens + (unsigned int)(t - key_group)) *
+                            (unsigned int)dim;
+    for (int e = 0; e < 8; ++e) {
+      xf[e] = e < key_count ? kv_half(done[at + (unsigned int)(d0 + e)]) : 0.0f;
+    }
+  }
   float s[NQ];
   for (int j = 0; j < NQ; ++j) {
+    const bool f = wanted && own[j] == key_group;
     float dot = 0.0f;
     for (int e = 0; e < 8; ++e) {
-      dot += q[j][e] * x[e];
+      dot += q[j][e] * (f ? xf[e] : x[e]);
     }
     s[j] = dot;
   }

@@ -120,7 +120,8 @@ CUDA_PAGED = """
 __global__ void paged_attention_{n}(const {q}* q_in, const uint32_t* kw, const __half* ks,
     const __half* kb, const uint32_t* vw, const __half* vs, const __half* vb,
     const int32_t* tables, const int32_t* lengths, const int32_t* dims, const float* sinks,
-    const float* scale, const __half* tail, const int32_t* tail_slots, {t}* out, float* stats) {{
+    const float* scale, const __half* tail, const int32_t* tail_slots, const __half* done,
+    const int32_t* done_first, {t}* out, float* stats) {{
   using T = {t};
   constexpr int NQ = {nq};
   constexpr int KL = {kl};

@@ -176,9 +176,10 @@ def test_a_query_inside_a_group_its_step_completes_reads_that_group_in_float16()
     """A step of 70 tokens completes a group of each row ([256, 320) after 300, [64, 128)
     after 64 and 100): its queries before the group's last token read the group's keys as
     float16 (as one token at a time would), its last token and those after read it
-    quantized. The fused kernel and the MLX reference both follow that rule (the kernel body
-    for the GPU does not yet: docs/kv-format-v2.md)."""
+    quantized. Every path follows that rule: the fused kernel, the MLX reference, and the
+    GPU's two (the kernel body, compiled for the CPU, and the dense prefill path)."""
     from agentkv import kernels
+    from agentkv.kernels import dense
     from agentkv.kernels.attention import paged_attention
     from agentkv.kernels.types import PagedQuery
 
@@ -204,7 +205,11 @@ def test_a_query_inside_a_group_its_step_completes_reads_that_group_in_float16()
     q = hadamard(queries)  # what the cache's attention hands the kernels
     fused = hadamard(paged_attention(q, paged, scale=0.125))
     reference = hadamard(kernels.reference.paged_attention(q, paged, scale=0.125))
-    mx.eval(fused, reference)
+    with kernels.use_backend("cpu"):
+        body = hadamard(kernels.paged_attention_body(q, paged, scale=0.125))
+    assert dense.takes(q, paged)
+    dense_out = hadamard(dense.paged_attention(q, paged, scale=0.125))
+    mx.eval(fused, reference, body, dense_out)
     pool.arena.settle()
     for t in tables:
         t.written(list(range(count)))
@@ -218,6 +223,12 @@ def test_a_query_inside_a_group_its_step_completes_reads_that_group_in_float16()
     assert inside[2, : 127 - 100].all() and not inside[2, 127 - 100 :].any()
     np.testing.assert_allclose(np.array(fused), want, atol=FUSED_ATOL, rtol=1e-4)
     np.testing.assert_allclose(np.array(reference), want, atol=2e-3, rtol=1e-3)
+    # the GPU's paths in float: within float rounding of the rule (which moves each query it
+    # covers by more than 1e-3)
+    np.testing.assert_allclose(np.array(body), want, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.array(dense_out), want, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="outside `done`"):  # the body never reads past it
+        kernels.cpu.paged_attention(q, paged._replace(done=paged.done[: 2 * ct]), scale=0.125)
 
 
 def test_a_row_gives_the_same_bits_alone_or_batched():

@@ -42,6 +42,8 @@ def paged_attention(
         paged.tail_slots,
         launch.vectors,
         launch.lanes_per_key,
+        paged.done,
+        paged.done_first,
     )
 
 

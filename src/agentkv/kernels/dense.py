@@ -47,13 +47,15 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         keys = _keys(paged, b, first, n).astype(queries.dtype)
         values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
         mask = "causal"
-        if first or paged.window:
-            t = np.arange(first, n)[None, :]
-            p = np.arange(n - L, n)[:, None]
-            visible = t <= p
-            if paged.window:
-                visible &= p - t < paged.window
-            mask = mx.array(visible)
+        own = _own_groups(paged, b, n, L)
+        if own is not None:  # format 2: the groups the chunk completes, again in float16
+            done_from, complete, done_keys = own
+            keys = mx.concatenate([keys, done_keys.astype(queries.dtype)], axis=2)
+            values = mx.concatenate(
+                [values, values[:, :, done_from - first : complete - first]], axis=2
+            )
+        if first or paged.window or own is not None:
+            mask = _mask(paged, b, first, n, L, own)
         outs.append(
             mx.fast.scaled_dot_product_attention(
                 queries[b : b + 1],
@@ -65,6 +67,61 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
             )
         )
     return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+
+def _own_groups(paged: PagedQuery, b: int, n: int, L: int):
+    """Format 2: the channel groups row ``b``'s chunk completes (positions ``done_from`` to
+    ``complete``) and their keys in float16 [1, kv_heads, complete - done_from, D], which a
+    query inside one reads until the group's last token (as one token at a time would read
+    it from its tail); None where the chunk completes none."""
+    ct = paged.channel_tokens
+    if not ct or paged.done is None:
+        return None
+    firsts = paged.host.done_first
+    if firsts is None:
+        if paged.done_first is None:
+            return None
+        firsts = np.array(paged.done_first)  # no host copy: read the device's
+    entry = int(firsts[b])
+    done_from, complete = (n - L) // ct * ct, n // ct * ct
+    if entry < 0 or complete <= done_from:
+        return None
+    groups, heads = (complete - done_from) // ct, paged.kv_heads
+    rows = paged.done[entry * ct : (entry + groups * heads) * ct]
+    rows = rows.reshape(groups, heads, ct, -1).transpose(1, 0, 2, 3)
+    return done_from, complete, rows.reshape(1, heads, groups * ct, -1)
+
+
+def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own) -> mx.array:
+    """Which keys row ``b``'s queries see: causal, in their window, and (format 2, ``own``)
+    a query inside a group the chunk completes, before its last token, sees that group's
+    float16 copy (after the keys) in place of its quantized keys. The same for every layer
+    of the step: made once."""
+    memo = paged.host.memo
+    key = ("mask", b, first, n, L)
+    if memo is not None and key in memo:
+        return memo[key]
+    p = np.arange(n - L, n)[:, None]
+    t = np.arange(first, n)[None, :]
+    if own is not None:
+        ct, (done_from, complete, _) = paged.channel_tokens, own
+        t = np.concatenate([t, np.arange(done_from, complete)[None, :]], axis=1)
+        group = p // ct * ct
+        inside = (group >= done_from) & (group < complete) & (p < group + ct - 1)
+        copy = np.arange(t.shape[1])[None, :] >= n - first  # the float16 copies
+        in_own = (t // ct * ct == group) & inside
+        # a query inside one reads its own group's copies alone; every other query, and
+        # every other group, the stored keys
+        pick = np.where(in_own, copy, ~copy)
+    else:
+        pick = True
+    visible = (t <= p) & pick
+    if paged.window:
+        visible &= p - t < paged.window
+    mask = mx.array(visible)
+    if memo is not None:
+        memo[key] = mask
+    return mask
 
 
 def _rows(paged: PagedQuery, b: int, first: int, end: int) -> mx.array:

@@ -73,7 +73,7 @@ def _pointers(backend: str, n: int) -> str:
 INPUTS = {
     "paged_attention": [
         "q_in", "kw", "ks", "kb", "vw", "vs", "vb", "tables", "lengths", "dims", "sinks",
-        "scale", "tail", "tail_slots",
+        "scale", "tail", "tail_slots", "done", "done_first",
     ],
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
@@ -154,6 +154,8 @@ def for_backend(backend: str) -> SimpleNamespace:
                 _floats((scale,)),
                 paged.tail if paged.tail is not None else _zeros(1, mx.float16),
                 paged.tail_slots if paged.tail_slots is not None else _zeros(B, mx.int32),
+                paged.done if paged.done is not None else _zeros(1, mx.float16),
+                paged.done_first if paged.done_first is not None else _ints((-1,) * B),
             ],
             template=[
                 ("T", out_dtype),

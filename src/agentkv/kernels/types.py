@@ -19,6 +19,8 @@ class HostIndex(NamedTuple):
     tail_slots: np.ndarray | None = None  # int32 [B]
     # what the layers of one step derive from these alike, made by the first (kernels/dense.py)
     memo: dict | None = None
+    # PagedQuery.done_first (None: no row completes a channel group)
+    done_first: np.ndarray | None = None
 
 
 class PagedQuery(NamedTuple):
@@ -47,8 +49,8 @@ class PagedQuery(NamedTuple):
     host: HostIndex | None = None
     # KV format 2 in a pool step: the groups the step completed, float16 [entries * ct, D],
     # row b's from entry done_first[b] (-1: none; pool.arena.WritePlan), which a query inside
-    # one reads until its last token (csrc/core/attention.h). The CPU paths read them; the
-    # GPU paths do not yet (docs/kv-format-v2.md)
+    # one reads until its last token (csrc/core/attention.h, kernels/paged_attention.metal,
+    # kernels/dense.py)
     done: mx.array | None = None
     done_first: mx.array | None = None
 

@@ -70,6 +70,7 @@ class WritePlan:
     def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
         self.rows = mx.array(arena.write_rows([t.blocks for t in tables], starts, count))
         self.count = count
+        self.done_first_host: np.ndarray | None = None  # done_first on the host (GPU paths)
         if not arena.quant.channel_keys:
             return
         ct, heads = arena.ct, arena.heads
@@ -139,7 +140,8 @@ class WritePlan:
                 len(prev_src),
                 len(done_first),
             ]
-            self.done_first = mx.array(np.asarray(done_first, np.int32))
+            self.done_first_host = np.asarray(done_first, np.int32)
+            self.done_first = mx.array(self.done_first_host)
         self._arena = arena
         self._gather = _index(gather)
         self._gathered: list[mx.array] | None = None

@@ -8,11 +8,11 @@ blocks in memory and on disk. Never Python's ``hash()``.
 
 A hash names bytes, not only tokens: the bytes a block stores are a function of its
 tokens and everything before them, computed by one arithmetic (``bits_identity``: the
-backend, and ``BITS_VERSION`` of its kernels), so the seed names that arithmetic too and
-blocks computed by another are never taken for these. An agent whose bytes are not the
-ones its tokens give here (converted from another KV format, stored by an earlier agentkv
-or on another backend) hashes its blocks under a seed of its own (``private_seed``): its
-forks share them, no one else does.
+backend, and the version of its kernels, ``BITS_VERSIONS``), so the seed names that
+arithmetic too and blocks computed by another are never taken for these. An agent whose
+bytes are not the ones its tokens give here (converted from another KV format, stored by an
+earlier agentkv or on another backend) hashes its blocks under a seed of its own
+(``private_seed``): its forks share them, no one else does.
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ from ..format.geometry import BLOCK_TOKENS
 
 DOMAIN = b"agentkv/block/v1"
 PRIVATE_DOMAIN = b"agentkv/private/v1"
-# The version of the arithmetic that computes stored bytes from tokens: bump it with any
-# change to the kernels that changes the bytes stored for the same tokens (or how a step
-# reads what it stores), so blocks computed before the change are never shared with blocks
-# computed after it.
-BITS_VERSION = 1
-BACKENDS = ("cpu", "metal", "cuda")
+# The version of each backend's arithmetic that computes stored bytes from tokens: bump a
+# backend's with any change to its kernels that changes the bytes stored for the same tokens
+# (or how a step reads what it stores), so blocks computed before the change are never
+# shared with blocks computed after it. Metal and CUDA 2: a prefill query reads its own
+# completed channel group in float16 there too (kernels/paged_attention.metal, dense.py).
+BITS_VERSIONS = {"cpu": 1, "metal": 2, "cuda": 2}
+BACKENDS = tuple(BITS_VERSIONS)
 
 
 def bits_identity(backend: str) -> str:
-    """What computed a block's bytes: a backend and its kernels' ``BITS_VERSION``."""
-    return f"{backend}/{BITS_VERSION}"
+    """What computed a block's bytes: a backend and its kernels' version."""
+    return f"{backend}/{BITS_VERSIONS[backend]}"
 
 
 def chain_seed(

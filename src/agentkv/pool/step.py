@@ -92,7 +92,7 @@ class PagedStep:
         self.plan = WritePlan(arena, list(tables), starts, count)
         # the same on the host: the GPU paths plan by them without reading the device
         slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
-        self.host = HostIndex(table, lengths, slots, {})
+        self.host = HostIndex(table, lengths, slots, {}, self.plan.done_first_host)
         self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
         self.fused = fused and self._fusable()
         self.caches = [
