@@ -55,7 +55,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
                 [values, values[:, :, done_from - first : complete - first]], axis=2
             )
         if first or paged.window or own is not None:
-            mask = _mask(paged, b, first, n, L, own)
+            mask = _mask(paged, b, first, n, L, own, queries.dtype)
         outs.append(
             mx.fast.scaled_dot_product_attention(
                 queries[b : b + 1],
@@ -92,13 +92,14 @@ def _own_groups(paged: PagedQuery, b: int, n: int, L: int):
     return done_from, complete, rows.reshape(1, heads, groups * ct, -1)
 
 
-def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own) -> mx.array:
+def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own, dtype) -> mx.array:
     """Which keys row ``b``'s queries see: causal, in their window, and (format 2, ``own``)
     a query inside a group the chunk completes, before its last token, sees that group's
-    float16 copy (after the keys) in place of its quantized keys. The same for every layer
-    of the step: made once."""
+    float16 copy (after the keys) in place of its quantized keys. Additive, in the queries'
+    dtype (what MLX's CUDA attention takes; it would convert a boolean mask at every call),
+    and the same for every layer of the step: made once."""
     memo = paged.host.memo
-    key = ("mask", b, first, n, L)
+    key = ("mask", b, first, n, L, dtype)
     if memo is not None and key in memo:
         return memo[key]
     p = np.arange(n - L, n)[:, None]
@@ -118,7 +119,7 @@ def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own) -> mx.arra
     visible = (t <= p) & pick
     if paged.window:
         visible &= p - t < paged.window
-    mask = mx.array(visible)
+    mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32)).astype(dtype)
     if memo is not None:
         memo[key] = mask
     return mask
