@@ -205,7 +205,12 @@ WIDE_PAIR = re.compile(
 )
 CITED_RUN = re.compile(r"passed ([\d,]+)\s+tests\s+and\s+skipped\s+([\d,]+)\s+in\s+([\d,]+)\s+s\b")
 RECORDED_RUN = re.compile(r"\*\*([\d,]+) passed, ([\d,]+) skipped\s+in\s+([\d,]+) s\*\*")
-SESSION_LETTER = re.compile(r"\b[Ss]essions? [A-Z]\b")
+# A run named by an internal session letter ("session C", "sessions I-P", "R's type") instead
+# of its date, commit and machine.
+SESSION_LETTER = re.compile(
+    r"\b[Ss]essions [A-Z]-[A-Z]\b|\b[Ss]essions? [A-Z]\b"
+    r"|\b[A-Z]'s (?:runs?|type|hours?|build|figures|section|table|VM)\b"
+)
 
 
 def _prose_lines(page: Path) -> list[str]:
@@ -296,11 +301,15 @@ def test_the_figure_checks_catch_drift(tmp_path, model_sizes, wide_pairs):
         "\n"
         "`q4.v2+k8@19,20`; once `q4.v2+k8@18,19`.\n"
         "Format 2 keeps layers 18 and 19 wide; formats 1 and 2 differ. As session Q saw.\n"
+        "Against R's run, in P's hour, on the VM of G-Q's type; sessions I-P; Session C.\n"
+        "Agent B's TTFT, A's chunks, N agents, N x K, an A/B run, Q4_1's scales, KV's type.\n"
     )
     assert [w.split(":")[0] for w in _wrong_sizes(page, model_sizes)] == ["84 MB"]
     wrong = [w.split(":")[0] for w in _wrong_wide_layers(page, *wide_pairs)]
     assert wrong == ["18,19", "18,19"]  # the label of line 5, the pair of line 6
-    assert SESSION_LETTER.findall(page.read_text()) == ["session Q"]
+    assert SESSION_LETTER.findall(page.read_text()) == [
+        "session Q", "R's run", "P's hour", "Q's type", "sessions I-P", "Session C",
+    ]  # fmt: skip
     cited = "passed 855 tests and\nskipped 43 in 1324 s; passed 9 tests and skipped 1 in 2 s"
     assert CITED_RUN.findall(cited) == [("855", "43", "1324"), ("9", "1", "2")]
 
@@ -321,7 +330,7 @@ def test_test_counts_are_the_newest_recorded_run():
     assert not wrong, f"test runs that are not the newest recorded one {newest}: {wrong}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [*PAGES, RESULTS], ids=lambda p: p.name)
 def test_runs_are_named_by_date_commit_and_machine(page):
     letters = [m.group(0) for m in SESSION_LETTER.finditer(page.read_text(encoding="utf-8"))]
     assert not letters, f"{page.name} names runs by letter: {letters}"
