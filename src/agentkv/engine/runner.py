@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..format.geometry import BLOCK_TOKENS
 from ..kv.cache import window_start
 from ..model.load import LoadedModel
-from ..pool import KVPool
+from ..pool import KVPool, PoolExhaustedError
 from ..pool.step import PagedStep
 from ..store.agent_store import build_save_job
 from ..store.writer import BackgroundWriter
@@ -167,6 +167,56 @@ class TurnRunner:
             if swap is None or not swap.error:  # a failed row keeps nothing of the step
                 table.written(row)
         return last
+
+    # -- the pipelined decode step (a GPU's; scheduler._decode_pipelined) --------------------
+
+    def launch(self, tables, tokens: list, reservations) -> mx.array:
+        """A decode step built, not waited for: each row fed one token, an int or an array
+        an earlier step is still computing; the rows' logits [B, vocab], unevaluated. A row
+        fed an int is recorded now (its write is in the graph); one fed an array is recorded
+        by ``written`` once its token is read, or cut by ``fit_table`` if its turn ends
+        there. The scheduler never feeds an array to a row whose token completes a channel
+        group (a trim inside one would lose exact keys). Raises PoolExhaustedError with every
+        table as it was if the pool cannot give a row its block."""
+        arena = self.pool.arena
+        grown = []
+        try:
+            for table, reservation in zip(tables, reservations):
+                table.grow(1, arena.copy_rows, reservation)
+                grown.append(table)
+        except PoolExhaustedError:
+            for table in grown:
+                table.trim(table.length)
+            raise
+        step = PagedStep(arena, self.loaded.spec, tables, 1, fused=False)
+        ids = mx.concatenate(
+            [
+                mx.array([[t]], dtype=mx.int32)
+                if isinstance(t, int)
+                else t.reshape(1, 1).astype(mx.int32)
+                for t in tokens
+            ]
+        )
+        try:
+            logits = mlx_adapter.last_logits(self.model, ids, step.caches)
+        except BaseException:
+            arena.discard_writes()
+            raise
+        for table, t in zip(tables, tokens):
+            if isinstance(t, int):
+                table.written([t])
+        return logits
+
+    def run_ahead(self, values: list[mx.array]) -> None:
+        """Start computing ``values`` and the step's writes into the arenas: on a GPU without
+        waiting (the next step is built meanwhile); on the CPU now (its host I/O writes into
+        the arenas in place, so nothing may be left running)."""
+        if mx.default_device() == mx.cpu:
+            self.pool.arena.settle()
+            mx.eval(values)
+            return
+        arena = self.pool.arena
+        mx.async_eval(values, arena.arrays, arena.tails, arena.prevs)
 
     def prefill(self, job: Job, ids: list[int], logits: bool):
         """One prefill chunk of ``job``'s turn (``forward``'s logits); a turn over the

@@ -20,6 +20,14 @@ steps with no KV bytes copied. The linear layers and attention are batch-invaria
 CPU, so a turn gives the same tokens alone or batched. All MLX work happens on this
 thread.
 
+On a GPU the decode loop is pipelined (``_decode_pipelined``), as mlx-lm's is: step n+1 is
+built and started, fed the tokens step n is still sampling, before step n's tokens are read,
+so building a step's graph (Python) overlaps the device's work on the one before. A row
+whose turn ends at step n's token (a stop, ``max_tokens``, a cancel) has its row of step n+1
+cut from its table (``AgentState.fit_table``); a row under a grammar, swapped (KVSwap), or
+whose next token would complete a channel group runs the step unpipelined. On the CPU the
+decoder layers run fused, in place, so steps run one after another.
+
 Admission: at most ``max_batch`` turns run at once (prefilling or decoding), and a turn
 starts only when the pool can give it every block it may need (its context, prompt and
 ``max_tokens``): ``TurnRunner.admit`` reclaims idle agents' blocks if it must, reserves
@@ -38,6 +46,7 @@ from collections import deque
 import mlx.core as mx
 
 from ..errors import EngineBusyError
+from ..pool import PoolExhaustedError
 from .job import Job, Phase
 from .runner import TurnRunner
 
@@ -64,6 +73,11 @@ class Scheduler:
         self._pending: deque[Job] = deque()
         self._prefilling: deque[Job] = deque()
         self._decoding: list[Job] = []
+        # the decode step in flight (pipelined: its jobs and each one's sampled token, still
+        # being computed) and whether decode steps are pipelined (a GPU's; tests set it)
+        self._pipe: tuple[list[Job], list[mx.array]] | None = None
+        self.pipeline = mx.default_device() != mx.cpu
+        self.ahead_steps = 0  # steps started before the tokens they were fed were read
         self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
         self._running = {"running": 0, "reserved_blocks": 0}  # as of the last step
@@ -293,6 +307,11 @@ class Scheduler:
         jobs = self._decoding
         if not jobs:
             return
+        if self._pipe is not None or (
+            self.pipeline and all(j.grammar is None and j.state.swap is None for j in jobs)
+        ):
+            self._decode_pipelined(jobs)
+            return
         if len(jobs) == 1:
             try:
                 draft = self.runner.draft_for(jobs[0])
@@ -337,6 +356,80 @@ class Scheduler:
                     self._finish(job)
                 else:
                     self._fail(job, exc)
+
+    def _decode_pipelined(self, jobs: list[Job]) -> None:
+        """One decode step, pipelined (module docstring): start the next step on the tokens
+        the one in flight is sampling, then read those tokens."""
+        runner = self.runner
+        if self._pipe is None:  # a step fed the tokens already sampled, started
+            try:
+                logits = runner.launch(
+                    [j.state.table for j in jobs],
+                    [j.last_token for j in jobs],
+                    [j.reservation for j in jobs],
+                )
+                tokens = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
+                runner.run_ahead(tokens)
+            except Exception as exc:
+                self._decoding = []
+                for job in jobs:
+                    self._fail(job, exc)
+                return
+            self._pipe = (jobs, tokens)
+        jobs, tokens = self._pipe
+        self._pipe = None
+        ahead = None
+        if jobs == self._decoding and all(self._may_run_ahead(j) for j in jobs):
+            try:
+                logits = runner.launch(
+                    [j.state.table for j in jobs], tokens, [j.reservation for j in jobs]
+                )
+                ahead = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
+                runner.run_ahead(ahead)
+                self.ahead_steps += 1
+            except PoolExhaustedError:  # the tables as they were: this step, unpipelined
+                ahead = None
+            except Exception as exc:
+                self._decoding = [j for j in self._decoding if j not in jobs]
+                for job in jobs:
+                    self._fail(job, exc)
+                return
+        ended, going = [], []
+        for i, (job, token) in enumerate(zip(jobs, tokens)):
+            try:
+                if job.take(token.item()):
+                    ended.append((job, None))
+                    continue
+                if ahead is not None:  # the token the step ahead was fed
+                    job.state.table.written([job.last_token])
+                going.append(i)
+            except Exception as exc:
+                ended.append((job, exc))
+        if ahead is not None and going:
+            self._pipe = ([jobs[i] for i in going], [ahead[i] for i in going])
+        if ended:
+            gone = {job for job, _ in ended}
+            self._decoding = [j for j in self._decoding if j not in gone]
+            for job, exc in ended:
+                if exc is None:
+                    self._finish(job)
+                else:
+                    self._fail(job, exc)
+
+    @staticmethod
+    def _may_run_ahead(job: Job) -> bool:
+        """Whether the next step may be fed ``job``'s token before it is read: a turn that
+        may go on, under no grammar, not swapped, whose token would not complete a channel
+        group (``TurnRunner.launch``)."""
+        table = job.state.table
+        ct = table.tails.ct if table.tail is not None else 0
+        return (
+            job.grammar is None
+            and job.state.swap is None
+            and not job.cancelled
+            and len(job.generated) + 1 < job.max_new
+            and not (ct and (table.length + 1) % ct == 0)
+        )
 
     def _decode_drafted(self, job: Job, draft: list[int]) -> None:
         """One step feeding the turn's last token and a draft (engine/drafts.py): each
