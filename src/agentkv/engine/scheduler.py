@@ -26,7 +26,8 @@ so building a step's graph (Python) overlaps the device's work on the one before
 whose turn ends at step n's token (a stop, ``max_tokens``, a cancel) has its row of step n+1
 cut from its table (``AgentState.fit_table``); a row under a grammar, swapped (KVSwap), or
 whose next token would complete a channel group runs the step unpipelined. On the CPU the
-decoder layers run fused, in place, so steps run one after another.
+decoder layers run fused, in place, so steps run one after another (and on a GPU with
+``AGENTKV_GPU_PIPELINE=0``).
 
 Admission: at most ``max_batch`` turns run at once (prefilling or decoding), and a turn
 starts only when the pool can give it every block it may need (its context, prompt and
@@ -40,6 +41,7 @@ time to completion (the baseline the interleaved scheduler is measured against).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 
@@ -53,6 +55,7 @@ from .runner import TurnRunner
 log = logging.getLogger("agentkv.engine")
 
 POLICIES = ("interleave", "fcfs")
+PIPELINE_ENV = "AGENTKV_GPU_PIPELINE"  # "0": a GPU's decode steps one after another
 STARVE_ROUNDS = 8
 
 
@@ -76,7 +79,7 @@ class Scheduler:
         # the decode step in flight (pipelined: its jobs and each one's sampled token, still
         # being computed) and whether decode steps are pipelined (a GPU's; tests set it)
         self._pipe: tuple[list[Job], list[mx.array]] | None = None
-        self.pipeline = mx.default_device() != mx.cpu
+        self.pipeline = mx.default_device() != mx.cpu and os.environ.get(PIPELINE_ENV) != "0"
         self.ahead_steps = 0  # steps started before the tokens they were fed were read
         self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
