@@ -191,6 +191,31 @@ def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
     assert used[attention.FUSED] == 0 and used[attention.KERNEL] > 0
 
 
+def test_the_pipelined_decode_loop_gives_the_tokens_of_steps_one_after_another(tmp_path):
+    """On a GPU decode steps run pipelined (engine/scheduler.py): three agents batched, then
+    each continued, give the tokens of the same turns with the pipeline off, across channel
+    groups (70 tokens) and with turns ending at different lengths."""
+    model = tiny_llama_dir(tmp_path / "model")
+    prompts = ["One two three four", "The build failed because", "def main():\n"]
+    results = {}
+    for pipeline in (False, True):
+        kv = tmp_path / f"kv-{pipeline}"
+        with Engine(model=str(model), cache_dir=kv, pool_bytes=32 << 20, draft_tokens=0) as eng:
+            assert eng.scheduler.pipeline  # the default on a GPU
+            eng.scheduler.pipeline = pipeline
+            before = eng.scheduler.ahead_steps
+            turns = [(f"a{i}", p) for i, p in enumerate(prompts)]
+            first = [eng.generate_many(turns[:1], max_tokens=70)[0]]
+            first += eng.generate_many(turns[1:], max_tokens=33)
+            again = eng.generate_many(
+                [(a, p + r.text) for (a, p), r in zip(turns, first)], max_tokens=9
+            )
+            ahead = eng.scheduler.ahead_steps - before
+        assert (ahead > 20) == pipeline
+        results[pipeline] = [r.tokens for r in first + again]
+    assert results[True] == results[False]
+
+
 def test_a_float32_row_in_a_batch_gets_its_products_alone():
     """agentkv keeps MLX's float32 matmuls out of TF32 (``agentkv._numerics``): one row alone
     takes a full-precision GEMV and three rows a GEMM, so with TF32 the row's products moved by
