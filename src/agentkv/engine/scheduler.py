@@ -311,7 +311,9 @@ class Scheduler:
         if not jobs:
             return
         if self._pipe is not None or (
-            self.pipeline and all(j.grammar is None and j.state.swap is None for j in jobs)
+            self.pipeline
+            and self.runner.swapper is None  # (KVSwap runs on the CPU only)
+            and all(j.grammar is None and j.state.swap is None for j in jobs)
         ):
             self._decode_pipelined(jobs)
             return
