@@ -1,0 +1,218 @@
+"""GGUF architectures as mlx-lm model classes: each GGUF ``general.architecture`` agentkv
+imports, the mlx-lm ``model_type`` it becomes, its config from the GGUF's metadata and its
+tensors' names (the mapping transformers' ``integrations/ggml.py`` and llama.cpp's
+converter agree on).
+
+What differs between them, and why the import cares:
+
+- **llama** (and Mistral-style models, which GGUF files carry as llama): llama.cpp's converter
+  permutes the Q and K rows for interleaved rotary embeddings, hence ``rope_traditional``.
+- **qwen2**: biases on q, k and v; rotary embeddings over halves (not permuted).
+- **qwen3**: an RMSNorm of each q and k head; the head dim named by ``attention.key_length``.
+- **gemma3**: four norms a block, q and k norms, sliding-window layers (every sixth layer
+  global, as llama.cpp has it) with their own RoPE base; llama.cpp's converter stores each
+  norm weight as ``1 + w`` (its RMSNorm multiplies by the weight; mlx-lm's Gemma multiplies
+  by ``1 + w``), so the import subtracts the 1 again (exact in float32).
+- **phi3**: fused q/k/v and gate/up projections, a partial rotary dimension.
+
+Not imported, each refused by name with the reason: gemma2 (its attention soft-caps the
+scores in its own code, so it cannot read agentkv's cache: ``load.check_attention``), and
+rope scaling that GGUF stores as frequency tensors (llama 3.1's ``rope_freqs``, phi3's
+``rope_factors_*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ModelImportError
+
+_LLAMA_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors GGUF files carry for rope scaling that mlx-lm's classes take as config instead.
+_ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one GGUF architecture becomes an mlx-lm model directory."""
+
+    gguf_name: str
+    model_type: str
+    block_names: dict[str, str]
+    rope_traditional: bool
+    config: Callable[[Any], dict] = field(default=lambda meta: {})
+    norm_offset: float = 0.0  # GGUF norm weights hold norm_offset + w (gemma: 1)
+
+    def mlx_name(self, gguf_name: str) -> str:
+        """The mlx-lm parameter name of a GGUF tensor; ModelImportError for one this
+        architecture has no place for."""
+        stem, _, suffix = gguf_name.rpartition(".")
+        if stem.startswith("blk."):
+            _, index, part = stem.split(".", 2)
+            if part in self.block_names:
+                return f"model.layers.{index}.{self.block_names[part]}.{suffix}"
+        elif stem in _TOP:
+            return f"{_TOP[stem]}.{suffix}"
+        if stem in _ROPE_TENSORS:
+            raise ModelImportError(
+                f"tensor {gguf_name}: rope scaling stored as frequency factors "
+                f"({self.gguf_name}) is not supported by the importer"
+            )
+        raise ModelImportError(f"tensor {gguf_name}: unexpected in a {self.gguf_name} GGUF")
+
+    def is_norm(self, gguf_name: str) -> bool:
+        return gguf_name.endswith("norm.weight")
+
+
+class Metadata:
+    """A GGUF file's metadata read under its architecture's prefix (``llama.block_count``)."""
+
+    def __init__(self, meta: dict, arch: str):
+        self.meta, self.arch = meta, arch
+
+    def get(self, key: str, default=None):
+        value = self.meta.get(f"{self.arch}.{key}", default)
+        return value if value is not None else default
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelImportError(f"GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+
+def _gemma3(m: Metadata) -> dict:
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", 256))
+    layers = int(m.need("block_count"))
+    # llama.cpp scales Gemma 3's queries by 1/sqrt(head dim), by 1/sqrt(hidden / heads) for
+    # the 27B model (62 layers), as its config's query_pre_attn_scalar says
+    scalar = hidden // heads if layers == 62 else head_dim
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": int(m.get("attention.sliding_window", 4096)),
+        "sliding_window_pattern": 6,
+        "rope_theta": float(m.get("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,
+    }
+
+
+def _qwen3(m: Metadata) -> dict:
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    return {"head_dim": int(m.get("attention.key_length", hidden // heads))}
+
+
+def _phi3(m: Metadata) -> dict:
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    rotary = int(m.get("rope.dimension_count", hidden // heads))
+    context = int(m.get("context_length", 4096))
+    return {
+        "partial_rotary_factor": rotary / (hidden // heads),
+        "original_max_position_embeddings": int(
+            m.get("rope.scaling.original_context_length", context)
+        ),
+    }
+
+
+def _llama(m: Metadata) -> dict:
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    return {"head_dim": int(m.get("rope.dimension_count", hidden // heads))}
+
+
+ARCHITECTURES = {
+    a.gguf_name: a
+    for a in (
+        Architecture("llama", "llama", _LLAMA_BLOCK, rope_traditional=True, config=_llama),
+        Architecture("qwen2", "qwen2", _LLAMA_BLOCK, rope_traditional=False),
+        Architecture("qwen3", "qwen3", _LLAMA_BLOCK | _QK_NORMS, False, config=_qwen3),
+        Architecture(
+            "gemma3",
+            "gemma3_text",
+            {
+                **{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
+                **_QK_NORMS,
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+            },
+            rope_traditional=False,
+            config=_gemma3,
+            norm_offset=1.0,
+        ),
+        Architecture(
+            "phi3",
+            "phi3",
+            {
+                "attn_qkv": "self_attn.qkv_proj",
+                "attn_output": "self_attn.o_proj",
+                "ffn_up": "mlp.gate_up_proj",
+                "ffn_down": "mlp.down_proj",
+                "attn_norm": "input_layernorm",
+                "ffn_norm": "post_attention_layernorm",
+            },
+            rope_traditional=False,
+            config=_phi3,
+        ),
+    )
+}
+_REFUSED = {
+    "gemma2": "its attention soft-caps the scores in its own code, so it cannot read "
+    "agentkv's quantized cache",
+}
+
+
+def architecture_of(meta: dict, source: str) -> Architecture:
+    """The Architecture of a GGUF file's ``general.architecture``, or ModelImportError in one
+    line naming it and what imports."""
+    name = meta.get("general.architecture")
+    name = name if isinstance(name, str) else None
+    if name in ARCHITECTURES:
+        return ARCHITECTURES[name]
+    why = _REFUSED.get(name or "", "")
+    raise ModelImportError(
+        f"{source}: architecture {name!r} is not supported"
+        + (f" ({why})" if why else "")
+        + f"; GGUF files of {', '.join(sorted(ARCHITECTURES))} import"
+    )
+
+
+def build_config(meta: dict, arch: Architecture, *, tied: bool) -> dict:
+    """mlx-lm's config.json for a GGUF file of ``arch``."""
+    m = Metadata(meta, arch.gguf_name)
+    heads = int(m.need("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config = {
+        "model_type": arch.model_type,
+        "hidden_size": int(m.need("embedding_length")),
+        "num_hidden_layers": int(m.need("block_count")),
+        "intermediate_size": int(m.need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m.get("attention.head_count_kv", heads)),
+        "rms_norm_eps": float(m.need("attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(m.get("vocab_size", len(tokens))),
+        "rope_theta": float(m.get("rope.freq_base", 10000.0)),
+        "rope_traditional": arch.rope_traditional,
+        "max_position_embeddings": int(m.get("context_length", 4096)),
+        "tie_word_embeddings": tied,
+        **arch.config(m),
+    }
+    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        value = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if value is not None:
+            config[key] = int(value)
+    return config
