@@ -37,7 +37,14 @@ COMMON = {
 }
 # mlx-lm model_type -> (GGUF architecture, the config beyond COMMON)
 CASES = {
-    "llama": ("llama", {"head_dim": 16, "rope_traditional": False}),
+    "llama": (
+        "llama",
+        {
+            "head_dim": 16,
+            "rope_traditional": False,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+    ),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
     "gemma3_text": (
@@ -96,6 +103,9 @@ def write_gguf(path: Path, arch: str, config: dict, model, tok: dict) -> None:
     w.add_rope_dimension_count(head_dim)
     if "sliding_window" in config:
         w.add_sliding_window(config["sliding_window"])
+    if "rope_scaling" in config:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(config["rope_scaling"]["factor"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
     w.add_token_list(tok["tokenizer.ggml.tokens"])
@@ -165,7 +175,9 @@ def test_an_imported_qwen3_gguf_serves_turns_through_agentkv_caches(tmp_path, to
         assert again.stats.cache == "hot" and again.stats.generated_tokens >= 1
 
 
-def test_gemma2_and_unknown_architectures_are_refused_in_one_line(tmp_path, tokenizer_metadata):
+def test_gemma2_unknown_architectures_and_yarn_are_refused_in_one_line(
+    tmp_path, tokenizer_metadata
+):
     for arch in ("gemma2", "mamba"):
         w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
         w.add_block_count(1)
@@ -176,6 +188,13 @@ def test_gemma2_and_unknown_architectures_are_refused_in_one_line(tmp_path, toke
         with pytest.raises(ModelImportError, match=f"architecture '{arch}' is not supported") as e:
             import_gguf(tmp_path / f"{arch}.gguf", tmp_path / arch)
         assert "\n" not in str(e.value) and "qwen3" in str(e.value)
+    w = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "qwen2")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        step()
+    w.close()
+    with pytest.raises(ModelImportError, match="rope.scaling.type 'yarn' is not supported"):
+        import_gguf(tmp_path / "yarn.gguf", tmp_path / "yarn")
     assert "soft-caps" in str(
         pytest.raises(ModelImportError, import_gguf, tmp_path / "gemma2.gguf", tmp_path / "g").value
     )

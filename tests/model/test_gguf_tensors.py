@@ -33,6 +33,8 @@ _F16_AT = {
     "Q6_K": (208,),
     "Q3_K": (108,),
     "Q2_K": (80, 82),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
 }
 
 
@@ -81,8 +83,8 @@ def test_q4_k_is_4_bit_affine_in_groups_of_32_with_float32_scale_and_bias():
     assert a["scales"].dtype == a["biases"].dtype == mx.float32
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K"])
-def test_other_k_quants_are_requantized_to_8_bits_within_half_a_step(kind):
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])
+def test_other_types_are_requantized_to_8_bits_within_half_a_step(kind):
     tensor = random_tensor(kind, 32, 512, seed=7)
     converted = convert_tensor(tensor)
     assert (converted.bits, converted.how) == (REQUANTIZED_BITS, "requantized")

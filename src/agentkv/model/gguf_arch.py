@@ -15,10 +15,11 @@ What differs between them, and why the import cares:
   by ``1 + w``), so the import subtracts the 1 again (exact in float32).
 - **phi3**: fused q/k/v and gate/up projections, a partial rotary dimension.
 
+Rope scaling: none, or linear (``rope.scaling.type``/``.factor``, as Gemma 3 4B and up ship).
 Not imported, each refused by name with the reason: gemma2 (its attention soft-caps the
-scores in its own code, so it cannot read agentkv's cache: ``load.check_attention``), and
-rope scaling that GGUF stores as frequency tensors (llama 3.1's ``rope_freqs``, phi3's
-``rope_factors_*``).
+scores in its own code, so it cannot read agentkv's cache: ``load.check_attention``), other
+rope scaling kinds (YaRN, ...), and rope scaling that GGUF stores as frequency tensors
+(llama 3.1's ``rope_freqs``, phi3's ``rope_factors_*``).
 """
 
 from __future__ import annotations
@@ -191,9 +192,25 @@ def architecture_of(meta: dict, source: str) -> Architecture:
     )
 
 
+def _rope_scaling(m: Metadata) -> dict | None:
+    """mlx-lm's ``rope_scaling`` for the GGUF's ``rope.scaling.type``: none, or linear
+    (Gemma 3's 4B and up); any other kind (YaRN, ...) is refused by name rather than run
+    with the wrong positions."""
+    kind = m.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(m.need("rope.scaling.factor"))}
+    raise ModelImportError(
+        f"{m.arch}.rope.scaling.type {kind!r} is not supported by the importer "
+        "(none and linear are)"
+    )
+
+
 def build_config(meta: dict, arch: Architecture, *, tied: bool) -> dict:
     """mlx-lm's config.json for a GGUF file of ``arch``."""
     m = Metadata(meta, arch.gguf_name)
+    scaling = _rope_scaling(m)
     heads = int(m.need("attention.head_count"))
     tokens = meta.get("tokenizer.ggml.tokens") or []
     config = {
@@ -211,6 +228,8 @@ def build_config(meta: dict, arch: Architecture, *, tied: bool) -> dict:
         "tie_word_embeddings": tied,
         **arch.config(m),
     }
+    if scaling:
+        config["rope_scaling"] = scaling
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
         value = meta.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:
