@@ -159,6 +159,23 @@ def test_a_gguf_of_each_architecture_imports_as_its_mlx_lm_model(
     assert np.abs(got - want).max() <= 1e-4 * spread, np.abs(got - want).max() / spread
 
 
+def test_gemma_norms_lose_their_offset_before_float16(tmp_path, tokenizer_metadata):
+    """llama.cpp stores a Gemma norm as 1 + w; a quantized import keeps norms in float16,
+    and w must be rounded to float16 itself, not 1 + w (whose float16 step is 4-8x w's)."""
+    config = {**COMMON, **CASES["gemma3_text"][1]}
+    model = reference_model("gemma3_text", config, seed=2)
+    write_gguf(tmp_path / "g.gguf", "gemma3", config, model, tokenizer_metadata)
+    dest = import_gguf(tmp_path / "g.gguf", tmp_path / "g", weight_dtype="quantized").path
+    stored = mx.load(str(dest / "model.safetensors"))
+    params = dict(tree_flatten(model.parameters()))
+    norms = [n for n in params if n.endswith("norm.weight")]
+    assert len(norms) == 6 * 6 + 1  # four a block, q and k norms, the final norm
+    for name in norms:
+        assert stored[name].dtype == mx.float16
+        want = np.array(params[name]).astype(np.float16)
+        assert (np.array(stored[name]) == want).mean() >= 0.99, name
+
+
 def test_an_imported_qwen3_gguf_serves_turns_through_agentkv_caches(tmp_path, tokenizer_metadata):
     config = {**COMMON, **CASES["qwen3"][1]}
     model = reference_model("qwen3", config, seed=11)

@@ -30,7 +30,7 @@ from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
 from ..progress import ProgressBar
 from .generation_config import GENERATION_CONFIG, gguf_generation_config
 from .gguf_arch import Architecture, architecture_of, build_config
-from .gguf_tensors import GROUP, GGUFFile, ImportReport, convert_tensor, read_gguf
+from .gguf_tensors import GROUP, Converted, GGUFFile, ImportReport, convert_tensor, read_gguf
 
 log = logging.getLogger("agentkv.model")
 
@@ -256,11 +256,16 @@ def _convert_weights(
     report = ImportReport()
     for tensor in gguf_file.tensors:
         mlx_name = arch.mlx_name(tensor.name)
-        converted = convert_tensor(tensor, float32=dtype == "float32")
+        offset = arch.norm_offset if arch.is_norm(tensor.name) else 0.0
+        # a norm stored as offset + w loses w's low bits if rounded to float16 before the
+        # offset comes off: it comes off in float32 first
+        converted = convert_tensor(tensor, float32=dtype == "float32" or bool(offset))
         if converted.bits is None:
             value = converted.arrays["weight"]
-            if arch.norm_offset and arch.is_norm(tensor.name):
-                value = (value.astype(mx.float32) - arch.norm_offset).astype(value.dtype)
+            if offset:
+                value = value - offset
+                value = value if dtype == "float32" else value.astype(mx.float16)
+                converted = Converted({"weight": value}, None, converted.how)
             out[mlx_name] = value
         else:
             module = mlx_name.removesuffix(".weight")
