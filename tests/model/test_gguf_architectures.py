@@ -9,6 +9,8 @@ so everything tests/model/test_architectures.py runs on those classes holds for 
 from __future__ import annotations
 
 import importlib
+import json
+import math
 from pathlib import Path
 
 import gguf
@@ -84,8 +86,11 @@ def reference_model(model_type: str, config: dict, seed: int):
     return model
 
 
-def write_gguf(path: Path, arch: str, config: dict, model, tok: dict) -> None:
-    """``model`` as llama.cpp's converter writes it (float32 tensors)."""
+def write_gguf(
+    path: Path, arch: str, config: dict, model, tok: dict, rope_freqs: np.ndarray | None = None
+) -> None:
+    """``model`` as llama.cpp's converter writes it (float32 tensors; ``rope_freqs``: its
+    Llama 3 rope factors tensor)."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", config["hidden_size"] // heads)
@@ -103,7 +108,7 @@ def write_gguf(path: Path, arch: str, config: dict, model, tok: dict) -> None:
     w.add_rope_dimension_count(head_dim)
     if "sliding_window" in config:
         w.add_sliding_window(config["sliding_window"])
-    if "rope_scaling" in config:
+    if config.get("rope_scaling", {}).get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(config["rope_scaling"]["factor"])
     w.add_tokenizer_model("gpt2")
@@ -125,6 +130,8 @@ def write_gguf(path: Path, arch: str, config: dict, model, tok: dict) -> None:
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         w.add_tensor(gguf_name, data)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -157,6 +164,51 @@ def test_a_gguf_of_each_architecture_imports_as_its_mlx_lm_model(
     got = np.array(loaded.model(tokens))
     spread = want.std()
     assert np.abs(got - want).max() <= 1e-4 * spread, np.abs(got - want).max() / spread
+
+
+def converter_rope_factors(scaling: dict, base: float, dims: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel) for a "llama3" rope scaling."""
+    old = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / dims))
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(factors, np.float32)
+
+
+def test_llama_3_rope_factors_become_the_llama3_rope_scaling(tmp_path, tokenizer_metadata):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,  # Llama 3.2's
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = {**COMMON, "head_dim": 16, "rope_theta": 500000.0, "rope_scaling": scaling}
+    model = reference_model("llama", config, seed=4)
+    factors = converter_rope_factors(scaling, 500000.0, 16)
+    assert len(set(factors.tolist())) >= 3  # every band: kept, smoothed, scaled
+    write_gguf(tmp_path / "l3.gguf", "llama", config, model, tokenizer_metadata, factors)
+    dest = import_gguf(tmp_path / "l3.gguf", tmp_path / "l3", weight_dtype="float32").path
+    assert json.loads((dest / "config.json").read_text())["rope_scaling"] == scaling
+    loaded = load_model(dest, weights="float32")
+    periods = 500000.0 ** (np.arange(0, 16, 2) / 16)
+    rope = loaded.model.layers[0].self_attn.rope
+    np.testing.assert_allclose(np.array(rope._freqs), periods * factors, rtol=1e-5)
+    tokens = mx.array([TOKENS])
+    want = np.array(model(tokens))
+    assert np.abs(np.array(loaded.model(tokens)) - want).max() <= 1e-4 * want.std()
+
+    write_gguf(tmp_path / "odd.gguf", "llama", config, model, tokenizer_metadata, factors * 1.5)
+    with pytest.raises(ModelImportError, match="rope frequency factors that no Llama 3"):
+        import_gguf(tmp_path / "odd.gguf", tmp_path / "odd", weight_dtype="float32")
 
 
 def test_gemma_norms_lose_their_offset_before_float16(tmp_path, tokenizer_metadata):

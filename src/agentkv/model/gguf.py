@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import ModelImportError
 from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
 from ..progress import ProgressBar
 from .generation_config import GENERATION_CONFIG, gguf_generation_config
-from .gguf_arch import Architecture, architecture_of, build_config
+from .gguf_arch import ROPE_FREQS, Architecture, architecture_of, build_config
 from .gguf_tensors import GROUP, Converted, GGUFFile, ImportReport, convert_tensor, read_gguf
 
 log = logging.getLogger("agentkv.model")
@@ -174,7 +175,13 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     bar.advance()
 
     secure_mkdir(dest)
-    config = build_config(meta, arch, tied="output.weight" not in names)
+    freqs = next((t for t in gguf_file.tensors if t.name == ROPE_FREQS), None)
+    config = build_config(
+        meta,
+        arch,
+        tied="output.weight" not in names,
+        rope_freqs=None if freqs is None else np.asarray(freqs.raw, np.float32),
+    )
     tensors, quant_config, report = _convert_weights(gguf_file, arch, dtype)
     if quant_config:
         config["quantization"] = quant_config
@@ -256,6 +263,8 @@ def _convert_weights(
     report = ImportReport()
     for tensor in gguf_file.tensors:
         mlx_name = arch.mlx_name(tensor.name)
+        if mlx_name is None:  # held by the config
+            continue
         offset = arch.norm_offset if arch.is_norm(tensor.name) else 0.0
         # a norm stored as offset + w loses w's low bits if rounded to float16 before the
         # offset comes off: it comes off in float32 first

@@ -15,11 +15,13 @@ What differs between them, and why the import cares:
   by ``1 + w``), so the import subtracts the 1 again (exact in float32).
 - **phi3**: fused q/k/v and gate/up projections, a partial rotary dimension.
 
-Rope scaling: none, or linear (``rope.scaling.type``/``.factor``, as Gemma 3 4B and up ship).
+Rope scaling: none, linear (``rope.scaling.type``/``.factor``, as Gemma 3 4B and up ship),
+or Llama 3's (the ``rope_freqs`` tensor, when it is exactly what Llama 3.1-3.3's
+configs give).
 Not imported, each refused by name with the reason: gemma2 (its attention soft-caps the
 scores in its own code, so it cannot read agentkv's cache: ``load.check_attention``), other
-rope scaling kinds (YaRN, ...), and rope scaling that GGUF stores as frequency tensors
-(llama 3.1's ``rope_freqs``, phi3's ``rope_factors_*``).
+rope scaling kinds (YaRN, ...), and other rope scaling stored as frequency tensors
+(phi3's ``rope_factors_*``, a ``rope_freqs`` no Llama 3 scaling gives).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ..errors import ModelImportError
 
@@ -45,6 +49,21 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors GGUF files carry for rope scaling that mlx-lm's classes take as config instead.
 _ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
+#: Llama 3's per-dimension rope factors (llama.cpp's converter writes them as this tensor;
+#: the import turns them back into the config that gives them, and writes no weight).
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1/3.3 (factor 8) and 3.2 (factor 32) as their configs name them; GGUF keeps only
+# the factors they give, so the import takes the one that gives exactly the file's.
+_LLAMA3_SCALINGS = tuple(
+    {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    for factor in (8.0, 32.0)
+)
 
 
 @dataclass(frozen=True)
@@ -58,9 +77,12 @@ class Architecture:
     config: Callable[[Any], dict] = field(default=lambda meta: {})
     norm_offset: float = 0.0  # GGUF norm weights hold norm_offset + w (gemma: 1)
 
-    def mlx_name(self, gguf_name: str) -> str:
-        """The mlx-lm parameter name of a GGUF tensor; ModelImportError for one this
-        architecture has no place for."""
+    def mlx_name(self, gguf_name: str) -> str | None:
+        """The mlx-lm parameter name of a GGUF tensor, None for one the config holds
+        instead (llama's ``rope_freqs``); ModelImportError for one this architecture has no
+        place for."""
+        if gguf_name == ROPE_FREQS and self.gguf_name == "llama":
+            return None
         stem, _, suffix = gguf_name.rpartition(".")
         if stem.startswith("blk."):
             _, index, part = stem.split(".", 2)
@@ -207,8 +229,37 @@ def _rope_scaling(m: Metadata) -> dict | None:
     )
 
 
-def build_config(meta: dict, arch: Architecture, *, tied: bool) -> dict:
-    """mlx-lm's config.json for a GGUF file of ``arch``."""
+def llama3_rope_factors(scaling: dict, base: float, dims: int) -> np.ndarray:
+    """The per-dimension factors of a Llama 3 rope scaling (float32 [dims / 2]), as
+    llama.cpp's converter computes its ``rope_freqs`` tensor (each dimension's rotation
+    period multiplied by its factor)."""
+    periods = base ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    wavelen = 2 * np.pi * periods
+    old = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factor = scaling["factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    factors = np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth))
+    return np.where(wavelen < old / high, 1.0, factors).astype(np.float32)
+
+
+def _llama3_scaling(factors: np.ndarray, config: dict) -> dict:
+    dims = config["head_dim"]
+    for scaling in _LLAMA3_SCALINGS:
+        want = llama3_rope_factors(scaling, config["rope_theta"], dims)
+        if factors.shape == want.shape and np.allclose(factors, want, rtol=1e-5, atol=0):
+            return dict(scaling)
+    raise ModelImportError(
+        f"tensor {ROPE_FREQS}: rope frequency factors that no Llama 3 rope scaling gives "
+        "(factor 8 or 32, low 1, high 4, original context 8192) are not supported"
+    )
+
+
+def build_config(
+    meta: dict, arch: Architecture, *, tied: bool, rope_freqs: np.ndarray | None = None
+) -> dict:
+    """mlx-lm's config.json for a GGUF file of ``arch`` (``rope_freqs``: the file's
+    ``rope_freqs`` tensor, llama 3's rope scaling, if it has one)."""
     m = Metadata(meta, arch.gguf_name)
     scaling = _rope_scaling(m)
     heads = int(m.need("attention.head_count"))
@@ -228,6 +279,10 @@ def build_config(meta: dict, arch: Architecture, *, tied: bool) -> dict:
         "tie_word_embeddings": tied,
         **arch.config(m),
     }
+    if rope_freqs is not None:
+        if scaling:
+            raise ModelImportError(f"{ROPE_FREQS} and {m.arch}.rope.scaling.type both set")
+        scaling = _llama3_scaling(rope_freqs.reshape(-1), config)
     if scaling:
         config["rope_scaling"] = scaling
     for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
