@@ -257,6 +257,18 @@ def test_gemma2_unknown_architectures_and_yarn_are_refused_in_one_line(
         with pytest.raises(ModelImportError, match=f"architecture '{arch}' is not supported") as e:
             import_gguf(tmp_path / f"{arch}.gguf", tmp_path / arch)
         assert "\n" not in str(e.value) and "qwen3" in str(e.value)
+    w = gguf.GGUFWriter(str(tmp_path / "q8_1.gguf"), "llama")  # llama.cpp's activation type
+    w.add_tensor(
+        "blk.0.attn_q.weight",
+        np.zeros((4, 8 * 40), np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_1,
+    )
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        step()
+    w.close()
+    with pytest.raises(ModelImportError, match=r"blk\.0\.attn_q\.weight is of GGML type Q8_1"):
+        import_gguf(tmp_path / "q8_1.gguf", tmp_path / "q8_1")
+    assert not (tmp_path / "q8_1").exists()  # refused before anything is written
     w = gguf.GGUFWriter(str(tmp_path / "yarn.gguf"), "qwen2")
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):

@@ -124,7 +124,7 @@ def test_the_types_mlx_reads_come_out_as_mx_load_gives_them():
 
 
 def test_a_type_nothing_reads_is_refused_by_tensor_and_type():
-    raw = np.zeros((4, 8 * 36), np.uint8)  # Q8_1: llama.cpp's activation type, no reader
+    raw = np.zeros((4, 8 * 40), np.uint8)  # Q8_1: llama.cpp's activation type, no reader
     tensor = GGUFTensor("blk.2.ffn_up.weight", "Q8_1", (4, 256), raw.nbytes, raw)
     with pytest.raises(ModelImportError, match=r"blk\.2\.ffn_up\.weight.*Q8_1"):
         convert_tensor(tensor)

@@ -31,7 +31,15 @@ from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
 from ..progress import ProgressBar
 from .generation_config import GENERATION_CONFIG, gguf_generation_config
 from .gguf_arch import ROPE_FREQS, Architecture, architecture_of, build_config
-from .gguf_tensors import GROUP, Converted, GGUFFile, ImportReport, convert_tensor, read_gguf
+from .gguf_tensors import (
+    GROUP,
+    Converted,
+    GGUFFile,
+    ImportReport,
+    check_tensor,
+    convert_tensor,
+    read_gguf,
+)
 
 log = logging.getLogger("agentkv.model")
 
@@ -170,11 +178,9 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     meta = gguf_file.metadata
     arch = architecture_of(meta, src.name)
     names = {t.name for t in gguf_file.tensors}
-    for t in gguf_file.tensors:
-        arch.mlx_name(t.name)  # every tensor has its place before anything is written
-    bar.advance()
-
-    secure_mkdir(dest)
+    for t in gguf_file.tensors:  # every refusal before anything is converted or written
+        if arch.mlx_name(t.name) is not None:
+            check_tensor(t, float32=dtype == "float32")
     freqs = next((t for t in gguf_file.tensors if t.name == ROPE_FREQS), None)
     config = build_config(
         meta,
@@ -182,11 +188,13 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
         tied="output.weight" not in names,
         rope_freqs=None if freqs is None else np.asarray(freqs.raw, np.float32),
     )
+    tokenizer = _build_tokenizer(meta)
+    bar.advance()
+
+    secure_mkdir(dest)
     tensors, quant_config, report = _convert_weights(gguf_file, arch, dtype)
     if quant_config:
         config["quantization"] = quant_config
-    bar.advance()
-    tokenizer = _build_tokenizer(meta)
     bar.advance()
 
     # The temporary name must not match mlx-lm's "model*.safetensors" glob.

@@ -138,20 +138,40 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return GGUFFile(metadata, tensors)
 
 
+def check_tensor(tensor: GGUFTensor, *, float32: bool = False) -> None:
+    """Raise ModelImportError, naming the tensor and its type, if ``convert_tensor`` cannot
+    convert it (reads no data: an import checks every tensor before it converts any)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    kind = tensor.ggml_type
+    if kind in FLOAT_TYPES:
+        return
+    if kind not in _LOSSLESS:
+        try:  # one block of zeros: whether the gguf package dequantizes the type
+            qtype = GGMLQuantizationType[kind]
+            quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+        except (NotImplementedError, KeyError, ValueError) as exc:
+            raise ModelImportError(
+                f"tensor {tensor.name} is of GGML type {kind}, which agentkv cannot read "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+    if not float32 and (tensor.shape[-1] % GROUP != 0 or len(tensor.shape) != 2):
+        raise ModelImportError(
+            f"tensor {tensor.name} ({kind}, shape {list(tensor.shape)}): agentkv runs "
+            f"quantized matrices whose rows are a multiple of {GROUP} weights"
+        )
+
+
 def convert_tensor(tensor: GGUFTensor, *, float32: bool = False) -> Converted:
     """``tensor`` in MLX's terms: quantized as the table above says, or dequantized to
     float32 (``float32``). Raises ModelImportError naming the tensor and its type where
-    neither agentkv nor the ``gguf`` package can read the type."""
+    neither agentkv nor the ``gguf`` package can read the type (``check_tensor``)."""
+    check_tensor(tensor, float32=float32)
     kind = tensor.ggml_type
     if kind in FLOAT_TYPES:
         return Converted({"weight": _float_array(tensor, float32)}, None, "float")
     if float32:
         return Converted({"weight": mx.array(_dequantized(tensor))}, None, "float")
-    if tensor.shape[-1] % GROUP != 0 or len(tensor.shape) != 2:
-        raise ModelImportError(
-            f"tensor {tensor.name} ({kind}, shape {list(tensor.shape)}): agentkv runs "
-            f"quantized matrices whose rows are a multiple of {GROUP} weights"
-        )
     convert = _LOSSLESS.get(kind)
     if convert is not None:
         q, scales, biases = convert(_blocks(tensor))
