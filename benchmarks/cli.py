@@ -51,6 +51,7 @@ def run_bench(args) -> int:
             batch_context=args.batch_context,
             peer=args.peer,
             agentkv_arms=tuple(_names(args.arms, AGENTKV_ARMS, "--arms")),
+            model=args.model,
             as_json=args.json,
         )
     elif name == "peers":

@@ -109,26 +109,31 @@ def run(
     batch_context: int = 1024,
     peer: str = "auto",
     agentkv_arms: tuple[str, ...] = AGENTKV_ARMS,
+    model: str | None = None,
     as_json: bool = False,
 ):
-    """``peer``: "auto" (run llama.cpp if its venv exists, else say how to install it),
+    """``model``: a GGUF file every arm runs (default: the embedded model's).
+    ``peer``: "auto" (run llama.cpp if its venv exists, else say how to install it),
     "install" (install it first if missing), "none". ``agentkv_arms``: which of
     ``AGENTKV_ARMS`` run (the threads agentkv's kernels take: ``AGENTKV_THREADS``, recorded
     under ``machine``)."""
+    gguf = _model_file(model)
     python = _peer(peer)
     arms = list(agentkv_arms) + (list(PEER_ARMS) if python else [])
-    work = _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context)
+    ours = str(gguf) if model is not None else None  # None: the embedded model's own import
+    work = _workload(ours, contexts, short, hot, decode_tokens, batch_agents, batch_context)
     threads = os.cpu_count() or 1
     rows = []
     for r in range(rounds):
         for arm in arms:
             progress(f"compute: round {r + 1}/{rounds}, {arm}...")
             if arm in PEER_ARMS:
-                out = _run_peer(python, PEER_ARMS[arm], work, threads)
+                out = _run_peer(python, gguf, PEER_ARMS[arm], work, threads)
             else:
-                out = _run_agentkv(arm.split("-", 1)[1], work)
+                out = _run_agentkv(ours, arm.split("-", 1)[1], work)
             rows.append(_row(arm, r, out, work))
     extra = {
+        "model": str(gguf),
         "threads": threads,
         "contexts": list(contexts),
         "hot_tokens": list(hot),
@@ -149,6 +154,19 @@ def run(
     return rows
 
 
+def _model_file(model: str | None) -> Path:
+    """The GGUF file every arm runs: ``model``, checked, or the embedded model's."""
+    from agentkv.errors import ModelImportError
+    from agentkv.model.load import embedded_gguf_path
+
+    if model is None:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ModelImportError(f"bench compute --model takes a GGUF file: no such file {model}")
+    return path.resolve()
+
+
 def _peer(peer: str) -> Path | None:
     if peer == "none":
         return None
@@ -161,13 +179,14 @@ def _peer(peer: str) -> Path | None:
 # -- the workload ---------------------------------------------------------------------------
 
 
-def _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context) -> dict:
-    """Prompt texts of the asked token counts (the embedded tokenizer; llama.cpp's tokenizer
-    reads the same GGUF vocabulary), each from its own slice of the calibration text."""
+def _workload(model, contexts, short, hot, decode_tokens, batch_agents, batch_context) -> dict:
+    """Prompt texts of the asked token counts (the file's tokenizer as agentkv imports it;
+    llama.cpp's tokenizer reads the same GGUF vocabulary), each from its own slice of the
+    calibration text."""
     from agentkv.model.load import load_model
     from agentkv.model.wide_layers import calibration_text
 
-    tokenizer = load_model(weights="quantized").tokenizer
+    tokenizer = load_model(model, weights="quantized").tokenizer
     ids = tokenizer.encode(calibration_text())
     at = 0
 
@@ -195,14 +214,14 @@ def _workload(contexts, short, hot, decode_tokens, batch_agents, batch_context) 
     }
 
 
-def _run_agentkv(weights: str, work: dict) -> dict:
+def _run_agentkv(model: str | None, weights: str, work: dict) -> dict:
     from mlx.utils import tree_flatten
 
     from agentkv import Engine
 
     n = work["decode_tokens"]
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-compute-") as tmp:
-        with Engine(cache_dir=tmp, weights=weights, draft_tokens=0) as eng:
+        with Engine(model=model, cache_dir=tmp, weights=weights, draft_tokens=0) as eng:
 
             def turn(agent: str, text: str, tokens: int) -> dict:
                 result = eng.generate(agent, text, max_tokens=tokens, temperature=0.0)
@@ -271,11 +290,9 @@ def _agentkv_batch(eng, work: dict) -> dict:
     }
 
 
-def _run_peer(python: Path, kv: str, work: dict, threads: int) -> dict:
-    from agentkv.model.load import embedded_gguf_path
-
+def _run_peer(python: Path, gguf: Path, kv: str, work: dict, threads: int) -> dict:
     job = {
-        "model": str(embedded_gguf_path()),
+        "model": str(gguf),
         "threads": threads,
         "kv": kv,
         "n_ctx": 8192,

@@ -678,7 +678,7 @@ NB_MODULE(_ext, m) {
         "scales, biases [ceil(N / 16), K / group, 16]); padded columns are zeros.");
   m.def("quantized_matmul", &agentkv::ops::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
-        "x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter "
+        "x @ dequantize(w).T for MLX's affine 4/5/8-bit weights packed by agentkv.mlx_adapter "
         "(pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer "
         "dot products "
         "(AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever "

@@ -609,11 +609,12 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
   require(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "bad head counts");
   for (int i = 0; i < kLinears; ++i) {
     const mx::array& w = linears[3 * i];
-    require(
-        (bits[i] == 4 || bits[i] == 8) &&
-            (groups[i] == 32 || groups[i] == 64 || groups[i] == 128) && w.dtype() == mx::uint8 &&
-            w.ndim() == 2 && w.shape(1) % (2 * bits[i] * groups[i]) == 0,
-        "linears are 4/8-bit codes packed by agentkv.mlx_adapter.pack_quantized, groups 32/64/128");
+    require((bits[i] == 4 || bits[i] == 5 || bits[i] == 8) &&
+                (groups[i] == 32 || groups[i] == 64 || groups[i] == 128) &&
+                w.dtype() == mx::uint8 && w.ndim() == 2 &&
+                w.shape(1) % (2 * bits[i] * groups[i]) == 0,
+            "linears are 4/5/8-bit codes packed by agentkv.mlx_adapter.pack_quantized, groups "
+            "32/64/128");
     const mx::Shape scale_shape = {w.shape(0), w.shape(1) / (2 * bits[i] * groups[i]),
                                    agentkv::kPackColumns};
     const mx::Dtype sdt = linears[3 * i + 1].dtype();
@@ -733,12 +734,12 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
     require(predict[0]->dtype() == mx::float32 && predict[0]->shape() == mx::Shape{dim},
             "predict: the norm must be float32 [D]");
     const mx::array& w = *predict[1];
-    require((predict_bits == 4 || predict_bits == 8) &&
+    require((predict_bits == 4 || predict_bits == 5 || predict_bits == 8) &&
                 (predict_group == 32 || predict_group == 64 || predict_group == 128) &&
                 dim % predict_group == 0 && w.dtype() == mx::uint8 && w.ndim() == 2 &&
                 w.shape(0) * agentkv::kPackColumns == heads * head_dim &&
                 w.shape(1) == 2 * predict_bits * dim,
-            "predict: q must be packed 4/8-bit codes [heads * head dim / 16, D * 2 * bits] in "
+            "predict: q must be packed 4/5/8-bit codes [heads * head dim / 16, D * 2 * bits] in "
             "groups of 32/64/128");
     const mx::Shape scale_shape = {w.shape(0), dim / predict_group, agentkv::kPackColumns};
     const mx::Dtype sdt = predict[2]->dtype();

@@ -837,8 +837,8 @@ namespace {
 
 // The weight formats the quantized matmul takes (csrc/core/qmm.h), or a message naming `op`.
 void check_bits_and_group(const std::string& op, int bits, int group_size) {
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument(op + " takes 4- or 8-bit weights, not " + std::to_string(bits));
+  if (bits != 4 && bits != 5 && bits != 8) {
+    throw std::invalid_argument(op + " takes 4-, 5- or 8-bit weights, not " + std::to_string(bits));
   }
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     throw std::invalid_argument(op + " takes groups of 32, 64 or 128, not " +

@@ -20,15 +20,19 @@ from suite_checks import Snapshot, leftovers, link_embedded_source
 _SESSION_HOME = None
 _OWN_HOME = False  # made by this run (removed at its end), not given by AGENTKV_TEST_HOME
 _USER_DIRS: list[Snapshot] = []  # the user's agentkv directories as the run found them
+# The user's llama.cpp (``agentkv bench compute --peer install``: llama-cpp-python in its
+# own venv under the agentkv home): where it is, found before AGENTKV_HOME moves.
+LLAMA_CPP_PYTHON: Path | None = None
 
 
 def pytest_configure(config):
-    global _SESSION_HOME, _OWN_HOME
+    global _SESSION_HOME, _OWN_HOME, LLAMA_CPP_PYTHON
     import tempfile
 
     from agentkv.paths import MODELS_ENV, agentkv_home, models_dir, secure_mkdir
 
     user_models = models_dir()  # before AGENTKV_HOME moves
+    LLAMA_CPP_PYTHON = agentkv_home() / "peers" / "llama-cpp" / "bin" / "python"
     user_dirs = {Path.home() / ".cache" / "agentkv", agentkv_home(), user_models}
     if "AGENTKV_TEST_HOME" in os.environ:
         _SESSION_HOME = Path(os.environ["AGENTKV_TEST_HOME"]).resolve()
@@ -176,3 +180,22 @@ def python_env(agentkv_home):
     package_root = str(Path(agentkv.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_python() -> Path:
+    """The user's llama-cpp-python venv's python (``agentkv bench compute --peer install``);
+    tests that compare with llama.cpp skip without one."""
+    import subprocess
+
+    try:
+        found = subprocess.run(
+            [str(LLAMA_CPP_PYTHON), "-c", "import llama_cpp"], capture_output=True, timeout=60
+        )
+    except OSError:
+        found = None
+    if found is None or found.returncode != 0:
+        pytest.skip(
+            f"no llama-cpp-python at {LLAMA_CPP_PYTHON} (agentkv bench compute --peer install)"
+        )
+    return LLAMA_CPP_PYTHON

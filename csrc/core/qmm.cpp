@@ -80,6 +80,8 @@ bool use_avx2() {
 }
 
 constexpr int kMaxRows = 8;  // rows of x per tile
+// 5 bits: where a packed block's fifth bits start (after its 4-bit layout of the low nibbles)
+constexpr int kFifthBits = kPackColumns * kBlock / 2;
 
 // One 32-block's codes -> its two bytes per code, its scale and its part of its group's sum.
 inline void store_block(const int32_t* codes, float d, int64_t b, int per_group, int8_t* hi,
@@ -213,7 +215,12 @@ inline int32_t code_at(const uint8_t* block, int bits, int n, int j, int t) {
     return block[64 * j + 4 * n + t];
   }
   const uint8_t byte = block[64 * (j / 2) + 4 * n + t];
-  return j % 2 == 0 ? byte & 0x0F : byte >> 4;
+  const int32_t low = j % 2 == 0 ? byte & 0x0F : byte >> 4;
+  if (bits == 4) {
+    return low;
+  }
+  const int bit = 4 * n + t;  // 5 bits: the fifth bits of quad j, a little-endian 64-bit mask
+  return low | (((block[kFifthBits + 8 * j + bit / 8] >> (bit % 8)) & 1) << 4);
 }
 
 // Rows [m0, m0 + rows) against packed block nb (16 columns), the definition element by
@@ -287,8 +294,17 @@ void row_block(const QuantizedWeights& w, int64_t nb, const Activations& a, int6
         const uint8x16x4_t v = vld4q_u8(block + 64 * (BITS == 8 ? j : j / 2));
         for (int t = 0; t < 4; ++t) {
           uint8x16_t codes = v.val[t];
-          if constexpr (BITS == 4) {
+          if constexpr (BITS != 8) {
             codes = j % 2 == 0 ? vandq_u8(codes, vdupq_n_u8(0x0F)) : vshrq_n_u8(codes, 4);
+          }
+          if constexpr (BITS == 5) {  // the fifth bits of the 16 columns at this t
+            uint64_t mask;
+            std::memcpy(&mask, block + kFifthBits + 8 * j, 8);
+            uint8_t fifth[16];
+            for (int n = 0; n < 16; ++n) {
+              fifth[n] = static_cast<uint8_t>(((mask >> (4 * n + t)) & 1) << 4);
+            }
+            codes = vorrq_u8(codes, vld1q_u8(fifth));
           }
           const int16x8_t first = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(codes)));
           const int16x8_t second = vreinterpretq_s16_u16(vmovl_high_u8(codes));
@@ -348,15 +364,15 @@ using TileKernel = void (*)(const QuantizedWeights&, int64_t, const Activations&
 TileKernel kernel_for(int bits) {
 #if defined(AGENTKV_QMM_X86)
   if (use_vnni()) {
-    return bits == 4 ? &vnni::tile<4> : &vnni::tile<8>;
+    return bits == 4 ? &vnni::tile<4> : bits == 5 ? &vnni::tile<5> : &vnni::tile<8>;
   }
   if (use_avx2()) {
-    return bits == 4 ? &avx2::tile<4> : &avx2::tile<8>;
+    return bits == 4 ? &avx2::tile<4> : bits == 5 ? &avx2::tile<5> : &avx2::tile<8>;
   }
 #endif
 #if defined(AGENTKV_QMM_NEON)
   if (!forced_portable()) {
-    return bits == 4 ? &neon::tile<4> : &neon::tile<8>;
+    return bits == 4 ? &neon::tile<4> : bits == 5 ? &neon::tile<5> : &neon::tile<8>;
   }
 #endif
   (void)bits;
@@ -364,8 +380,8 @@ TileKernel kernel_for(int bits) {
 }
 
 void check(const QuantizedWeights& w) {
-  if (w.bits != 4 && w.bits != 8) {
-    throw std::invalid_argument("agentkv's quantized matmul takes 4- or 8-bit weights");
+  if (w.bits != 4 && w.bits != 5 && w.bits != 8) {
+    throw std::invalid_argument("agentkv's quantized matmul takes 4-, 5- or 8-bit weights");
   }
   if (w.group != 32 && w.group != 64 && w.group != 128) {
     throw std::invalid_argument("agentkv's quantized matmul takes groups of 32, 64 or 128");
@@ -452,6 +468,19 @@ void pack_weights(const uint32_t* words, const void* scales, const void* biases,
         if (bits == 8) {  // quad j: the 4 codes of k = 4j .. 4j + 3, as they are
           for (int j = 0; j < kBlock / 4; ++j) {
             std::memcpy(to + 64 * j, row + b * kBlock + 4 * j, 4);
+          }
+          continue;
+        }
+        if (bits == 5) {  // the source a bit stream: k at bits 5k .. 5k + 4 of the row
+          for (int k = 0; k < kBlock; ++k) {
+            const int64_t at = (b * kBlock + k) * 5;
+            const uint32_t two = row[at / 8] | (at / 8 + 1 < K * 5 / 8 ? row[at / 8 + 1] << 8 : 0);
+            const uint32_t code = (two >> (at % 8)) & 0x1F;
+            const int j = k / 4, t = k % 4;
+            to[64 * (j / 2) + t] |= static_cast<uint8_t>((code & 0x0F) << (4 * (j % 2)));
+            const int bit = 4 * n + t;
+            out[b * bytes + kFifthBits + 8 * j + bit / 8] |=
+                static_cast<uint8_t>((code >> 4) << (bit % 8));
           }
           continue;
         }

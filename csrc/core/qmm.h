@@ -11,6 +11,10 @@
 //          "quad" j (k = 4j .. 4j + 3 of the block) of all 16 columns is 64 bytes, byte
 //          4 n + t holding code(n, 4 j + t). 8 bits: quad j is bytes 64 j ...; 4 bits: quads
 //          2p and 2p + 1 share bytes 64 p ..., quad 2p in the low nibbles, 2p + 1 the high.
+//          5 bits: the 4-bit layout of the codes' low nibbles (256 bytes), then each quad's
+//          fifth bits as a little-endian 64-bit mask (bytes 256 + 8 j ...: bit 4 n + t is
+//          the fifth bit of byte 4 n + t of quad j), so a quad's 64 codes are its nibbles
+//          plus 16 under one AVX-512 byte mask.
 //   scales, biases [N / 16, K / group, 16] (float32/float16/bfloat16, as stored).
 // N here is a multiple of 16 (the caller pads; padded columns come out as zeros).
 //
@@ -45,7 +49,7 @@ struct QuantizedWeights {
   const void* scales;    // [N / 16, K / group, 16] of scale_type
   const void* biases;    // [N / 16, K / group, 16] of scale_type
   ScaleType scale_type;
-  int bits;   // 4 or 8
+  int bits;   // 4, 5 or 8
   int group;  // 32, 64 or 128
   int64_t N;  // a multiple of 16
   int64_t K;  // a multiple of group

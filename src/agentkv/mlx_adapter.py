@@ -92,11 +92,23 @@ def pack_quantized(
 
 @functools.cache
 def _row_offsets(k: int, bits: int) -> mx.array:
-    """Byte offsets, within a packed block row, of column 0's codes in K order (4 bits: each
-    byte's two nibbles, quads 2p and 2p + 1)."""
-    quads = 4 if bits == 4 else 8
+    """Byte offsets, within a packed block row, of column 0's codes in K order (4 and 5 bits:
+    each byte's two nibbles, quads 2p and 2p + 1)."""
+    quads = 8 if bits == 8 else 4
     block = mx.arange(k // 32).reshape(-1, 1, 1) * (PACK_COLUMNS * 32 * bits // 8)
     return (block + mx.arange(quads).reshape(1, -1, 1) * 64 + mx.arange(4)).reshape(-1)
+
+
+_FIFTH_BITS = PACK_COLUMNS * 32 // 2  # 5 bits: where a block's fifth bits start
+
+
+@functools.cache
+def _fifth_bit_offsets(k: int) -> tuple[mx.array, mx.array]:
+    """5 bits: for column 0's code at each k, the byte offset of its fifth bit within a
+    packed block row and that bit's position in the byte (add 4 * lane to the bit)."""
+    j, t = mx.arange(32) // 4, mx.arange(32) % 4
+    block = mx.arange(k // 32).reshape(-1, 1) * (PACK_COLUMNS * 32 * 5 // 8)
+    return (block + _FIFTH_BITS + 8 * j).reshape(-1), mx.broadcast_to(t, (k // 32, 32)).reshape(-1)
 
 
 def packed_rows(
@@ -111,9 +123,14 @@ def packed_rows(
     block, lane = flat // PACK_COLUMNS, flat % PACK_COLUMNS
     at = (block * width + lane * 4)[:, None] + _row_offsets(k, bits)
     raw = codes.reshape(-1)[at]  # [T, K * bits / 8]
-    if bits == 4:
+    if bits != 8:
         raw = raw.reshape(raw.shape[0], -1, 4)  # [T, blocks * 4 (p), 4 (t)]
         raw = mx.stack([raw & 15, raw >> 4], axis=-2)  # [T, blocks * 4, 2, 4]: K order
+    if bits == 5:
+        byte, t = _fifth_bit_offsets(k)
+        bit = t + 4 * lane[:, None]  # [T, K]: 0 .. 63 within the quad's mask
+        fifth = codes.reshape(-1)[(block * width)[:, None] + byte + bit // 8]
+        raw = raw.reshape(raw.shape[0], -1) | (((fifth >> (bit % 8).astype(mx.uint8)) & 1) << 4)
     q = raw.reshape(-1, groups, k // groups).astype(mx.float32)
     s, b = (a[block, :, lane].astype(mx.float32)[..., None] for a in (scales, biases))
     return (q * s + b).reshape(*ids.shape, k)
@@ -381,11 +398,11 @@ def use_fused_layers(model: nn.Module) -> int:
     return switched
 
 
-CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 8), (32, 64, 128)
+CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 5, 8), (32, 64, 128)
 
 
 def use_cpu_quantized_matmul(model: nn.Module) -> int:
-    """Route a model's affine 4/8-bit layers (groups of 32/64/128) through agentkv's CPU
+    """Route a model's affine 4/5/8-bit layers (groups of 32/64/128) through agentkv's CPU
     quantized matmul, their weights packed for it in place (``pack_quantized``: the same
     bytes, moved). Others stay on ``mx.quantized_matmul``
     (logged). Returns how many were switched."""

@@ -54,7 +54,9 @@ def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
     )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
     expected |= {("cache", a) for a in ("ls", "show", "rm", "verify", "migrate")}
-    expected |= {(m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import-gguf")}
+    expected |= {
+        (m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import", "import-gguf")
+    }
     expected |= {("bench", b) for b in benches.split()}
     assert set(commands) == {tuple(w for w in words if w) for words in expected}
     for words, parser in commands.items():
@@ -288,10 +290,15 @@ def test_model_import_gguf(tmp_path, python_env):
     from agentkv.model.load import embedded_gguf_path
 
     dest = tmp_path / "smol"
-    out = agentkv(
-        "model", "import-gguf", str(embedded_gguf_path()), "--dest", str(dest), env=python_env
-    )
+    out = agentkv("model", "import", str(embedded_gguf_path()), "--dest", str(dest), env=python_env)
     assert out.returncode == 0 and "imported:" in out.stdout and (dest / "config.json").exists()
+    # what each GGML type became: the embedded file's Q4_1 and Q8_0 kept as shipped
+    lines = out.stdout.splitlines()
+    assert any(line.split()[:3] == ["Q4_1", "4-bit", "lossless"] for line in lines)
+    assert any(line.split()[:3] == ["Q8_0", "8-bit", "lossless"] for line in lines)
+    total = next(line for line in lines if line.startswith("total"))
+    ratio = float(total.split("(")[1].split("x")[0])
+    assert 1.0 <= ratio <= 1.15  # resident bytes against the file's tensor bytes
     again = agentkv(
         "model", "import-gguf", str(embedded_gguf_path()), "--dest", str(dest), env=python_env
     )

@@ -54,7 +54,7 @@ def rows(m, k, seed=1, outliers=True):
     return mx.array(x)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
 def test_it_matches_dequantize_and_matmul(bits, group, scale_dtype):
@@ -86,7 +86,7 @@ def test_float16_inputs_come_back_float16():
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_a_row_gives_the_same_bits_alone_or_batched(bits):
     packed = weights(300, 256, bits, 64, "float16", seed=5)
     x = rows(37, 256, seed=6)
@@ -106,7 +106,8 @@ from agentkv import _ext, mlx_adapter
 rng = np.random.default_rng(9)
 out = []
 for bits, group, dt in (
-    (4, 32, mx.float16), (8, 32, mx.float16), (8, 64, mx.bfloat16), (4, 128, mx.float32)
+    (4, 32, mx.float16), (8, 32, mx.float16), (8, 64, mx.bfloat16), (4, 128, mx.float32),
+    (5, 32, mx.float32), (5, 64, mx.float16), (5, 128, mx.bfloat16),
 ):
     w = mx.array(rng.standard_normal((45, 640)).astype(np.float32))  # 3 blocks of 16 columns
     q, s, b = mx.quantize(w, group_size=group, bits=bits)
@@ -157,7 +158,7 @@ def test_nan_and_inf_propagate_to_their_row_only():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"bits": 3}, "4- or 8-bit"),
+        ({"bits": 3}, "4-, 5- or 8-bit"),
         ({"group": 16}, "groups of 32, 64 or 128"),
         ({"x": mx.zeros((2, 63))}, "does not match"),
         ({"x": mx.zeros((2, 64), mx.int32)}, "floating point"),
@@ -183,13 +184,27 @@ def pack_in_array_ops(weight, scales, biases, bits, group):
     n, k = weight.shape[0], weight.shape[1] * 32 // bits
     blocks, pad = -(-n // 16), -n % 16
     raw = mx.view(weight, mx.uint8)  # little-endian words: codes in K order
-    codes = mx.stack([raw & 15, raw >> 4], axis=-1).reshape(n, k) if bits == 4 else raw
+    if bits == 4:
+        codes = mx.stack([raw & 15, raw >> 4], axis=-1).reshape(n, k)
+    elif bits == 5:  # a bit stream: k at bits 5k .. 5k + 4
+        stream = mx.stack([(raw >> i) & 1 for i in range(8)], axis=-1).reshape(n, k, 5)
+        codes = sum(stream[..., i] << i for i in range(5)).astype(mx.uint8)
+    else:
+        codes = raw
     codes = mx.pad(codes, [(0, pad), (0, 0)])
     quads = codes.reshape(blocks, 16, k // 32, 8, 4)  # [block, column, 32-block, quad, t]
-    if bits == 4:  # quad 2p in the low nibbles, 2p + 1 in the high ones
+    fifth = None
+    if bits == 5:  # per quad, the 64 codes' fifth bits as a little-endian 64-bit mask
+        high = (quads >> 4).transpose(0, 2, 3, 1, 4).reshape(blocks, k // 32, 8, 8, 8)
+        fifth = sum(high[..., i] << i for i in range(8)).astype(mx.uint8)
+        quads = quads & 15
+    if bits != 8:  # quad 2p in the low nibbles, 2p + 1 in the high ones
         halves = quads.reshape(blocks, 16, k // 32, 4, 2, 4)
         quads = halves[..., 0, :] | (halves[..., 1, :] << 4)
-    packed = quads.transpose(0, 2, 3, 1, 4).reshape(blocks, -1)
+    packed = quads.transpose(0, 2, 3, 1, 4).reshape(blocks, k // 32, -1)
+    if fifth is not None:
+        packed = mx.concatenate([packed, fifth.reshape(blocks, k // 32, 64)], axis=-1)
+    packed = packed.reshape(blocks, -1)
 
     def by_block(a):
         return mx.pad(a, [(0, pad), (0, 0)]).reshape(blocks, 16, -1).transpose(0, 2, 1)
@@ -197,7 +212,7 @@ def pack_in_array_ops(weight, scales, biases, bits, group):
     return packed, by_block(scales), by_block(biases)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n", [16, 77, 130])
 def test_the_packer_moves_every_code_where_the_layout_says(bits, group, n):
@@ -211,7 +226,7 @@ def test_the_packer_moves_every_code_where_the_layout_says(bits, group, n):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"bits": 2}, "4- or 8-bit"),
+        ({"bits": 2}, "4-, 5- or 8-bit"),
         ({"group": 16}, "groups of 32, 64 or 128"),
         ({"w": mx.zeros((20, 7), mx.uint32)}, "multiple of the group"),
         ({"scales": mx.zeros((20, 3), mx.float16)}, "scales and biases"),
@@ -226,7 +241,7 @@ def test_the_packer_refuses_bad_input_with_a_message(change, message):
         )
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("group", [32, 128])
 def test_packing_is_lossless_and_packed_rows_dequantize_as_mlx(bits, group):
     n, k = 77, 256

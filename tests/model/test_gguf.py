@@ -2,6 +2,7 @@
 
 import json
 import os
+import struct
 
 import mlx.core as mx
 import pytest
@@ -197,6 +198,7 @@ def test_import_errors_are_clear(tmp_path):
     (tmp_path / "garbage.gguf").write_bytes(b"this is not a GGUF file at all" * 10)
     with pytest.raises(ModelImportError, match="cannot read"):
         import_gguf(tmp_path / "garbage.gguf", tmp_path / "out2")
-    (tmp_path / "empty.gguf").write_bytes(b"GGUF" + b"\x00" * 64)
+    # a valid GGUF (version 3) with no metadata and no tensors
+    (tmp_path / "empty.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
     with pytest.raises(ModelImportError, match="architecture None"):
         import_gguf(tmp_path / "empty.gguf", tmp_path / "out3")

@@ -10,7 +10,7 @@ import pytest
 from gguf import quants
 
 from agentkv import mlx_adapter
-from agentkv.model.gguf import _mlx_name
+from agentkv.model.gguf_arch import ARCHITECTURES
 from agentkv.model.load import CPU_QMM_ID, embedded_gguf_path, ensure_embedded_model, load_model
 
 
@@ -23,7 +23,7 @@ def test_the_quantized_import_is_the_gguf_bit_for_bit():
         if t.tensor_type.name not in ("Q4_1", "Q8_0") or not first_or_last:
             continue
         theirs = quants.dequantize(t.data, t.tensor_type)
-        stem = _mlx_name(t.name).removesuffix(".weight")
+        stem = ARCHITECTURES["llama"].mlx_name(t.name).removesuffix(".weight")
         q, s, b = (weights[f"{stem}.{part}"] for part in ("weight", "scales", "biases"))
         bits = q.shape[-1] // s.shape[-1]  # codes per group of 32 -> bits
         ours = mx.dequantize(

@@ -59,7 +59,7 @@ std::vector<uint8_t> bytes(size_t n) {
 }
 
 void matmuls() {
-  for (int bits : {4, 8}) {
+  for (int bits : {4, 5, 8}) {  // random packed bytes: every code and fifth bit occurs
     for (int group : {32, 64, 128}) {
       const int64_t N = 48, K = 640;
       const auto w = bytes(N * K * bits / 8);

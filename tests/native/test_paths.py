@@ -1,5 +1,5 @@
 """Every vector path of the host kernels against the portable one, bit for bit, from C++
-(``paths_check.cpp``: the quantized matmul at 4 and 8 bits, groups of 32-128, 1-13 rows;
+(``paths_check.cpp``: the quantized matmul at 4, 5 and 8 bits, groups of 32-128, 1-13 rows;
 attention over format 1 and format 2 caches, 1-17 queries; SwiGLU with infinities, NaN and
 values below exp's range). Built for this machine (AVX2 / AVX-512 VNNI on x86), and for
 aarch64 run under qemu where the cross compiler and qemu-user are installed (Debian:

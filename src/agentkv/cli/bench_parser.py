@@ -59,7 +59,13 @@ def _compute(compute: argparse.ArgumentParser) -> None:
     shipped, and llama.cpp (llama-cpp-python, its default f16 KV and q4_0 KV + flash
     attention) on the same GGUF file and thread count, in interleaved rounds: cold prefill,
     decode at a short and a long context, hot turns at the long context, a batch of agents,
-    resident weights, the kernels alone (docs/compute.md)."""
+    resident weights, the kernels alone (docs/compute.md). --model runs another GGUF file
+    (any type and architecture agentkv imports) in every arm instead."""
+    compute.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file for every arm, agentkv's and llama.cpp's (default: the embedded model)",
+    )
     add_count(compute, "--rounds", 2, "rounds; every arm runs once per round (default 2)")
     compute.add_argument(
         "--contexts", default="512,4096", help="cold prompt sizes in tokens (default 512,4096)"

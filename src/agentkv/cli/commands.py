@@ -229,9 +229,12 @@ def _details(e: inventory.AgentEntry) -> dict:
 
 
 def run_models(args) -> int:
-    return {"pull": _models_pull, "ls": _models_ls, "import-gguf": _import_gguf}[
-        args.model_command
-    ](args)
+    return {
+        "pull": _models_pull,
+        "ls": _models_ls,
+        "import": _import_gguf,
+        "import-gguf": _import_gguf,
+    }[args.model_command](args)
 
 
 def _models_pull(args) -> int:
@@ -266,7 +269,7 @@ def _models_ls(args) -> int:
 
 
 def _import_gguf(args) -> int:
-    from ..model.gguf import import_gguf
+    from ..model.gguf import import_gguf, read_tensor_report
 
     src = Path(args.path).expanduser()
     dest = Path(args.dest).expanduser() if args.dest else models_dir() / src.stem.lower()
@@ -274,5 +277,19 @@ def _import_gguf(args) -> int:
     result = import_gguf(src, dest, weight_dtype=dtype, force=args.force)
     state = "already imported" if result.reused else "imported"
     print(f"{state}: {result.path} ({result.weight_dtype} weights)")
+    report = read_tensor_report(result.path)
+    if report:
+        rows = [
+            [r["type"], r["kept"], r["tensors"], human_bytes(r["file_bytes"]),
+             human_bytes(r["resident_bytes"])]
+            for r in report
+        ]  # fmt: skip
+        file_bytes = sum(r["file_bytes"] for r in report)
+        resident = sum(r["resident_bytes"] for r in report)
+        rows.append(
+            ["total", "", sum(r["tensors"] for r in report), human_bytes(file_bytes),
+             f"{human_bytes(resident)} ({resident / file_bytes:.2f}x the file's)"]
+        )  # fmt: skip
+        table(["GGUF TYPE", "KEPT AS", "TENSORS", "IN FILE", "RESIDENT"], rows)
     print(f"use it with: agentkv chat --model {result.path} --agent ID")
     return 0

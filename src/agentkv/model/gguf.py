@@ -1,15 +1,16 @@
-"""Import a llama-architecture GGUF file into an mlx-lm model directory.
+"""Import a GGUF file into an mlx-lm model directory.
 
-MLX reads GGUF weights itself (``mx.load``); what a GGUF file lacks for mlx-lm is
-the directory around them: llama tensor names, a ``config.json`` and a Hugging
-Face tokenizer. This module writes all three from the GGUF's own metadata, so
-the import works offline, and a ``generation_config.json`` where the GGUF names
-its sampling (``general.sampling.temp`` and ``.top_p``).
+What a GGUF file lacks for mlx-lm is the directory around its weights: mlx-lm's tensor
+names, a ``config.json`` and a Hugging Face tokenizer. This module writes all three from the
+GGUF's own metadata, so the import works offline, and a ``generation_config.json`` where the
+GGUF names its sampling (``general.sampling.temp`` and ``.top_p``).
 
-Weights are kept quantized exactly as the GGUF stores them (Q4_0, Q4_1 and Q8_0 become
-MLX's affine triplets; agentkv's CPU kernel or ``mx.quantized_matmul`` on a GPU runs them),
-or written dequantized to float32 for comparison. GGUF Q/K projections are permuted for
-interleaved rotary embeddings, hence ``rope_traditional: true``.
+The tensors are read by agentkv itself (``gguf_tensors``: MLX's reader knows Q4_0, Q4_1 and
+Q8_0 only) and kept quantized as the file ships them, as MLX's affine triplets (agentkv's CPU
+kernel or ``mx.quantized_matmul`` on a GPU runs them), or written dequantized to float32
+for comparison. The architectures (llama, qwen2, qwen3, gemma3, phi3) and their configs are
+in ``gguf_arch``. What each tensor became is written beside the weights
+(``agentkv_tensors.json``, shown by ``agentkv models import``).
 """
 
 from __future__ import annotations
@@ -23,34 +24,34 @@ from pathlib import Path
 from typing import Literal
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import ModelImportError
 from ..paths import FILE_MODE, atomic_write_text, secure_mkdir
 from ..progress import ProgressBar
 from .generation_config import GENERATION_CONFIG, gguf_generation_config
+from .gguf_arch import ROPE_FREQS, Architecture, architecture_of, build_config
+from .gguf_tensors import (
+    GROUP,
+    Converted,
+    GGUFFile,
+    ImportReport,
+    check_tensor,
+    convert_tensor,
+    read_gguf,
+)
 
 log = logging.getLogger("agentkv.model")
 
 #: Bumped whenever the import recipe changes what it writes; part of a model's identity.
 IMPORT_RECIPE_VERSION = 1
 IMPORT_INFO_FILE = "agentkv_import.json"
+# What each tensor became (not part of the weights' identity: the import info is)
+TENSORS_FILE = "agentkv_tensors.json"
 # The record's note of where the GGUF file was (size, mtime, inode): not part of what was
 # imported, so no identity includes it.
 SOURCE_STAT = "source_stat"
 WeightDtype = Literal["float32", "quantized"]
-
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Pre-tokenizer regexes by GGUF ``tokenizer.ggml.pre`` name (the public patterns of
 # the tokenizers these names stand for).
@@ -89,8 +90,9 @@ class ImportResult:
 
 
 def default_weight_dtype() -> WeightDtype:
-    """What ``load_model`` runs by default on this device (``load.default_weights``)."""
-    return "quantized" if mx.default_device() == mx.gpu else "float32"
+    """What ``load_model`` runs by default on every device (``load.default_weights``):
+    the weights as shipped."""
+    return "quantized"
 
 
 def _file_stat(path: Path) -> dict:
@@ -172,28 +174,27 @@ def import_gguf(
 
 def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar) -> ImportResult:
     log.info("agentkv: importing %s into %s (%s weights)", src, dest, dtype)
-    try:
-        weights, meta = mx.load(str(src), return_metadata=True)
-    except Exception as exc:  # MLX raises plain exceptions for unsupported quant types
-        raise ModelImportError(f"MLX cannot read {src}: {exc}") from exc
+    gguf_file = read_gguf(src)
+    meta = gguf_file.metadata
+    arch = architecture_of(meta, src.name)
+    names = {t.name for t in gguf_file.tensors}
+    for t in gguf_file.tensors:  # every refusal before anything is converted or written
+        if arch.mlx_name(t.name) is not None:
+            check_tensor(t, float32=dtype == "float32")
+    freqs = next((t for t in gguf_file.tensors if t.name == ROPE_FREQS), None)
+    config = build_config(
+        meta,
+        arch,
+        tied="output.weight" not in names,
+        rope_freqs=None if freqs is None else np.asarray(freqs.raw, np.float32),
+    )
+    tokenizer = _build_tokenizer(meta)
     bar.advance()
-    arch = _meta_str(meta, "general.architecture")
-    if arch != "llama":
-        raise ModelImportError(
-            f"{src.name}: architecture {arch!r} is not supported; only 'llama' GGUF files import"
-        )
-    if "rope_freqs.weight" in weights:
-        raise ModelImportError(
-            f"{src.name}: llama3-style rope frequency scaling is not supported by the importer"
-        )
 
     secure_mkdir(dest)
-    config = _build_config(meta, weights)
-    tensors, quant_config = _convert_weights(weights, dtype)
+    tensors, quant_config, report = _convert_weights(gguf_file, arch, dtype)
     if quant_config:
         config["quantization"] = quant_config
-    bar.advance()
-    tokenizer = _build_tokenizer(meta)
     bar.advance()
 
     # The temporary name must not match mlx-lm's "model*.safetensors" glob.
@@ -206,6 +207,7 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     for written in dest.iterdir():
         os.chmod(written, FILE_MODE)
     atomic_write_text(dest / "config.json", json.dumps(config, indent=2))
+    atomic_write_text(dest / TENSORS_FILE, json.dumps(report.as_json(), indent=1))
     sampling = gguf_generation_config(
         _meta_num(meta, "general.sampling.temp"), _meta_num(meta, "general.sampling.top_p")
     )
@@ -215,6 +217,16 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     atomic_write_text(dest / IMPORT_INFO_FILE, json.dumps(info, indent=2))
     bar.advance()
     return ImportResult(dest, sha, dtype, reused=False)
+
+
+def read_tensor_report(path: Path) -> list[dict]:
+    """What an import made of each GGML type (``ImportReport.as_json``: type, kept, tensors,
+    file_bytes, resident_bytes), or [] for a directory imported before agentkv wrote it."""
+    try:
+        rows = json.loads((Path(path) / TENSORS_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return rows if isinstance(rows, list) else []
 
 
 def read_import_info(path: Path) -> dict | None:
@@ -249,91 +261,47 @@ def _meta_num(meta: dict, key: str, default=None):
     return value.item() if isinstance(value, mx.array) else value
 
 
-def _build_config(meta: dict, weights: dict) -> dict:
-    def need(key):
-        value = _meta_num(meta, key)
-        if value is None:
-            raise ModelImportError(f"GGUF metadata lacks {key}")
-        return value
-
-    hidden = int(need("llama.embedding_length"))
-    heads = int(need("llama.attention.head_count"))
-    config = {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": int(need("llama.block_count")),
-        "intermediate_size": int(need("llama.feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_meta_num(meta, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_meta_num(meta, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(need("llama.attention.layer_norm_rms_epsilon")),
-        "vocab_size": int(
-            _meta_num(meta, "llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
-        ),
-        "rope_theta": float(_meta_num(meta, "llama.rope.freq_base", 10000.0)),
-        "rope_traditional": True,
-        "max_position_embeddings": int(_meta_num(meta, "llama.context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in weights,
-    }
-    for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
-        value = _meta_num(meta, f"tokenizer.ggml.{name}_token_id")
-        if value is not None:
-            config[key] = int(value)
-    return config
-
-
-def _mlx_name(gguf_name: str) -> str:
-    stem, _, suffix = gguf_name.rpartition(".")
-    if stem.startswith("blk."):
-        _, index, part = stem.split(".", 2)
-        if part not in _BLOCK_NAMES:
-            raise ModelImportError(f"unexpected GGUF tensor {gguf_name}")
-        return f"model.layers.{index}.{_BLOCK_NAMES[part]}.{suffix}"
-    if stem not in _TOP_NAMES:
-        raise ModelImportError(f"unexpected GGUF tensor {gguf_name}")
-    return f"{_TOP_NAMES[stem]}.{suffix}"
-
-
-def _convert_weights(weights: dict, dtype: WeightDtype) -> tuple[dict, dict]:
-    """Rename tensors; dequantize to float32 or keep MLX-quantized triplets."""
+def _convert_weights(
+    gguf_file: GGUFFile, arch: Architecture, dtype: WeightDtype
+) -> tuple[dict, dict, ImportReport]:
+    """Rename tensors; keep them quantized as MLX affine triplets (``gguf_tensors``: lossless
+    where MLX's format holds the GGML type) or dequantize them to float32."""
     out: dict[str, mx.array] = {}
     per_module: dict[str, dict] = {}
-    for name, value in weights.items():
-        if name.endswith((".scales", ".biases")):
+    report = ImportReport()
+    for tensor in gguf_file.tensors:
+        mlx_name = arch.mlx_name(tensor.name)
+        if mlx_name is None:  # held by the config
             continue
-        mlx_name = _mlx_name(name)
-        stem = name[: -len(".weight")] if name.endswith(".weight") else None
-        scales = weights.get(f"{stem}.scales") if stem else None
-        if scales is None:
-            out[mlx_name] = value.astype(mx.float32 if dtype == "float32" else mx.float16)
-            continue
-        biases = weights[f"{stem}.biases"]
-        in_features = scales.shape[-1] * 32
-        bits = value.shape[-1] * 32 // in_features
-        if dtype == "float32":
-            out[mlx_name] = mx.dequantize(
-                value,
-                scales.astype(mx.float32),
-                biases.astype(mx.float32),
-                group_size=32,
-                bits=bits,
-            )
-        else:
-            module = mlx_name[: -len(".weight")]
+        offset = arch.norm_offset if arch.is_norm(tensor.name) else 0.0
+        # a norm stored as offset + w loses w's low bits if rounded to float16 before the
+        # offset comes off: it comes off in float32 first
+        converted = convert_tensor(tensor, float32=dtype == "float32" or bool(offset))
+        if converted.bits is None:
+            value = converted.arrays["weight"]
+            if offset:
+                value = value - offset
+                value = value if dtype == "float32" else value.astype(mx.float16)
+                converted = Converted({"weight": value}, None, converted.how)
             out[mlx_name] = value
-            out[f"{module}.scales"] = scales
-            out[f"{module}.biases"] = biases
-            per_module[module] = {"group_size": 32, "bits": bits}
-        mx.eval(out[mlx_name])
+        else:
+            module = mlx_name.removesuffix(".weight")
+            for part, value in converted.arrays.items():
+                out[f"{module}.{part}"] = value
+            per_module[module] = {"group_size": GROUP, "bits": converted.bits}
+        report.add(tensor, converted)
+        mx.eval(list(converted.arrays.values()))
+    for line in report.notes():
+        log.info("agentkv: %s", line)
     if not per_module:
-        return out, {}
+        return out, {}, report
     bits_used = sorted({q["bits"] for q in per_module.values()})
-    default = {"group_size": 32, "bits": bits_used[0]}
+    default = {"group_size": GROUP, "bits": bits_used[0]}
     quant = dict(default)
     for module, q in per_module.items():
         if q != default:
             quant[module] = q
-    return out, quant
+    return out, quant, report
 
 
 def _build_tokenizer(meta: dict):
