@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 
 import mlx.core as mx
 
 from ..errors import EngineBusyError
 from .job import Job, Phase
+from .planner import Plan, StepCosts, plan_of, plan_step
 from .runner import TurnRunner
 
 log = logging.getLogger("agentkv.engine")
@@ -67,6 +69,8 @@ class Scheduler:
         self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
         self._running = {"running": 0, "reserved_blocks": 0}  # as of the last step
+        self.costs = StepCosts()  # what decode steps cost here, as timed (engine/planner.py)
+        self.plans: Counter[Plan] = Counter()  # decode steps run, by plan
         self._thread = threading.Thread(target=self._run, name="agentkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -263,7 +267,7 @@ class Scheduler:
                 self._prefilling.append(job)
                 return
             job.prefill_finished()
-            over = job.take(job.sample(logits).item())
+            over = job.take(job.sample(logits).item(), logits)
             if not over:
                 self.runner.start_decode(job)
         except Exception as exc:
@@ -287,94 +291,94 @@ class Scheduler:
         return pick
 
     def _decode_all(self) -> None:
-        """One token for every decoding agent: one forward pass over their block tables,
-        then each row sampled on its own (a constrained row masks its logits with its own
-        grammar first), so a row whose grammar fails ends only its own turn."""
-        jobs = self._decoding
-        if not jobs:
-            return
-        if len(jobs) == 1:
+        """One step for every decoding turn: one forward pass over their block tables, each
+        row feeding its last token and the part of its draft the planner takes
+        (engine/planner.py), then each row sampled on its own (a constrained row masks its
+        logits with its own grammar first), so a row whose grammar fails ends only its own
+        turn."""
+        jobs, ended = [], []
+        for job in self._decoding:
             try:
-                draft = self.runner.draft_for(jobs[0])
+                job.draft = self.runner.draft_for(job)
+                jobs.append(job)
             except Exception as exc:  # the turn's own failure, as a step's would be
-                self._decoding = []
-                self._fail(jobs[0], exc)
-                return
-            if draft:
-                self._decode_drafted(jobs[0], draft)
-                return
-        try:
-            logits = self.runner.forward(
-                [j.state.table for j in jobs],
-                [[j.last_token] for j in jobs],
-                reservations=[j.reservation for j in jobs],
-                swaps=[j.state.swap for j in jobs],
-            )
-        except Exception as exc:
-            self._decoding = []
-            for job in jobs:
-                self._fail(job, exc)
-            return
-        sampled, ended = {}, []
-        for i, job in enumerate(jobs):
-            try:
-                self.runner.check_swap(job)  # a failed KVSwap read ends its own turn only
-                sampled[job] = job.sample(logits[i : i + 1])
-            except Exception as exc:
                 ended.append((job, exc))
-        mx.eval(list(sampled.values()))
-        for job, token in sampled.items():
-            try:
-                if job.take(token.item()):
-                    ended.append((job, None))
-            except Exception as exc:
-                ended.append((job, exc))
+        if jobs:
+            ended += self._step(jobs)
         if ended:
             gone = {job for job, _ in ended}
-            self._decoding = [j for j in jobs if j not in gone]
+            self._decoding = [j for j in self._decoding if j not in gone]
             for job, exc in ended:
                 if exc is None:
                     self._finish(job)
                 else:
                     self._fail(job, exc)
 
-    def _decode_drafted(self, job: Job, draft: list[int]) -> None:
-        """One step feeding the turn's last token and a draft (engine/drafts.py): each
-        position sampled as a step would, the draft kept while it matches, the rows of the
-        rest cut from the table."""
-        table = job.state.table
-        start = table.length
-        ids = [job.last_token, *draft]
-        over = False
+    def _step(self, jobs: list[Job]) -> list[tuple[Job, BaseException | None]]:
+        """Run one decode step of ``jobs``; the turns it ended (with their error or None)."""
+        takes = plan_step(
+            [len(j.draft) for j in jobs],
+            [j.drafter.acceptance if j.drafter is not None else 0.0 for j in jobs],
+            self.costs,
+        )
+        for job, take in zip(jobs, takes):
+            job.draft = job.draft[:take]
+        ids = [[j.last_token, *j.draft] for j in jobs]
+        drafted = any(j.draft for j in jobs)
+        began = time.perf_counter()
         try:
             logits = self.runner.forward(
-                [table], [ids], reservations=[job.reservation], logits="every"
-            )[0]
-            kept = 0  # draft tokens sampled as drafted
-            for wanted in [*draft, None]:
-                token = job.sample_drafted(logits[kept : kept + 1], wanted).item()
-                over = job.take(token)
-                if token != wanted:
-                    break
-                kept += 1
-                if over:
-                    break
-            job.drafter.observe(len(draft), kept)
-            table.trim(start + kept + 1)  # the rows of the draft tokens not kept
+                [j.state.table for j in jobs],
+                ids,
+                reservations=[j.reservation for j in jobs],
+                swaps=[j.state.swap for j in jobs],
+                logits="every" if drafted else True,
+            )
         except Exception as exc:
-            self._decoding = []
-            self._fail(job, exc)
-            return
-        if over:
-            self._decoding = []
-            self._finish(job)
+            return [(job, exc) for job in jobs]
+        sampled, rows, ended = {}, {}, []
+        for i, job in enumerate(jobs):
+            try:
+                if job.draft:
+                    over = self._verify(job, logits[i])
+                    self.runner.check_swap(job)
+                    if over:
+                        ended.append((job, None))
+                else:
+                    self.runner.check_swap(job)  # a failed KVSwap read ends its own turn only
+                    rows[job] = logits[i] if drafted else logits[i : i + 1]
+                    sampled[job] = job.sample(rows[job])
+            except Exception as exc:
+                ended.append((job, exc))
+        mx.eval(list(sampled.values()))
+        for job, token in sampled.items():
+            try:
+                if job.take(token.item(), rows[job]):
+                    ended.append((job, None))
+            except Exception as exc:
+                ended.append((job, exc))
+        fed = [len(row) for row in ids]
+        self.costs.record(sum(fed), time.perf_counter() - began)
+        self.plans[plan_of(fed)] += 1
+        return ended
+
+    @staticmethod
+    def _verify(job: Job, logits: mx.array) -> bool:
+        """The drafted row's positions sampled (``Job.verify``), the rows of the draft tokens
+        not kept cut from its table; whether the turn is over."""
+        draft, table = job.draft, job.state.table
+        start = table.length - len(draft) - 1
+        kept, over = job.verify(logits, draft)
+        job.drafter.observe(len(draft), kept)
+        table.trim(start + kept + 1)  # the rows of the draft tokens not kept
+        return over
 
     # -- ends ---------------------------------------------------------------------
 
     def _finish(self, job: Job) -> None:
         try:
             job.record_fed(self.runner.token_text)
-            stats = job.finish(self.runner.eos_ids).stats
+            stats = job.finish(self.runner.eos_ids, self.runner.token_text).stats
             self.runner.finish(job, failed=False)
             log.info(  # before close: a caller that waited on the turn finds it logged
                 "turn of %s: %s, %d tokens reused, %d prefilled; load %.1f ms, prefill %.1f ms, "

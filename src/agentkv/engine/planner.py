@@ -1,0 +1,126 @@
+"""The step planner: how much of each decoding turn's draft a decode step feeds.
+
+Every decode step feeds each decoding turn's last token and, where the turn's drafter has
+one, a draft of the tokens it may take next (engine/drafts.py). A step's time grows with the
+tokens it feeds, by less than a token alone costs: the weights are read once a step whatever
+it feeds (2-core Xeon VM, 1K context: one token ~12 ms, each more ~2-4 ms). So a draft token
+pays where it is kept often enough, and less often in a big batch than alone: there, the
+step already feeds many tokens and another costs what any does.
+
+``StepCosts`` is that time as a line in the tokens fed, fitted to the steps the scheduler
+timed. A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's acceptance
+so far (``ContextDrafter.acceptance``). ``plan_step`` takes draft tokens, likeliest first,
+while each raises the step's expected tokens per second; with a cost linear in the tokens
+that is the most tokens per second any choice of draft prefixes gets. The plans a step can
+take (``Plan``): one turn alone feeding its draft ("draft") or one token ("one"); several,
+each with a draft or not ("both"), or all without ("batch").
+
+Every decoding turn has a row in every step: its own token is always kept and costs one
+token fed, so it raises a step's tokens per second (a step keeps fewer tokens than it
+feeds) and shortens nobody's turn. Nor is a batch ever slower than its turns one after
+another: with the same drafts it feeds what they feed in one step, which costs less than
+the steps apart (one base between them), and the plan it takes is at least as good.
+A turn decoding alone feeds its drafter's draft whole: the drafter's own sizing
+(docs/drafts.md) is what was measured for one turn.
+
+Greedy turns get the same tokens whatever the plan, sampled ones the same distribution
+(docs/drafts.md): a plan changes only how many tokens a step checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+
+
+class Plan(Enum):
+    ONE = "one"  # one turn, one token
+    DRAFT = "draft"  # one turn with a draft
+    BATCH = "batch"  # several turns, one token each
+    BOTH = "both"  # several turns, drafts among them
+
+
+def plan_of(counts: Sequence[int]) -> Plan:
+    """The plan of a step whose rows feed ``counts`` tokens."""
+    drafted = sum(counts) > len(counts)
+    if len(counts) == 1:
+        return Plan.DRAFT if drafted else Plan.ONE
+    return Plan.BOTH if drafted else Plan.BATCH
+
+
+class StepCosts:
+    """A decode step's seconds as a line in the tokens it feeds, ``base + per_token * n``,
+    fitted by weighted least squares to the steps timed so far: each step weighs ``memory``
+    times the one after it, so the line follows the machine's load and the turns' contexts.
+    Two steps of the prior line, at 1 and 9 tokens, weigh ``prior_weight`` each for good:
+    the line is defined before steps of different sizes have been timed."""
+
+    def __init__(
+        self,
+        base: float = 0.012,
+        per_token: float = 0.003,
+        *,
+        memory: float = 0.97,
+        prior_weight: float = 0.5,
+    ):
+        self.memory = memory
+        self._sums = [0.0] * 5  # weight, w n, w n^2, w t, w n t of the timed steps
+        self._prior = [0.0] * 5
+        for n in (1, 9):
+            _add(self._prior, n, base + per_token * n, prior_weight)
+        self._line = (base, per_token)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """One step timed: ``tokens`` fed in ``seconds``."""
+        self._sums = [self.memory * s for s in self._sums]
+        _add(self._sums, tokens, seconds, 1.0)
+        w, wn, wnn, wt, wnt = (a + b for a, b in zip(self._sums, self._prior))
+        det = w * wnn - wn * wn
+        per_token = (w * wnt - wn * wt) / det if det > 0 else self._line[1]
+        per_token = max(per_token, 1e-6)  # more tokens never cost less
+        base = max((wt - per_token * wn) / w, 0.0)
+        self._line = (base, per_token)
+
+    @property
+    def base(self) -> float:
+        return self._line[0]
+
+    @property
+    def per_token(self) -> float:
+        return self._line[1]
+
+    def seconds(self, tokens: int) -> float:
+        return self._line[0] + self._line[1] * tokens
+
+
+def _add(sums: list[float], n: int, t: float, w: float) -> None:
+    for i, value in enumerate((w, w * n, w * n * n, w * t, w * n * t)):
+        sums[i] += value
+
+
+def plan_step(drafts: Sequence[int], acceptance: Sequence[float], costs) -> list[int]:
+    """How many of each row's ``drafts[r]`` draft tokens to feed, each row's kept with
+    ``acceptance[r]`` (its i-th token with ``acceptance[r] ** i``), for the most expected
+    tokens per second under ``costs`` (``seconds(tokens fed)``). One row feeds its draft
+    whole (module docstring)."""
+    if len(drafts) == 1:
+        return list(drafts)
+    candidates = sorted(
+        ((a**i, r) for r, (n, a) in enumerate(zip(drafts, acceptance)) for i in range(1, n + 1)),
+        key=lambda c: -c[0],
+    )
+    take = [0] * len(drafts)
+    fed = len(drafts)
+    expected = float(fed)  # every row's own token is kept
+    for gain, r in candidates:  # a row's tokens come in order: a ** i falls with i
+        if (expected + gain) * costs.seconds(fed) <= expected * costs.seconds(fed + 1):
+            break  # no less likely token raises the rate either
+        expected += gain
+        fed += 1
+        take[r] += 1
+    return take
+
+
+def expected_tokens(takes: Sequence[int], acceptance: Sequence[float]) -> float:
+    """The tokens a step feeding ``takes[r]`` draft tokens a row is expected to keep."""
+    return sum(1 + sum(a**i for i in range(1, k + 1)) for k, a in zip(takes, acceptance))

@@ -1,0 +1,117 @@
+"""The step planner (engine/planner.py): how much of each row's draft a decode step feeds,
+chosen from the measured step cost, so that a batch is never slower than its turns one
+after another. Checked on the plan choice (expected tokens per second under a cost line),
+not on timings."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentkv.engine.planner import Plan, StepCosts, expected_tokens, plan_of, plan_step
+
+
+class Line:
+    """A step cost line without fitting: ``base + per_token * tokens`` seconds."""
+
+    def __init__(self, base: float, per_token: float):
+        self.base, self.per_token = base, per_token
+
+    def seconds(self, tokens: int) -> float:
+        return self.base + self.per_token * tokens
+
+
+def rate(takes, acceptance, costs) -> float:
+    """Expected tokens per second of one step feeding ``takes[r]`` draft tokens a row."""
+    return expected_tokens(takes, acceptance) / costs.seconds(len(takes) + sum(takes))
+
+
+def sequential_rate(drafts, acceptance, costs) -> float:
+    """The same turns one after another: each alone, feeding its whole draft."""
+    tokens = sum(expected_tokens([d], [a]) for d, a in zip(drafts, acceptance))
+    return tokens / sum(costs.seconds(1 + d) for d in drafts)
+
+
+rows = st.lists(st.tuples(st.integers(0, 8), st.floats(0.0, 1.0)), min_size=1, max_size=16).map(
+    lambda r: ([d for d, _ in r], [a for _, a in r])
+)
+lines = st.tuples(st.floats(0.001, 0.05), st.floats(0.0002, 0.01)).map(lambda c: Line(*c))
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows, lines)
+def test_a_batch_step_is_never_slower_than_its_turns_one_after_another(turns, costs):
+    drafts, acceptance = turns
+    takes = plan_step(drafts, acceptance, costs)
+    assert all(0 <= t <= d for t, d in zip(takes, drafts))
+    ours = rate(takes, acceptance, costs)
+    assert ours >= sequential_rate(drafts, acceptance, costs) * (1 - 1e-9)
+    if len(drafts) == 1:
+        return  # one turn feeds its drafter's draft whole (the drafter sizes it)
+    # nor slower than feeding every draft whole, or none
+    assert ours >= rate(drafts, acceptance, costs) * (1 - 1e-9)
+    assert ours >= rate([0] * len(drafts), acceptance, costs) * (1 - 1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.floats(0.0, 1.0)), min_size=2, max_size=3),
+    lines,
+)
+def test_the_plan_is_the_best_of_every_choice_of_draft_prefixes(turns, costs):
+    drafts, acceptance = [d for d, _ in turns], [a for _, a in turns]
+    best = max(
+        rate(list(takes), acceptance, costs)
+        for takes in itertools.product(*(range(d + 1) for d in drafts))
+    )
+    assert rate(plan_step(drafts, acceptance, costs), acceptance, costs) >= best * (1 - 1e-9)
+
+
+def test_drafts_shrink_as_the_batch_grows_and_as_they_fare_worse():
+    costs = Line(0.012, 0.003)
+    alone = plan_step([8], [0.3], costs)
+    assert alone == [8]  # one turn feeds its drafter's draft whole (the drafter sizes it)
+    pair = plan_step([8, 8], [0.9, 0.6], costs)
+    assert pair[0] > pair[1] > 0  # the likelier draft goes further
+    many = plan_step([8] * 16, [0.9] * 16, costs)
+    assert sum(many) < sum(plan_step([8, 8], [0.9, 0.9], costs)) * 8  # less a row in a crowd
+    assert plan_step([8] * 16, [0.3] * 16, costs) == [0] * 16  # a full batch drafts no guesses
+    # a step that costs nothing more a token takes every draft token with a chance
+    assert plan_step([5, 3], [0.5, 0.01], Line(0.02, 1e-9)) == [5, 3]
+
+
+def test_plans_name_the_steps_by_what_their_rows_feed():
+    assert plan_of([1]) is Plan.ONE
+    assert plan_of([4]) is Plan.DRAFT
+    assert plan_of([1, 1, 1]) is Plan.BATCH
+    assert plan_of([1, 3, 1]) is Plan.BOTH
+
+
+@pytest.mark.parametrize("base,per_token", [(0.010, 0.002), (0.030, 0.0005), (0.004, 0.006)])
+def test_step_costs_follow_the_steps_timed(base, per_token):
+    costs = StepCosts()
+    for _ in range(300):
+        for tokens in (1, 3, 6, 12):
+            costs.record(tokens, base + per_token * tokens)
+    for tokens in (1, 6, 12):  # the prior's two steps weigh a little for good
+        assert costs.seconds(tokens) == pytest.approx(base + per_token * tokens, rel=0.05)
+    # a machine that slows down is followed
+    for _ in range(300):
+        for tokens in (1, 5):
+            costs.record(tokens, 2 * (base + per_token * tokens))
+    assert costs.seconds(5) == pytest.approx(2 * (base + per_token * 5), rel=0.1)
+
+
+def test_step_costs_start_from_their_prior_and_never_price_a_token_below_zero():
+    costs = StepCosts(base=0.012, per_token=0.003)
+    assert costs.seconds(1) == pytest.approx(0.015)
+    for _ in range(50):
+        costs.record(4, 0.02)  # one size only: the prior keeps the slope defined
+    assert costs.per_token > 0
+    for _ in range(200):  # bigger steps timed faster (noise): a token still costs something
+        costs.record(1, 0.05)
+        costs.record(9, 0.01)
+    assert costs.per_token > 0 and costs.base >= 0
