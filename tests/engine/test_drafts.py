@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from agentkv import Constraint, Engine, InvalidRequestError
 from agentkv.cli.parser import build_parser
-from agentkv.engine.drafts import FIRST_DRAFT, ContextDrafter, room
+from agentkv.engine.drafts import ACCEPT_PRIOR, FIRST_DRAFT, ContextDrafter, room
 from agentkv.engine.generation import SamplingParams
-from agentkv.engine.planner import Plan
+from agentkv.engine.planner import Plan, StepCosts
 from agentkv.format.geometry import BLOCK_TOKENS
 
 WEATHER = {
@@ -88,6 +88,9 @@ def test_drafts_in_a_batch_give_each_row_the_tokens_text_and_kv_it_gets_alone(en
     grammar."""
     plain = Engine(cache_dir=tmp_path / "kv", draft_tokens=0)
     before = engine.scheduler.plans.copy()
+    planner = engine.scheduler.planner
+    one_turn = planner.alone
+    planner.alone = StepCosts(base=1.0, per_token=1.0)  # every step a batch: jagged rows
     lyon = [{"role": "user", "content": "Weather in Lyon and in Paris, in fahrenheit?"}]
     try:
         batches = [
@@ -110,6 +113,7 @@ def test_drafts_in_a_batch_give_each_row_the_tokens_text_and_kv_it_gets_alone(en
                     np.testing.assert_array_equal(a, b)
             assert sum(r.stats.accepted_draft_tokens for r in ours) > 0, options
     finally:
+        planner.alone = one_turn
         plain.close()
     ran = engine.scheduler.plans - before
     assert ran[Plan.BOTH] > 0  # drafts were checked inside a batch
@@ -307,6 +311,19 @@ def test_drafts_grow_while_kept_shrink_when_cut_and_pause_when_nothing_is_kept()
     drafter.observe(1, 1)
     drafter.observe(2, 0)
     assert drafter.propose([10], limit=30) == []  # one miss after a kept draft: one step
+
+
+def test_acceptance_starts_hopeful_and_follows_how_recent_drafts_fared():
+    drafter = ContextDrafter([1, 2, 3], most=8)
+    assert drafter.acceptance == ACCEPT_PRIOR[0] / ACCEPT_PRIOR[1]
+    for _ in range(10):
+        drafter.observe(8, 8)  # every draft token kept
+    assert drafter.acceptance > 0.95
+    for _ in range(15):
+        drafter.observe(4, 0)  # the first token cut, each time
+    assert drafter.acceptance < 0.35
+    drafter.observe(4, 2)  # two kept, the third tried and cut: 2 of 3
+    assert 0.35 < drafter.acceptance < 0.6
 
 
 class _Table:

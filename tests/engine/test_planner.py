@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.engine.planner import Plan, StepCosts, expected_tokens, plan_of, plan_step
+from agentkv.engine.planner import (
+    EXPLORE,
+    Plan,
+    Planner,
+    StepCosts,
+    expected_tokens,
+    plan_of,
+    plan_step,
+)
 
 
 class Line:
@@ -115,3 +123,71 @@ def test_step_costs_start_from_their_prior_and_never_price_a_token_below_zero():
         costs.record(1, 0.05)
         costs.record(9, 0.01)
     assert costs.per_token > 0 and costs.base >= 0
+
+
+def plan_rate(plan, drafts, acceptance, planner) -> float:
+    """Expected tokens per second of a ``Planner.plan`` under the planner's own lines."""
+    rows = [(t, a) for t, a in zip(plan, acceptance) if t is not None]
+    takes, accepted = [t for t, _ in rows], [a for _, a in rows]
+    costs = planner.alone if len(rows) == 1 else planner.batch
+    return expected_tokens(takes, accepted) / costs.seconds(len(takes) + sum(takes))
+
+
+def planner_of(alone: tuple[float, float], batch: tuple[float, float]) -> Planner:
+    planner = Planner()
+    planner.alone, planner.batch = Line(*alone), Line(*batch)
+    return planner
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows, lines, lines)
+def test_a_step_is_never_slower_than_its_turns_one_after_another(turns, alone, batch):
+    """With one-turn steps and batch steps costed apart (a batch's draft tokens each read
+    the whole context again), the plan is the faster of a batch and the best turn alone:
+    never below the turns one after another under the one-turn line, nor below the batch."""
+    drafts, acceptance = turns
+    planner = planner_of((alone.base, alone.per_token), (batch.base, batch.per_token))
+    plan = planner.plan(drafts, acceptance)
+    assert len(plan) == len(drafts)
+    stepping = [t for t in plan if t is not None]
+    assert len(stepping) in (1, len(drafts))
+    if len(stepping) == 1:  # alone: its whole draft
+        ((r, take),) = [(r, t) for r, t in enumerate(plan) if t is not None]
+        assert take == drafts[r]
+    ours = plan_rate(plan, drafts, acceptance, planner)
+    assert ours >= sequential_rate(drafts, acceptance, planner.alone) * (1 - 1e-9)
+    if len(drafts) == 1:
+        return  # one turn: its drafter's draft, whole
+    takes = plan_step(drafts, acceptance, planner.batch)
+    assert ours >= rate(takes, acceptance, planner.batch) * (1 - 1e-9)
+
+
+def test_drafting_turns_run_alone_when_a_batch_prices_draft_tokens_high():
+    """2-core Xeon shapes: one turn's step 22 ms + 3 ms a token; a batch's draft tokens each
+    read the context again (6 ms at a long context). Drafts kept 9 in 10: a step runs the
+    likeliest turn alone with its whole draft; turns that draft nothing run as a batch, as do
+    drafting turns where a batch's tokens cost what they cost alone."""
+    planner = planner_of((0.022, 0.003), (0.022, 0.006))
+    assert planner.plan([8, 8], [0.9, 0.95]) == [None, 8]
+    assert planner.plan([0, 0, 0], [0.0, 0.0, 0.0]) == [0, 0, 0]
+    cheap = planner_of((0.022, 0.003), (0.022, 0.003))
+    both = cheap.plan([8, 8], [0.9, 0.95])
+    assert None not in both and sum(both) > 0
+
+
+def test_a_batch_step_comes_back_to_measure_the_batch_line():
+    planner = planner_of((0.022, 0.003), (0.022, 0.006))
+    plans = [planner.plan([8, 8], [0.9, 0.95]) for _ in range(2 * (EXPLORE + 1))]
+    batches = [i for i, p in enumerate(plans) if None not in p]
+    assert batches == [EXPLORE, 2 * EXPLORE + 1]  # one in EXPLORE + 1
+
+
+def test_steps_are_timed_on_the_line_of_their_kind():
+    planner = Planner()
+    for _ in range(200):
+        planner.record(1, 9, 0.022 + 0.003 * 9)
+        planner.record(1, 1, 0.025)
+        planner.record(3, 12, 0.022 + 0.006 * 12)
+        planner.record(2, 2, 0.022 + 0.006 * 2)
+    assert planner.alone.seconds(9) == pytest.approx(0.049, rel=0.05)
+    assert planner.batch.seconds(12) == pytest.approx(0.094, rel=0.05)

@@ -34,6 +34,7 @@ LONGEST_MATCH = 3  # the most trailing tokens looked up; then fewer, down to one
 FIRST_DRAFT = 4  # a turn's first draft; then sized by how its drafts fared
 MAX_PAUSE = 15  # the most steps drafting pauses after drafts that kept nothing
 ACCEPT_MEMORY = 0.7  # how much a turn's acceptance keeps of each earlier step's drafts
+ACCEPT_PRIOR = (1.5, 2.0)  # a turn's acceptance before its drafts are seen: 3 kept in 4
 
 
 class ContextDrafter:
@@ -115,10 +116,13 @@ class ContextDrafter:
     @property
     def acceptance(self) -> float:
         """The chance that the next draft token is kept, given the tokens before it were: of
-        this turn's draft tokens so far, (kept + 1) / (tried + 2), each step's counts weighing
-        ``ACCEPT_MEMORY`` times the next's; a draft token is tried if those before it were
-        kept. The planner (engine/planner.py) weighs a draft's i-th token as this ** i."""
-        return (self._hits + 1) / (self._tries + 2)
+        this turn's draft tokens so far, (kept + 1.5) / (tried + 2) (``ACCEPT_PRIOR``: hopeful,
+        so that a turn's first drafts are tried in a big batch too, where a draft token must
+        be likely to be worth its cost), each step's counts weighing ``ACCEPT_MEMORY`` times
+        the next's; a draft token is tried if those before it were kept. The planner
+        (engine/planner.py) weighs a draft's i-th token as this ** i."""
+        kept, tried = ACCEPT_PRIOR
+        return (self._hits + kept) / (self._tries + tried)
 
 
 def room(table) -> int:

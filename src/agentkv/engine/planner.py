@@ -1,36 +1,45 @@
-"""The step planner: how much of each decoding turn's draft a decode step feeds.
+"""The step planner: which decoding turns a decode step runs, and how much of each one's
+draft it feeds.
 
-Every decode step feeds each decoding turn's last token and, where the turn's drafter has
-one, a draft of the tokens it may take next (engine/drafts.py). A step's time grows with the
+Every decode step feeds a decoding turn's last token and, where the turn's drafter has one,
+a draft of the tokens it may take next (engine/drafts.py). A step's time grows with the
 tokens it feeds, by less than a token alone costs: the weights are read once a step whatever
-it feeds (2-core Xeon VM, 1K context: one token ~12 ms, each more ~2-4 ms). So a draft token
-pays where it is kept often enough, and less often in a big batch than alone: there, the
-step already feeds many tokens and another costs what any does.
+it feeds (2-core Xeon VM, 1K context: one token ~25 ms, each more ~3 ms). A draft token pays
+where it is kept often enough; in a batch, where the step already feeds many tokens and
+another costs what any does, less often than alone.
 
-``StepCosts`` is that time as a line in the tokens fed, fitted to the steps the scheduler
-timed. A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's acceptance
-so far (``ContextDrafter.acceptance``). ``plan_step`` takes draft tokens, likeliest first,
-while each raises the step's expected tokens per second; with a cost linear in the tokens
-that is the most tokens per second any choice of draft prefixes gets. The plans a step can
-take (``Plan``): one turn alone feeding its draft ("draft") or one token ("one"); several,
-each with a draft or not ("both"), or all without ("batch").
+``StepCosts`` is a step's time as a line in the tokens fed, fitted to the steps the scheduler
+timed. There are two (``Planner``): steps of one turn (its draft checked as one row of
+``1 + k`` queries) and steps of several (a jagged batch: every token its own row,
+``pool.step.token_rows``, so each draft token reads the whole context again and costs more
+than alone). A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's
+acceptance so far (``ContextDrafter.acceptance``).
 
-Every decoding turn has a row in every step: its own token is always kept and costs one
-token fed, so it raises a step's tokens per second (a step keeps fewer tokens than it
-feeds) and shortens nobody's turn. Nor is a batch ever slower than its turns one after
-another: with the same drafts it feeds what they feed in one step, which costs less than
-the steps apart (one base between them), and the plan it takes is at least as good.
-A turn decoding alone feeds its drafter's draft whole: the drafter's own sizing
-(docs/drafts.md) is what was measured for one turn.
+Each step takes the plan with the most expected tokens per second (``Planner.plan``):
+
+* *batch*: every turn a row, draft tokens taken likeliest first while each raises the step's
+  expected tokens per second (``plan_step``; under a cost line that is the best choice of
+  draft prefixes, and every turn's own token is worth its cost);
+* *alone*: the one turn with the best expected rate, feeding its whole draft, the others
+  waiting a step, which is what serving them one after another does at best.
+
+So under the measured lines a step is never slower than the same turns one after another
+(each alone with its whole draft): that is one of the plans it compares. The several-turn
+line is only measured by batch steps: after ``EXPLORE`` steps without one the planner runs
+a batch step, so the line follows the machine's load and the turns' contexts. A turn
+decoding alone feeds its drafter's draft whole: the drafter's own sizing (docs/drafts.md)
+is what was measured for one turn.
 
 Greedy turns get the same tokens whatever the plan, sampled ones the same distribution
-(docs/drafts.md): a plan changes only how many tokens a step checks.
+(docs/drafts.md): a plan changes only which rows a step checks and how many tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+
+EXPLORE = 16  # the most steps of several waiting turns run alone in a row (module docstring)
 
 
 class Plan(Enum):
@@ -124,3 +133,39 @@ def plan_step(drafts: Sequence[int], acceptance: Sequence[float], costs) -> list
 def expected_tokens(takes: Sequence[int], acceptance: Sequence[float]) -> float:
     """The tokens a step feeding ``takes[r]`` draft tokens a row is expected to keep."""
     return sum(1 + sum(a**i for i in range(1, k + 1)) for k, a in zip(takes, acceptance))
+
+
+class Planner:
+    """Which turns step and how much of each draft they feed (module docstring), from the
+    timed costs of one-turn steps (``alone``) and of several-turn steps (``batch``)."""
+
+    def __init__(self):
+        self.alone = StepCosts()
+        self.batch = StepCosts()
+        self._alone_steps = 0  # steps since the last batch step while several turns decoded
+
+    def plan(self, drafts: Sequence[int], acceptance: Sequence[float]) -> list[int | None]:
+        """How many of each turn's ``drafts[r]`` tokens its row feeds this step, None for
+        a turn that waits (it has no row in the step)."""
+        n = len(drafts)
+        if n == 1:
+            return list(drafts)
+        takes = plan_step(drafts, acceptance, self.batch)
+        if self._alone_steps >= EXPLORE:
+            self._alone_steps = 0
+            return takes
+        batch_rate = expected_tokens(takes, acceptance) / self.batch.seconds(n + sum(takes))
+        rates = [
+            expected_tokens([d], [a]) / self.alone.seconds(1 + d)
+            for d, a in zip(drafts, acceptance)
+        ]
+        best = max(range(n), key=rates.__getitem__)
+        if rates[best] <= batch_rate:
+            self._alone_steps = 0
+            return takes
+        self._alone_steps += 1
+        return [drafts[r] if r == best else None for r in range(n)]
+
+    def record(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of ``rows`` turns timed: ``tokens`` fed in ``seconds``."""
+        (self.alone if rows == 1 else self.batch).record(tokens, seconds)

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ..errors import EngineBusyError
 from .job import Job, Phase
-from .planner import Plan, StepCosts, plan_of, plan_step
+from .planner import Plan, Planner, plan_of
 from .runner import TurnRunner
 
 log = logging.getLogger("agentkv.engine")
@@ -69,7 +69,7 @@ class Scheduler:
         self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
         self._running = {"running": 0, "reserved_blocks": 0}  # as of the last step
-        self.costs = StepCosts()  # what decode steps cost here, as timed (engine/planner.py)
+        self.planner = Planner()  # which turns a decode step runs (engine/planner.py)
         self.plans: Counter[Plan] = Counter()  # decode steps run, by plan
         self._thread = threading.Thread(target=self._run, name="agentkv-scheduler", daemon=True)
         self._thread.start()
@@ -291,20 +291,32 @@ class Scheduler:
         return pick
 
     def _decode_all(self) -> None:
-        """One step for every decoding turn: one forward pass over their block tables, each
-        row feeding its last token and the part of its draft the planner takes
-        (engine/planner.py), then each row sampled on its own (a constrained row masks its
-        logits with its own grammar first), so a row whose grammar fails ends only its own
-        turn."""
+        """One decode step: the planner (engine/planner.py) picks the decoding turns it runs
+        (all of them, or the one that runs fastest alone) and the part of each one's draft
+        it feeds; one forward pass over their block tables, then each row sampled on its own
+        (a constrained row masks its logits with its own grammar first), so a row whose
+        grammar fails ends only its own turn. A cancelled turn ends here."""
         jobs, ended = [], []
         for job in self._decoding:
+            if job.cancelled:  # ends now, whether or not the plan would step it
+                ended.append((job, None))
+                continue
             try:
                 job.draft = self.runner.draft_for(job)
                 jobs.append(job)
             except Exception as exc:  # the turn's own failure, as a step's would be
                 ended.append((job, exc))
         if jobs:
-            ended += self._step(jobs)
+            takes = self.planner.plan(
+                [len(j.draft) for j in jobs],
+                [j.drafter.acceptance if j.drafter is not None else 0.0 for j in jobs],
+            )
+            stepping = []
+            for job, take in zip(jobs, takes):
+                if take is not None:  # None: the turn waits this step
+                    job.draft = job.draft[:take]
+                    stepping.append(job)
+            ended += self._step(stepping)
         if ended:
             gone = {job for job, _ in ended}
             self._decoding = [j for j in self._decoding if j not in gone]
@@ -315,14 +327,8 @@ class Scheduler:
                     self._fail(job, exc)
 
     def _step(self, jobs: list[Job]) -> list[tuple[Job, BaseException | None]]:
-        """Run one decode step of ``jobs``; the turns it ended (with their error or None)."""
-        takes = plan_step(
-            [len(j.draft) for j in jobs],
-            [j.drafter.acceptance if j.drafter is not None else 0.0 for j in jobs],
-            self.costs,
-        )
-        for job, take in zip(jobs, takes):
-            job.draft = job.draft[:take]
+        """Run one decode step of ``jobs``, each feeding its last token and ``job.draft``;
+        the turns it ended (with their error or None)."""
         ids = [[j.last_token, *j.draft] for j in jobs]
         drafted = any(j.draft for j in jobs)
         began = time.perf_counter()
@@ -358,7 +364,7 @@ class Scheduler:
             except Exception as exc:
                 ended.append((job, exc))
         fed = [len(row) for row in ids]
-        self.costs.record(sum(fed), time.perf_counter() - began)
+        self.planner.record(len(fed), sum(fed), time.perf_counter() - began)
         self.plans[plan_of(fed)] += 1
         return ended
 
