@@ -8,11 +8,11 @@ it feeds (2-core Xeon VM, 1K context: one token ~25 ms, each more ~3 ms). A draf
 where it is kept often enough; in a batch, where the step already feeds many tokens and
 another costs what any does, less often than alone.
 
-``StepCosts`` is a step's time as a line in the tokens fed, fitted to the steps the scheduler
-timed. There are two (``Planner``): steps of one turn (its draft checked as one row of
-``1 + k`` queries) and steps of several (a jagged batch: every token its own row,
-``pool.step.token_rows``, so each draft token reads the whole context again and costs more
-than alone). A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's
+``StepCosts`` is a step's time as a line in the tokens fed, fitted to the one-turn steps the
+scheduler timed (its draft checked as one row of ``1 + k`` queries). A step of several turns
+(a jagged batch: every token its own row, ``pool.step.token_rows``, so each draft token reads
+the whole context again) costs that line plus a measured extra a token (``BatchCosts``).
+A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's
 acceptance so far (``ContextDrafter.acceptance``).
 
 Each step takes the plan with the most expected tokens per second (``Planner.plan``):
@@ -24,9 +24,9 @@ Each step takes the plan with the most expected tokens per second (``Planner.pla
   waiting a step, which is what serving them one after another does at best.
 
 So under the measured lines a step is never slower than the same turns one after another
-(each alone with its whole draft): that is one of the plans it compares. The several-turn
-line is only measured by batch steps: after ``EXPLORE`` steps without one the planner runs
-a batch step, so the line follows the machine's load and the turns' contexts. A turn
+(each alone with its whole draft): that is one of the plans it compares. A batch's extra
+cost is only measured by batch steps: after ``EXPLORE`` steps without one the planner runs
+a batch step, so it follows the machine's load and the turns' contexts. A turn
 decoding alone feeds its drafter's draft whole: the drafter's own sizing (docs/drafts.md)
 is what was measured for one turn.
 
@@ -102,6 +102,39 @@ class StepCosts:
         return self._line[0] + self._line[1] * tokens
 
 
+class BatchCosts:
+    """A several-turn step's seconds: the one-turn line ``alone`` plus ``extra`` a token,
+    ``extra`` the weighted mean, per token fed, of what the batch steps timed took beyond
+    ``alone`` (each step weighing ``memory`` times the one after it). One number, so it is
+    known from batch steps that all feed as many tokens (a batch that drafts nothing), where
+    a line of its own could not tell its base from its slope."""
+
+    def __init__(self, alone: StepCosts, *, memory: float = 0.97):
+        self.alone = alone
+        self.memory = memory
+        self._tokens = 0.0  # weighted tokens fed, and seconds beyond ``alone``, of the steps
+        self._beyond = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self._tokens = self.memory * self._tokens + tokens
+        self._beyond = self.memory * self._beyond + seconds - self.alone.seconds(tokens)
+
+    @property
+    def extra(self) -> float:
+        return self._beyond / self._tokens if self._tokens else 0.0
+
+    @property
+    def base(self) -> float:
+        return self.alone.base
+
+    @property
+    def per_token(self) -> float:
+        return max(self.alone.per_token + self.extra, 1e-6)  # more tokens never cost less
+
+    def seconds(self, tokens: int) -> float:
+        return self.base + self.per_token * tokens
+
+
 def _add(sums: list[float], n: int, t: float, w: float) -> None:
     for i, value in enumerate((w, w * n, w * n * n, w * t, w * n * t)):
         sums[i] += value
@@ -141,7 +174,7 @@ class Planner:
 
     def __init__(self):
         self.alone = StepCosts()
-        self.batch = StepCosts()
+        self.batch = BatchCosts(self.alone)
         self._alone_steps = 0  # steps since the last batch step while several turns decoded
 
     def plan(self, drafts: Sequence[int], acceptance: Sequence[float]) -> list[int | None]:
