@@ -125,74 +125,102 @@ def test_step_costs_start_from_their_prior_and_never_price_a_token_below_zero():
     assert costs.per_token > 0 and costs.base >= 0
 
 
-def plan_rate(plan, drafts, acceptance, planner) -> float:
+def plan_rate(plan, acceptance, planner) -> float:
     """Expected tokens per second of a ``Planner.plan`` under the planner's own lines."""
-    rows = [(t, a) for t, a in zip(plan, acceptance) if t is not None]
+    rows = [(t, a) for t, a in zip(plan.takes, acceptance) if t is not None]
     takes, accepted = [t for t, _ in rows], [a for _, a in rows]
-    costs = planner.alone if len(rows) == 1 else planner.batch
-    return expected_tokens(takes, accepted) / costs.seconds(len(takes) + sum(takes))
+    if len(rows) == 1:
+        seconds = planner.alone.seconds(1 + takes[0])
+    elif plan.width:
+        assert all(t <= plan.width - 1 for t in takes)
+        seconds = planner.even.seconds(len(rows) * plan.width)
+    else:
+        seconds = planner.batch.seconds(len(takes) + sum(takes))
+    return expected_tokens(takes, accepted) / seconds
 
 
-def planner_of(alone: tuple[float, float], batch: tuple[float, float]) -> Planner:
+def planner_of(alone, batch, even=None) -> Planner:
     planner = Planner()
     planner.alone, planner.batch = Line(*alone), Line(*batch)
+    planner.even = Line(*(even or batch))
     return planner
 
 
 @settings(max_examples=300, deadline=None)
-@given(rows, lines, lines)
-def test_a_step_is_never_slower_than_its_turns_one_after_another(turns, alone, batch):
-    """With one-turn steps and batch steps costed apart (a batch's draft tokens each read
-    the whole context again), the plan is the faster of a batch and the best turn alone:
-    never below the turns one after another under the one-turn line, nor below the batch."""
+@given(rows, lines, lines, lines)
+def test_a_step_is_never_slower_than_its_turns_one_after_another(turns, alone, batch, even):
+    """With one-turn steps, jagged batch steps (a draft token a row of its own, reading the
+    whole context again) and even ones costed apart, the plan is the fastest of a jagged
+    batch, an even batch of each width and the best turn alone: never below the turns one
+    after another under the one-turn line, nor below any of those batches."""
     drafts, acceptance = turns
-    planner = planner_of((alone.base, alone.per_token), (batch.base, batch.per_token))
+    planner = planner_of(*((c.base, c.per_token) for c in (alone, batch, even)))
     plan = planner.plan(drafts, acceptance)
-    assert len(plan) == len(drafts)
-    stepping = [t for t in plan if t is not None]
+    assert len(plan.takes) == len(drafts)
+    stepping = [(r, t) for r, t in enumerate(plan.takes) if t is not None]
     assert len(stepping) in (1, len(drafts))
+    assert all(t <= drafts[r] for r, t in stepping)
     if len(stepping) == 1:  # alone: its whole draft
-        ((r, take),) = [(r, t) for r, t in enumerate(plan) if t is not None]
-        assert take == drafts[r]
-    ours = plan_rate(plan, drafts, acceptance, planner)
+        ((r, take),) = stepping
+        assert take == drafts[r] and plan.width == 0
+    ours = plan_rate(plan, acceptance, planner)
     assert ours >= sequential_rate(drafts, acceptance, planner.alone) * (1 - 1e-9)
     if len(drafts) == 1:
         return  # one turn: its drafter's draft, whole
-    takes = plan_step(drafts, acceptance, planner.batch)
-    assert ours >= rate(takes, acceptance, planner.batch) * (1 - 1e-9)
+    jagged = plan_step(drafts, acceptance, planner.batch)
+    assert ours >= rate(jagged, acceptance, planner.batch) * (1 - 1e-9)
+    for width in range(1, min(drafts) + 2):
+        padded = [min(width - 1, d) for d in drafts]
+        seconds = planner.even.seconds(len(drafts) * width)
+        assert ours >= expected_tokens(padded, acceptance) / seconds * (1 - 1e-9)
 
 
 def test_drafting_turns_run_alone_when_a_batch_prices_draft_tokens_high():
-    """2-core Xeon shapes: one turn's step 22 ms + 3 ms a token; a batch's draft tokens each
-    read the context again (6 ms at a long context). Drafts kept 9 in 10: a step runs the
-    likeliest turn alone with its whole draft; turns that draft nothing run as a batch, as do
-    drafting turns where a batch's tokens cost what they cost alone."""
+    """2-core Xeon shapes: one turn's step 22 ms + 3 ms a token; a batch's tokens 6 ms (a
+    long context read again by each). Drafts kept 9 in 10: a step runs the likeliest turn
+    alone with its whole draft; turns that draft nothing run as a batch, as do drafting
+    turns where a batch's tokens cost what they cost alone."""
     planner = planner_of((0.022, 0.003), (0.022, 0.006))
-    assert planner.plan([8, 8], [0.9, 0.95]) == [None, 8]
-    assert planner.plan([0, 0, 0], [0.0, 0.0, 0.0]) == [0, 0, 0]
+    assert planner.plan([8, 8], [0.9, 0.95]).takes == [None, 8]
+    assert planner.plan([0, 0, 0], [0.0, 0.0, 0.0]).takes == [0, 0, 0]
     cheap = planner_of((0.022, 0.003), (0.022, 0.003))
-    both = cheap.plan([8, 8], [0.9, 0.95])
+    both = cheap.plan([8, 8], [0.9, 0.95]).takes
     assert None not in both and sum(both) > 0
+
+
+def test_rows_with_alike_drafts_run_even_when_jagged_rows_cost_more():
+    """A jagged step's draft tokens each read the context again (3.5 ms a token), an even
+    step's rows read it once (2.5 ms, as alone): turns with long likely drafts feed them
+    padded to one width; a turn with a short draft is padded with tokens never kept."""
+    planner = planner_of((0.022, 0.0025), (0.022, 0.0035), (0.022, 0.0025))
+    plan = planner.plan([8, 8], [0.95, 0.95])
+    assert plan.width > 1 and plan.takes == [plan.width - 1] * 2
+    plan = planner.plan([8, 5], [0.95, 0.95], [8, 8])
+    assert plan.width > 1 and plan.takes == [min(plan.width - 1, d) for d in (8, 5)]
+    # no wider than the turns may feed (a channel group, the tokens left)
+    assert planner.plan([8, 8], [0.95, 0.95], [8, 3]).width <= 4
 
 
 def test_a_batch_step_comes_back_to_measure_the_batch_line():
     planner = planner_of((0.022, 0.003), (0.022, 0.006))
     plans = [planner.plan([8, 8], [0.9, 0.95]) for _ in range(2 * (EXPLORE + 1))]
-    batches = [i for i, p in enumerate(plans) if None not in p]
+    batches = [i for i, p in enumerate(plans) if None not in p.takes]
     assert batches == [EXPLORE, 2 * EXPLORE + 1]  # one in EXPLORE + 1
 
 
 def test_steps_are_timed_on_the_line_of_their_kind():
-    """One-turn steps fit the line; batch steps its extra a token, known even where every
-    batch step fed as many tokens (a batch that drafts nothing): the trap a line of its
-    own fell in, any slope fitting steps of one size."""
+    """One-turn steps fit the line; jagged and even batch steps their extra a token, known
+    even where every batch step fed as many tokens (a batch that drafts nothing): the trap a
+    line of its own fell in, any slope fitting steps of one size."""
     planner = Planner()
     for _ in range(200):
-        planner.record(1, 9, 0.022 + 0.003 * 9)
-        planner.record(1, 1, 0.025)
-        planner.record(4, 4, 0.022 + 0.004 * 4)  # a batch token costs 1 ms more
+        planner.record([9], 0.022 + 0.003 * 9)
+        planner.record([1], 0.025)
+        planner.record([1, 3], 0.022 + 0.004 * 4)  # a jagged token costs 1 ms more
+        planner.record([1, 1, 1, 1], 0.022 + 0.0035 * 4)  # an even one 0.5 ms more
     assert planner.alone.seconds(9) == pytest.approx(0.049, rel=0.05)
     assert planner.batch.per_token == pytest.approx(0.004, rel=0.05)
+    assert planner.even.per_token == pytest.approx(0.0035, rel=0.05)
     assert planner.batch.seconds(12) == pytest.approx(0.022 + 0.004 * 12, rel=0.05)
     # so a batch of turns whose drafts are kept 9 in 10 still drafts
     assert sum(plan_step([8] * 4, [0.9] * 4, planner.batch)) > 0

@@ -11,19 +11,23 @@ another costs what any does, less often than alone.
 ``StepCosts`` is a step's time as a line in the tokens fed, fitted to the one-turn steps the
 scheduler timed (its draft checked as one row of ``1 + k`` queries). A step of several turns
 (a jagged batch: every token its own row, ``pool.step.token_rows``, so each draft token reads
-the whole context again) costs that line plus a measured extra a token (``BatchCosts``).
-A draft's i-th token is kept with probability ``a ** i``, ``a`` the turn's
-acceptance so far (``ContextDrafter.acceptance``).
+the whole context again) costs that line plus a measured extra a token (``BatchCosts``); so
+does an even step of several (every row ``w`` tokens, one row of ``w`` queries reading its
+context once, as alone), with its own extra. A draft's i-th token is kept with probability
+``a ** i``, ``a`` the turn's acceptance so far (``ContextDrafter.acceptance``).
 
 Each step takes the plan with the most expected tokens per second (``Planner.plan``):
 
 * *batch*: every turn a row, draft tokens taken likeliest first while each raises the step's
   expected tokens per second (``plan_step``; under a cost line that is the best choice of
   draft prefixes, and every turn's own token is worth its cost);
+* *even*: every turn a row of ``w`` tokens, for each width ``w`` the turns may feed: its
+  last token, its draft up to ``w - 1`` tokens, then copies never kept (padding, cut from
+  its table after the step as a draft token not kept is);
 * *alone*: the one turn with the best expected rate, feeding its whole draft, the others
   waiting a step, which is what serving them one after another does at best.
 
-So under the measured lines a step is never slower than the same turns one after another
+So under the measured costs a step is never slower than the same turns one after another
 (each alone with its whole draft): that is one of the plans it compares. A batch's extra
 cost is only measured by batch steps: after ``EXPLORE`` steps without one the planner runs
 a batch step, so it follows the machine's load and the turns' contexts. A turn
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
+from typing import NamedTuple
 
 EXPLORE = 16  # the most steps of several waiting turns run alone in a row (module docstring)
 
@@ -168,26 +173,53 @@ def expected_tokens(takes: Sequence[int], acceptance: Sequence[float]) -> float:
     return sum(1 + sum(a**i for i in range(1, k + 1)) for k, a in zip(takes, acceptance))
 
 
+class StepPlan(NamedTuple):
+    """A decode step's plan: each turn's draft tokens fed (None: the turn waits this step),
+    and ``width``: 0, each stepping row feeds its last token and its draft tokens (a jagged
+    step where they differ); else every stepping row feeds ``width`` tokens, its draft
+    followed by tokens that are never kept (an even step: each row one row of ``width``
+    queries, its keys and values read once, as alone)."""
+
+    takes: list[int | None]
+    width: int = 0
+
+
 class Planner:
     """Which turns step and how much of each draft they feed (module docstring), from the
-    timed costs of one-turn steps (``alone``) and of several-turn steps (``batch``)."""
+    timed costs of one-turn steps (``alone``), of jagged steps of several (``batch``) and of
+    even ones (``even``)."""
 
     def __init__(self):
         self.alone = StepCosts()
         self.batch = BatchCosts(self.alone)
+        self.even = BatchCosts(self.alone)
         self._alone_steps = 0  # steps since the last batch step while several turns decoded
 
-    def plan(self, drafts: Sequence[int], acceptance: Sequence[float]) -> list[int | None]:
-        """How many of each turn's ``drafts[r]`` tokens its row feeds this step, None for
-        a turn that waits (it has no row in the step)."""
+    def plan(
+        self,
+        drafts: Sequence[int],
+        acceptance: Sequence[float],
+        limits: Sequence[int] | None = None,
+    ) -> StepPlan:
+        """How many of each turn's ``drafts[r]`` tokens its row feeds this step, and whether
+        rows are padded to one width; ``limits[r]``: the most tokens after its last one
+        turn ``r`` may feed (its draft's bounds: channel group, tokens left; default its
+        draft)."""
         n = len(drafts)
         if n == 1:
-            return list(drafts)
+            return StepPlan(list(drafts))
+        limits = list(drafts) if limits is None else list(limits)
         takes = plan_step(drafts, acceptance, self.batch)
+        fed = n + sum(takes)
+        options = [(expected_tokens(takes, acceptance) / self.batch.seconds(fed), 0, takes)]
+        for width in range(1, min(limits) + 2):  # each row: its token, draft, padding
+            even = [min(width - 1, d) for d in drafts]
+            rate = expected_tokens(even, acceptance) / self.even.seconds(n * width)
+            options.append((rate, width, even))
+        batch_rate, width, takes = max(options, key=lambda o: o[0])
         if self._alone_steps >= EXPLORE:
             self._alone_steps = 0
-            return takes
-        batch_rate = expected_tokens(takes, acceptance) / self.batch.seconds(n + sum(takes))
+            return StepPlan(takes, width)
         rates = [
             expected_tokens([d], [a]) / self.alone.seconds(1 + d)
             for d, a in zip(drafts, acceptance)
@@ -195,10 +227,13 @@ class Planner:
         best = max(range(n), key=rates.__getitem__)
         if rates[best] <= batch_rate:
             self._alone_steps = 0
-            return takes
+            return StepPlan(takes, width)
         self._alone_steps += 1
-        return [drafts[r] if r == best else None for r in range(n)]
+        return StepPlan([drafts[r] if r == best else None for r in range(n)])
 
-    def record(self, rows: int, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` turns timed: ``tokens`` fed in ``seconds``."""
-        (self.alone if rows == 1 else self.batch).record(tokens, seconds)
+    def record(self, counts: Sequence[int], seconds: float) -> None:
+        """A step timed: its rows fed ``counts`` tokens in ``seconds``."""
+        line = self.alone if len(counts) == 1 else self.batch
+        if len(counts) > 1 and len(set(counts)) == 1:
+            line = self.even
+        line.record(sum(counts), seconds)

@@ -199,12 +199,21 @@ class TurnRunner:
             self.swapper.check(state)
         return out
 
+    def draft_limit(self, job: Job) -> int:
+        """The most tokens the decoding ``job``'s next step may feed after its last one
+        (engine/drafts.py): 0 with KVSwap or drafts off, else within its channel group and
+        its tokens."""
+        if self.draft_tokens < 1 or job.state.swap is not None:
+            return 0
+        return max(
+            0,
+            min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1),
+        )
+
     def draft_for(self, job: Job) -> list[int]:
         """A draft for the decoding ``job``'s next step, [] where it takes none
-        (engine/drafts.py): no KVSwap, within its channel group and its tokens."""
-        if self.draft_tokens < 1 or job.state.swap is not None:
-            return []
-        limit = min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1)
+        (engine/drafts.py): up to ``draft_limit``."""
+        limit = self.draft_limit(job)
         if limit < 1:
             return []
         if job.drafter is None:

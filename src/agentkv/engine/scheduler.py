@@ -307,16 +307,17 @@ class Scheduler:
             except Exception as exc:  # the turn's own failure, as a step's would be
                 ended.append((job, exc))
         if jobs:
-            takes = self.planner.plan(
+            plan = self.planner.plan(
                 [len(j.draft) for j in jobs],
                 [j.drafter.acceptance if j.drafter is not None else 0.0 for j in jobs],
+                [self.runner.draft_limit(j) for j in jobs],
             )
             stepping = []
-            for job, take in zip(jobs, takes):
+            for job, take in zip(jobs, plan.takes):
                 if take is not None:  # None: the turn waits this step
                     job.draft = job.draft[:take]
                     stepping.append(job)
-            ended += self._step(stepping)
+            ended += self._step(stepping, plan.width)
         if ended:
             gone = {job for job, _ in ended}
             self._decoding = [j for j in self._decoding if j not in gone]
@@ -326,11 +327,14 @@ class Scheduler:
                 else:
                     self._fail(job, exc)
 
-    def _step(self, jobs: list[Job]) -> list[tuple[Job, BaseException | None]]:
-        """Run one decode step of ``jobs``, each feeding its last token and ``job.draft``;
-        the turns it ended (with their error or None)."""
+    def _step(self, jobs: list[Job], width: int = 0) -> list[tuple[Job, BaseException | None]]:
+        """Run one decode step of ``jobs``, each feeding its last token and ``job.draft``,
+        then (``width``: an even step, ``planner.StepPlan``) copies of its last token up to
+        ``width`` tokens, never kept; the turns it ended (with their error or None)."""
         ids = [[j.last_token, *j.draft] for j in jobs]
-        drafted = any(j.draft for j in jobs)
+        if width:
+            ids = [row + [row[-1]] * (width - len(row)) for row in ids]
+        drafted = any(len(row) > 1 for row in ids)
         began = time.perf_counter()
         try:
             logits = self.runner.forward(
@@ -345,8 +349,8 @@ class Scheduler:
         sampled, rows, ended = {}, {}, []
         for i, job in enumerate(jobs):
             try:
-                if job.draft:
-                    over = self._verify(job, logits[i])
+                if len(ids[i]) > 1:
+                    over = self._verify(job, logits[i], len(ids[i]))
                     self.runner.check_swap(job)
                     if over:
                         ended.append((job, None))
@@ -364,19 +368,21 @@ class Scheduler:
             except Exception as exc:
                 ended.append((job, exc))
         fed = [len(row) for row in ids]
-        self.planner.record(len(fed), sum(fed), time.perf_counter() - began)
+        self.planner.record(fed, time.perf_counter() - began)
         self.plans[plan_of(fed)] += 1
         return ended
 
     @staticmethod
-    def _verify(job: Job, logits: mx.array) -> bool:
-        """The drafted row's positions sampled (``Job.verify``), the rows of the draft tokens
-        not kept cut from its table; whether the turn is over."""
+    def _verify(job: Job, logits: mx.array, fed: int) -> bool:
+        """A row that fed ``fed`` tokens: the positions of its last token and its draft
+        sampled (``Job.verify``), the rows of the tokens not kept cut from its table (draft
+        tokens not kept, an even step's padding); whether the turn is over."""
         draft, table = job.draft, job.state.table
-        start = table.length - len(draft) - 1
-        kept, over = job.verify(logits, draft)
-        job.drafter.observe(len(draft), kept)
-        table.trim(start + kept + 1)  # the rows of the draft tokens not kept
+        start = table.length - fed
+        kept, over = job.verify(logits[: len(draft) + 1], draft)
+        if draft:
+            job.drafter.observe(len(draft), kept)
+        table.trim(start + kept + 1)
         return over
 
     # -- ends ---------------------------------------------------------------------
