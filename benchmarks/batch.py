@@ -5,7 +5,9 @@ agents, reloaded from the page cache) and generates 64 tokens (greedy, raw
 text so no EOS cuts a turn short). Sequential: ``Engine.generate`` per agent.
 Batched: ``Engine.generate_many`` for all N: each agent's prefill of the new
 text runs on its own, then all decode in one batch. Both produce the same
-tokens (checked); ``*_tps`` = generated tokens / wall time of all N turns.
+tokens (checked); ``*_tps`` = generated tokens / wall time of all N turns. Drafts are on
+(the default): ``plans`` counts the batched arm's decode steps by plan (engine/planner.py:
+one, draft, batch, both).
 ``attention_calls`` says which attention path ran over the 4-bit caches
 (``fused_cpu``: agentkv's kernel; ``quantized_matmul``: MLX's).
 """
@@ -26,6 +28,7 @@ TURN = "\\n\\nThe clerks then wrote down what they had found, line by line:"
 
 def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = None) -> list[dict]:
     from agentkv import Engine
+    from agentkv.engine.planner import Plan
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-batch-") as tmp:
@@ -46,6 +49,7 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
                 sequential = [eng.generate(a, prompt, max_tokens=NEW_TOKENS) for a in seq_agents]
                 seq_s = time.perf_counter() - start
                 progress(f"batch: {n} agents batched...")
+                plans = eng.scheduler.plans.copy()
                 start = time.perf_counter()
                 batched = eng.generate_many(
                     [(a, prompt) for a in bat_agents], max_tokens=NEW_TOKENS
@@ -60,6 +64,8 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
                 }
                 row["speedup"] = round(row["batched_tps"] / row["sequential_tps"], 2)
                 row["tokens"] = tokens
+                ran = eng.scheduler.plans - plans
+                row["plans"] = {plan.value: ran[plan] for plan in Plan}
                 row["cache"] = batched[0].stats.cache
                 rows.append(row)
                 progress(

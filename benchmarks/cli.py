@@ -104,16 +104,21 @@ def run_bench(args) -> int:
             sections=sections,
             as_json=args.json,
         )
+    elif name == "serve" and args.concurrent:
+        from .concurrent import run
+
+        run(args.concurrent, args.turns or 3, args.max_tokens or 64, as_json=args.json)
     elif name == "serve":
         from .serve import run
 
-        if args.turns < 2:
+        turns = 10 if args.turns is None else args.turns
+        if turns < 2:
             raise SystemExit("agentkv: error: --turns must be at least 2 (a restart in the middle)")
         run(
             args.paragraphs,
             args.clients,
-            args.turns,
-            args.max_tokens,
+            turns,
+            args.max_tokens or 24,
             as_json=args.json,
             tool_rounds=args.tool_rounds if args.tools else 0,
         )

@@ -513,3 +513,25 @@ def test_bench_serve_tools_emits_its_json(python_env):
     assert row["json_schema_valid"] is True
     ratio = row["json_schema_decode_tps"] / row["free_decode_tps"]
     assert tools["constrained_vs_free_decode"] == round(ratio, 3)
+
+
+@pytest.mark.slow
+def test_bench_serve_concurrent_emits_its_json(python_env):
+    out = agentkv(
+        "bench", "serve", "--concurrent", "3", "--turns", "2", "--max-tokens", "24", "--json",
+        env=python_env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    sequential, concurrent = result["sequential"], result["concurrent"]
+    for arm in (sequential, concurrent):
+        assert arm["turns"] == 6 and arm["errors"] == 0 and arm["tokens"] > 0
+        assert arm["ttft_p50_ms"] <= arm["ttft_p95_ms"]
+        assert set(arm["plans"]) == {"one", "draft", "batch", "both"}
+    # one at a time, no step batches turns; all at once, some do
+    assert sequential["plans"]["batch"] == sequential["plans"]["both"] == 0
+    assert concurrent["plans"]["batch"] + concurrent["plans"]["both"] > 0
+    assert result["same_replies"] is True  # greedy: the same replies either way
+    assert sequential["tokens"] == concurrent["tokens"]
+    ratio = concurrent["tokens_per_s"] / sequential["tokens_per_s"]
+    assert result["throughput_ratio"] == round(ratio, 2)

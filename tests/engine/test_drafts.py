@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from agentkv import Constraint, Engine, InvalidRequestError
 from agentkv.cli.parser import build_parser
-from agentkv.engine.drafts import FIRST_DRAFT, ContextDrafter, room
+from agentkv.engine.drafts import ACCEPT_PRIOR, FIRST_DRAFT, ContextDrafter, room
 from agentkv.engine.generation import SamplingParams
+from agentkv.engine.planner import Plan, StepCosts
 from agentkv.format.geometry import BLOCK_TOKENS
 
 WEATHER = {
@@ -78,6 +79,90 @@ def test_drafted_turns_give_the_tokens_text_and_kv_of_one_token_a_step(engine, t
     finally:
         plain.close()
     assert kept > 0 and drafted > kept  # drafts were kept, and some were cut
+
+
+def test_drafts_in_a_batch_give_each_row_the_tokens_text_and_kv_it_gets_alone(engine, tmp_path):
+    """Several turns decoding together, each drafting from its own context: rows feed
+    1 + k_i tokens in one step (k_i the planner's, engine/planner.py), and each row gets the
+    tokens, text and KV of its turn decoded alone one token a step; then under one tool
+    grammar."""
+    plain = Engine(cache_dir=tmp_path / "kv", draft_tokens=0)
+    before = engine.scheduler.plans.copy()
+    planner = engine.scheduler.planner
+    one_turn = planner.alone
+    planner.alone = StepCosts(base=1.0, per_token=1.0)  # every step a batch: jagged rows
+    lyon = [{"role": "user", "content": "Weather in Lyon and in Paris, in fahrenheit?"}]
+    try:
+        batches = [
+            ([t for t in TURNS if not t[2]] + [TURNS[5][:2]], {"max_tokens": 48}),
+            (
+                [TURNS[2][:2], ("lyon", lyon)],
+                {**TURNS[2][2], "max_tokens": 40},
+            ),
+        ]
+        for turns, options in batches:
+            turns = [(f"batch-{agent}", messages) for agent, messages, *_ in turns]
+            ours = engine.chat_many(turns, **options)
+            for (agent, messages), row in zip(turns, ours):
+                alone = plain.chat(agent, messages, **options)
+                assert row.tokens == alone.tokens, agent
+                assert (row.text, row.finish_reason) == (alone.text, alone.finish_reason)
+                size = engine.residency.get(agent).size
+                assert size == plain.residency.get(agent).size
+                for a, b in zip(held_kv(engine, agent, size)[0], held_kv(plain, agent, size)[0]):
+                    np.testing.assert_array_equal(a, b)
+            assert sum(r.stats.accepted_draft_tokens for r in ours) > 0, options
+    finally:
+        planner.alone = one_turn
+        plain.close()
+    ran = engine.scheduler.plans - before
+    assert ran[Plan.BOTH] > 0  # drafts were checked inside a batch
+
+
+def test_sampled_rows_draft_in_a_batch_and_keep_their_tables_whole(engine):
+    """At a temperature each row's draws are its own (docs/drafts.md); what holds per row is
+    its table: after drafts kept and cut in a batch, it holds exactly the agent's tokens."""
+    mx.random.seed(11)
+    turns = [
+        (f"batch-sampled-{i}", [{"role": "user", "content": CODE * (i + 1) + "\nRepeat it."}])
+        for i in range(3)
+    ]
+    results = engine.chat_many(turns, max_tokens=64, temperature=0.6)
+    assert sum(r.stats.accepted_draft_tokens for r in results) > 0
+    for (agent, _), result in zip(turns, results):
+        state = engine.residency.get(agent)
+        assert state.table.length == state.size
+        fed = state.size - result.stats.prompt_tokens
+        assert fed in (len(result.tokens) - 1, len(result.tokens))
+
+
+def test_a_drafted_token_s_logprob_is_the_verifying_step_s(engine, tmp_path):
+    """Log-probs asked of a turn (``logprobs=n``): each token's is the model's at the step
+    that chose it; with drafts (alone, and in a batch) a kept draft token's comes from the
+    verifying step, the same values as one token a step."""
+    plain = Engine(cache_dir=tmp_path / "kv", draft_tokens=0)
+    turns = [(f"lp-{agent}", messages) for agent, messages, options in TURNS[:2]]
+    try:
+        alone = [plain.chat(a, m, max_tokens=40, logprobs=4) for a, m in turns]
+        drafted = [engine.chat(a, m, max_tokens=40, logprobs=4) for a, m in turns]
+        for agent, _ in turns:
+            engine.delete_agent(agent)
+        batched = engine.chat_many(turns, max_tokens=40, logprobs=4)
+    finally:
+        plain.close()
+    assert sum(r.stats.accepted_draft_tokens for r in drafted + batched) > 0
+    for one, two, three in zip(alone, drafted, batched):
+        assert one.logprobs == two.logprobs == three.logprobs
+        assert [t.token for t in one.logprobs] == one.tokens
+        assert b"".join(t.text for t in one.logprobs).decode() == one.text
+        for t in one.logprobs:
+            assert len(t.top) == 4 and t.top[0].token == t.token  # greedy: the likeliest
+            assert t.top[0].logprob == t.logprob <= 0
+            assert [o.logprob for o in t.top] == sorted((o.logprob for o in t.top), reverse=True)
+            assert sum(np.exp([o.logprob for o in t.top])) <= 1 + 1e-5
+    assert engine.chat("lp-none", TURNS[0][1], max_tokens=4).logprobs is None
+    with pytest.raises(InvalidRequestError, match="logprobs"):
+        engine.chat("lp-bad", TURNS[0][1], max_tokens=4, logprobs=21)
 
 
 def _frequencies(draw, vocab: int, n: int) -> np.ndarray:
@@ -226,6 +311,19 @@ def test_drafts_grow_while_kept_shrink_when_cut_and_pause_when_nothing_is_kept()
     drafter.observe(1, 1)
     drafter.observe(2, 0)
     assert drafter.propose([10], limit=30) == []  # one miss after a kept draft: one step
+
+
+def test_acceptance_starts_hopeful_and_follows_how_recent_drafts_fared():
+    drafter = ContextDrafter([1, 2, 3], most=8)
+    assert drafter.acceptance == ACCEPT_PRIOR[0] / ACCEPT_PRIOR[1]
+    for _ in range(10):
+        drafter.observe(8, 8)  # every draft token kept
+    assert drafter.acceptance > 0.95
+    for _ in range(15):
+        drafter.observe(4, 0)  # the first token cut, each time
+    assert drafter.acceptance < 0.35
+    drafter.observe(4, 2)  # two kept, the third tried and cut: 2 of 3
+    assert 0.35 < drafter.acceptance < 0.6
 
 
 class _Table:

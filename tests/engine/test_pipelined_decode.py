@@ -29,7 +29,8 @@ def run(engine, pipeline, tag, prompts=PROMPTS, seed=None, **options):
     finally:
         engine.scheduler.pipeline = False
     ahead = engine.scheduler.ahead_steps - before
-    return [(r.tokens, r.finish_reason) for r in first + again], ahead
+    logprobs = [[(t.token, round(t.logprob, 5)) for t in r.logprobs] for r in first if r.logprobs]
+    return [(r.tokens, r.finish_reason) for r in first + again] + logprobs, ahead
 
 
 @pytest.mark.parametrize(
@@ -38,8 +39,9 @@ def run(engine, pipeline, tag, prompts=PROMPTS, seed=None, **options):
         {"max_tokens": 90},  # across a channel group's end (64): unpipelined steps between
         {"max_tokens": 40, "stop": [".", "\n\n"]},
         {"max_tokens": 48, "temperature": 0.8, "top_p": 0.9},
+        {"max_tokens": 30, "logprobs": 3},  # each token's log-prob, as the plain step's
     ],
-    ids=["greedy", "stop", "sampled"],
+    ids=["greedy", "stop", "sampled", "logprobs"],
 )
 def test_pipelined_steps_give_the_tokens_of_steps_one_after_another(fresh_engine, options):
     engine = fresh_engine(draft_tokens=0)
@@ -52,6 +54,8 @@ def test_pipelined_steps_give_the_tokens_of_steps_one_after_another(fresh_engine
     assert ahead == 0
     piped, ahead = run(engine, True, "piped", prompts, seed, **options)
     assert ahead > 10  # most steps ran ahead
+    if "logprobs" in options:  # the first turns' log-probs compared too
+        assert len(piped) == 3 * len(prompts) and all(len(lp) > 10 for lp in piped[-3:])
     assert piped == plain
 
 

@@ -103,6 +103,26 @@ def _events(stream) -> list:
     return events
 
 
+def test_include_output_text_logprobs(oai):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the message's
+    text part lists each token's log-prob; without it the list is empty; streamed, a 400."""
+    include = ["message.output_text.logprobs"]
+    _, response = _create(
+        oai, "rs-logprobs", input="Name a colour.", include=include, top_logprobs=2
+    )
+    part = response.output[0].content[0]
+    eos = response.status == "completed"  # an EOS: generated, not in the reply
+    assert len(part.logprobs) == response.usage.output_tokens - eos > 0
+    assert bytes(b for t in part.logprobs for b in t.bytes).decode() == part.text
+    assert all(t.top_logprobs[0].logprob == t.logprob for t in part.logprobs)
+    _, plain = _create(oai, "rs-logprobs-off", input="Name a colour.")
+    assert plain.output[0].content[0].logprobs == []
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        oai.responses.create(model=MODEL, input="Hi.", include=include, stream=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        oai.responses.create(model=MODEL, input="Hi.", top_logprobs=2)
+
+
 def test_text_response_then_a_streamed_turn_on_previous_response_id(oai):
     headers, first = _create(oai, "rs-text", input="What is the weather like in Paris?")
     assert headers["x-agentkv-cache"] == "cold" and headers["x-agentkv-agent"] == "rs-text"

@@ -149,6 +149,37 @@ def test_openai_stop_sequences_are_enforced(oai):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_openai_logprobs_and_top_logprobs_whole_and_streamed(oai):
+    """``logprobs`` / ``top_logprobs`` as the OpenAI SDK reads them: one entry a generated
+    token (its bytes make the reply), the greedy token the likeliest of its top ones; a
+    stream carries the same entries (with its last chunk); ``top_logprobs`` alone is a 400."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    _, whole = _chat(oai, "oa-logprobs", messages, max_tokens=10, logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    eos = whole.choices[0].finish_reason == "stop"  # an EOS: generated, not in the reply
+    assert len(content) == whole.usage.completion_tokens - eos > 0
+    assert bytes(b for t in content for b in t.bytes).decode() == whole.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == t.logprob <= 0
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+        extra_headers={"x-agent-id": "oa-logprobs-streamed"},
+    )
+    streamed = [t for c in stream for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    _, plain = _chat(oai, "oa-logprobs", messages, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        _chat(oai, "oa-logprobs", messages, top_logprobs=2)
+
+
 def test_anthropic_sdk_messages_and_stream_events(claude, server):
     kwargs = dict(
         model=MODEL,
@@ -374,6 +405,15 @@ BAD = [
         "invalid_request_error",
     ),
     ("not an object", "POST", "/v1/chat/completions", b"[1, 2]", {}, 400, "invalid_request_error"),
+    (
+        "top_logprobs out of range",
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _user(), "logprobs": True, "top_logprobs": 21},
+        {},
+        400,
+        "invalid_request_error",
+    ),
     (
         "missing messages",
         "POST",

@@ -183,7 +183,7 @@ def _pool(pool: argparse.ArgumentParser) -> None:
 @_bench(
     "serve",
     "staggered arrivals (interleaved vs FCFS) and a load run with a server restart; "
-    "--tools: tool round trips",
+    "--tools: tool round trips; --concurrent N: N agents at once vs one at a time",
 )
 def _serve(serve: argparse.ArgumentParser) -> None:
     add_count(
@@ -193,8 +193,28 @@ def _serve(serve: argparse.ArgumentParser) -> None:
         "length of agent A's long prompt in paragraphs of ~50 tokens (default 30)",
     )
     add_count(serve, "--clients", 8, "clients of the load run (default 8)")
-    add_count(serve, "--turns", 10, "turns per client, a restart halfway (default 10)")
-    add_count(serve, "--max-tokens", 24, "reply length (default 24)")
+    serve.add_argument(
+        "--turns",
+        type=positive_int,
+        default=None,
+        help="turns per client, a restart halfway (default 10); with --concurrent, turns per "
+        "agent (default 3)",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="reply length (default 24; 64 with --concurrent)",
+    )
+    serve.add_argument(
+        "--concurrent",
+        type=int_between(1, 64, "agents"),
+        default=None,
+        metavar="N",
+        help="instead: N agents with a shared system prompt, several turns each through the "
+        "openai SDK, all in flight at once vs the same turns one at a time on fresh agents: "
+        "tokens/s, TTFT p50/p95, decode steps by plan from /metrics",
+    )
     add_flag(
         serve,
         "--tools",

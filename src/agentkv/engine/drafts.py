@@ -33,6 +33,8 @@ MAX_DRAFT = 30  # a step's draft stays inside one channel group (32 or 64 tokens
 LONGEST_MATCH = 3  # the most trailing tokens looked up; then fewer, down to one
 FIRST_DRAFT = 4  # a turn's first draft; then sized by how its drafts fared
 MAX_PAUSE = 15  # the most steps drafting pauses after drafts that kept nothing
+ACCEPT_MEMORY = 0.7  # how much a turn's acceptance keeps of each earlier step's drafts
+ACCEPT_PRIOR = (1.5, 2.0)  # a turn's acceptance before its drafts are seen: 3 kept in 4
 
 
 class ContextDrafter:
@@ -52,6 +54,8 @@ class ContextDrafter:
         self._misses = 0
         self.drafted = 0  # draft tokens fed this turn, and those kept (TurnStats)
         self.kept = 0
+        self._hits = 0.0  # draft tokens kept, and tried (fed after kept ones), recent first
+        self._tries = 0.0
 
     def propose(self, generated: list[int], limit: int) -> list[int]:
         """Up to ``limit`` (and this turn's current size) tokens that followed the latest
@@ -97,6 +101,8 @@ class ContextDrafter:
         """How a step's draft of ``drafted`` tokens fared: ``kept`` of them matched."""
         self.drafted += drafted
         self.kept += kept
+        self._hits = ACCEPT_MEMORY * self._hits + kept
+        self._tries = ACCEPT_MEMORY * self._tries + min(kept + 1, drafted)
         if kept == drafted:
             self.size = min(self.size * 2, self.most)
         else:
@@ -106,6 +112,17 @@ class ContextDrafter:
         else:
             self._misses += 1
             self._pause = min(2**self._misses - 1, MAX_PAUSE)
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that the next draft token is kept, given the tokens before it were: of
+        this turn's draft tokens so far, (kept + 1.5) / (tried + 2) (``ACCEPT_PRIOR``: hopeful,
+        so that a turn's first drafts are tried in a big batch too, where a draft token must
+        be likely to be worth its cost), each step's counts weighing ``ACCEPT_MEMORY`` times
+        the next's; a draft token is tried if those before it were kept. The planner
+        (engine/planner.py) weighs a draft's i-th token as this ** i."""
+        kept, tried = ACCEPT_PRIOR
+        return (self._hits + kept) / (self._tries + tried)
 
 
 def room(table) -> int:

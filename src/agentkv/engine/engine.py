@@ -265,12 +265,15 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop=None,
+        logprobs: int | None = None,
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> ChatStream:
         """Like ``chat``, yielding text pieces as they are generated. ``constraint`` (an
-        ``agentkv.Constraint``): the reply must match it (a JSON schema, a tool call...)."""
-        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        ``agentkv.Constraint``): the reply must match it (a JSON schema, a tool call...).
+        ``logprobs`` (0-20): the result's ``logprobs`` lists each token's log-probability
+        under the model, with that many of the likeliest tokens beside it."""
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop, logprobs)
         job = self._chat_job(
             agent_id, messages, params, stream=True, salt=cache_salt, constraint=constraint
         )
@@ -321,6 +324,7 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop=None,
+        logprobs: int | None = None,
         cache_salt: str | None = None,
         tools: list[dict] | None = None,
         reply_prefix: str = "",
@@ -343,7 +347,7 @@ class Engine:
         the reply must match it; a bad one raises ``InvalidRequestError`` here.
         """
         self._check_open()
-        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop, logprobs)
         job = self._chat_job(
             agent_id,
             messages,
@@ -370,11 +374,12 @@ class Engine:
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop=None,
+        logprobs: int | None = None,
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
     ) -> ChatStream:
         """Like ``generate``, yielding text pieces as they are generated."""
-        params = SamplingParams.create(max_tokens, temperature, top_p, stop)
+        params = SamplingParams.create(max_tokens, temperature, top_p, stop, logprobs)
         job = self._raw_job(
             agent_id, prompt, params, stream=True, salt=cache_salt, constraint=constraint
         )

@@ -19,6 +19,7 @@ from ..errors import InvalidRequestError
 from ..model.generation_config import MAX_TEMPERATURE
 
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # The sampling bounds every API checks against (the server's APIs import these):
 # temperature in [0, MAX_TEMPERATURE] (OpenAI's range; defined beside the models' own
 # defaults, which it bounds too), top_p in (0, 1].
@@ -37,6 +38,8 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
+    # None: no log-probs; n >= 0: each generated token's, with the n likeliest others
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -44,12 +47,22 @@ class SamplingParams:
         check_sampling(self.temperature, self.top_p)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
+        n = self.logprobs
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (how many of "
+                "the likeliest tokens to list beside each generated one)"
+            )
 
     @classmethod
-    def create(cls, max_tokens=256, temperature=0.0, top_p=1.0, stop=None) -> SamplingParams:
+    def create(
+        cls, max_tokens=256, temperature=0.0, top_p=1.0, stop=None, logprobs=None
+    ) -> SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
-        return cls(max_tokens, float(temperature), float(top_p), tuple(stop or ()))
+        return cls(max_tokens, float(temperature), float(top_p), tuple(stop or ()), logprobs)
 
     def sampler(self) -> Callable[[mx.array], mx.array]:
         if self.temperature == 0.0:

@@ -37,7 +37,7 @@ from .generation import (
     StopScanner,
     plan_chunks,
 )
-from .results import ChatResult, TurnStats
+from .results import ChatResult, TokenLogprob, TurnStats
 
 DONE = object()  # the end of a job's piece stream
 
@@ -108,6 +108,10 @@ class Job:
         self.generated: list[int] = []
         self.last_token: int | None = None
         self.drafter = None  # a ContextDrafter (engine/drafts.py), made at its first draft
+        self.draft: list[int] = []  # the draft tokens the current decode step feeds
+        # (token, log-prob, [(token, log-prob)] likeliest first) of each token taken, where
+        # the turn asked for log-probs
+        self.logprobs: list[tuple] | None = [] if params.logprobs is not None else None
         self.finish_reason = "length"
         self.max_new = params.max_tokens
         self.text = ""
@@ -200,8 +204,37 @@ class Job:
             logits = self.grammar.mask(logits)
         return self._sample_drafted(logits, wanted)
 
-    def take(self, token: int) -> bool:
-        """Record a generated token and stream its text; True when the turn is over."""
+    def verify(self, logits: mx.array, draft: list[int]) -> tuple[int, bool]:
+        """Sample a drafted step's positions ([1 + len(draft), vocab] logits: after the
+        turn's last token, then after each draft token) as steps would (``sample_drafted``),
+        taking each token sampled: the draft is kept while the sampled token is the draft's,
+        and the token sampled after the last kept one is the step's own. How many draft
+        tokens were kept, and whether the turn is over."""
+        if self.params.temperature == 0.0 and self.grammar is None:
+            chosen = np.array(mx.argmax(logits, axis=-1)).tolist()  # sample's argmax, each row
+
+            def draw(at: int, wanted: int | None) -> int:
+                return chosen[at]
+        else:
+
+            def draw(at: int, wanted: int | None) -> int:
+                return self.sample_drafted(logits[at : at + 1], wanted).item()
+
+        kept, over = 0, False
+        for wanted in [*draft, None]:
+            token = draw(kept, wanted)
+            over = self.take(token, logits[kept : kept + 1])
+            if token != wanted:
+                break
+            kept += 1
+            if over:
+                break
+        return kept, over
+
+    def take(self, token: int, logits: mx.array | None = None) -> bool:
+        """Record a generated token and stream its text; True when the turn is over.
+        ``logits`` ([1, vocab]): the model's at the position that chose it, for its log-prob
+        where the turn asked for them."""
         now = time.perf_counter()
         if not self.generated:
             self.first_at = now
@@ -210,6 +243,8 @@ class Job:
         if token in self._eos:
             self.finish_reason = "stop"
             return True
+        if self.logprobs is not None:
+            self._note_logprob(token, logits)
         if self.grammar is not None:
             self.grammar.advance(token)
         self._detok.add_token(token)
@@ -224,6 +259,19 @@ class Job:
             return True
         self.last_token = token
         return False
+
+    def _note_logprob(self, token: int, logits: mx.array | None) -> None:
+        if logits is None:
+            raise ValueError("a turn that asked for log-probs takes each token with its logits")
+        row = logits.reshape(-1).astype(mx.float32)
+        row = row - mx.logsumexp(row)  # the model's log-probs, as mlx-lm's generate gives them
+        n = self.params.logprobs
+        top = mx.argsort(-row)[:n] if n else mx.array([], dtype=mx.int32)
+        values = np.array(row[mx.concatenate([mx.array([token]), top.astype(mx.int32)])])
+        ids = [token, *np.array(top).tolist()]
+        self.logprobs.append(
+            (token, float(values[0]), list(zip(ids[1:], values[1:].tolist(), strict=True)))
+        )
 
     def _emit(self, piece: str) -> None:
         if piece:
@@ -265,7 +313,9 @@ class Job:
             reply = self.reply_prefix + self.text
             self.state.messages = [*self.messages, {"role": "assistant", "content": reply}]
 
-    def finish(self, eos_ids) -> ChatResult:
+    def finish(self, eos_ids, token_text=None) -> ChatResult:
+        """The turn's result (``token_text``: the model's ``TokenText``, for the bytes of the
+        tokens of its log-probs)."""
         r = self.resumed
         count = len(self.generated)
         decode_s = self.last_at - self.first_at
@@ -290,7 +340,12 @@ class Job:
         )
         visible = [t for t in self.generated if t not in eos_ids]
         self.result = ChatResult(
-            self.text, visible, self.finish_reason, stats, stop_sequence=self._scanner.matched
+            self.text,
+            visible,
+            self.finish_reason,
+            stats,
+            stop_sequence=self._scanner.matched,
+            logprobs=_token_logprobs(self.logprobs, token_text),
         )
         return self.result
 
@@ -317,3 +372,20 @@ class Job:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def _token_logprobs(noted: list[tuple] | None, token_text) -> list[TokenLogprob] | None:
+    """``Job.logprobs`` as ``TokenLogprob`` s, each token with its bytes."""
+    if noted is None:
+        return None
+    if not noted:
+        return []
+
+    def text(token: int) -> bytes:
+        return token_text.generated_bytes([token])[0]
+
+    chosen = token_text.generated_bytes([token for token, _, _ in noted])
+    return [
+        TokenLogprob(token, chosen[i], lp, tuple(TokenLogprob(t, text(t), v) for t, v in top))
+        for i, (token, lp, top) in enumerate(noted)
+    ]

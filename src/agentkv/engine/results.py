@@ -42,6 +42,23 @@ class TurnStats:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (the log-softmax of the logits
+    that chose it: a drafted token's are the verifying step's, the same as without drafts),
+    its bytes in the text, and the ``top`` likeliest tokens there (each with no ``top``),
+    likeliest first. A grammar or a temperature changes which token is drawn, not these."""
+
+    token: int
+    text: bytes
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+    def to_dict(self) -> dict:
+        out = {"token": self.token, "text": self.text.decode("utf-8", "replace")}
+        return {**out, "logprob": self.logprob, "top": [t.to_dict() for t in self.top]}
+
+
 @dataclass
 class ChatResult:
     text: str
@@ -49,12 +66,16 @@ class ChatResult:
     finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
     stats: TurnStats
     stop_sequence: str | None = None  # the stop string that ended the turn, if one did
+    # each of ``tokens``' log-probabilities where the turn asked for them, else None
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict:
+        logprobs = None if self.logprobs is None else [t.to_dict() for t in self.logprobs]
         return {
             "text": self.text,
             "tokens": self.tokens,
             "finish_reason": self.finish_reason,
             "stop_sequence": self.stop_sequence,
             "stats": self.stats.to_dict(),
+            "logprobs": logprobs,
         }

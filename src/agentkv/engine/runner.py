@@ -20,7 +20,7 @@ from ..format.geometry import BLOCK_TOKENS
 from ..kv.cache import window_start
 from ..model.load import LoadedModel
 from ..pool import KVPool, PoolExhaustedError
-from ..pool.step import PagedStep
+from ..pool.step import PagedStep, token_rows
 from ..store.agent_store import build_save_job
 from ..store.writer import BackgroundWriter
 from ..text.tokens import TokenText
@@ -130,40 +130,52 @@ class TurnRunner:
         swaps=None,
         before=None,
     ):
-        """Feed ``ids`` (as many per row) through the model on these block tables, growing
-        each from its reservation; the logits after each row's last token, or None
-        (``logits=False``: a prefill chunk that is not the last, whose output projection
-        is then never computed), or ``logits="every"``: after each token, [B, n, vocab] (a
-        drafted step). ``swaps``: each row's KVSwap state or None. A row whose reads failed
-        gets NaN logits and its state's ``error`` (``check_swap``), and nothing of the
-        step is recorded for it: no token, no block sealed (its turn must fail).
-        ``before(tables)``: called once the tables are grown, before the step (a streamed
-        prefill evicts its filled blocks there); it returns the swaps, and a streamed
-        prefill step is one whose only row is swapped."""
-        count = len(ids[0])
+        """Feed ``ids`` through the model on these block tables, growing each from its
+        reservation; the logits after each row's last token, or None (``logits=False``: a
+        prefill chunk that is not the last, whose output projection is then never
+        computed), or ``logits="every"``: after each token, one [n, vocab] array a row (a
+        drafted step). Rows may feed different numbers of tokens only with ``"every"`` (a
+        jagged step: ``pool.step.token_rows``). ``swaps``: each row's KVSwap state or None.
+        A row whose reads failed gets NaN logits and its state's ``error`` (``check_swap``),
+        and nothing of the step is recorded for it: no token, no block sealed (its turn must
+        fail). ``before(tables)``: called once the tables are grown, before the step (a
+        streamed prefill evicts its filled blocks there); it returns the swaps, and a
+        streamed prefill step is one whose only row is swapped."""
+        counts = [len(row) for row in ids]
+        jagged = len(set(counts)) > 1
+        if jagged and (logits != "every" or before is not None):
+            raise ValueError("a jagged step takes every row's logits, and no streamed prefill")
         arena = self.pool.arena
-        for table, reservation in zip(tables, reservations or [None] * len(tables)):
+        for table, count, reservation in zip(tables, counts, reservations or [None] * len(ids)):
             table.grow(count, arena.copy_rows, reservation)
         stream = False
         if before is not None:
             swaps = before(tables)
-            stream = swaps is not None and count > 1
-        step = PagedStep(arena, self.loaded.spec, tables, count, swaps=swaps, stream=stream)
+            stream = swaps is not None and counts[0] > 1
+        rows, count, feed = tables, counts[0], ids
+        if jagged:  # one-token rows; a swapped row feeds one token, as its own table
+            rows, count = token_rows(tables, counts, arena.ct), 1
+            feed = [[token] for row in ids for token in row]
+            if swaps is not None:
+                swaps = [x for s, n in zip(swaps, counts) for x in [s, *[None] * (n - 1)]]
+        step = PagedStep(arena, self.loaded.spec, rows, count, swaps=swaps, stream=stream)
         last = None
         try:
             if logits == "every":
-                last = self.model(mx.array(ids), cache=step.caches)
+                last = self.model(mx.array(feed), cache=step.caches)
                 mx.eval(last)
+                if jagged:
+                    last = mx.split(last.reshape(-1, last.shape[-1]), _ends(counts)[:-1])
             elif logits:
-                last = mlx_adapter.last_logits(self.model, mx.array(ids), step.caches)
+                last = mlx_adapter.last_logits(self.model, mx.array(feed), step.caches)
                 mx.eval(last)
             else:  # the graph's KV writes run at settle; its logits are never computed
-                self.model(mx.array(ids), cache=step.caches)
+                self.model(mx.array(feed), cache=step.caches)
         except BaseException:
             arena.discard_writes()
             raise
         arena.settle()
-        for table, row, swap in zip(tables, ids, swaps or [None] * len(tables)):
+        for table, row, swap in zip(tables, ids, _rows_swaps(swaps, counts, jagged)):
             if swap is None or not swap.error:  # a failed row keeps nothing of the step
                 table.written(row)
         return last
@@ -237,12 +249,21 @@ class TurnRunner:
             self.swapper.check(state)
         return out
 
+    def draft_limit(self, job: Job) -> int:
+        """The most tokens the decoding ``job``'s next step may feed after its last one
+        (engine/drafts.py): 0 with KVSwap or drafts off, else within its channel group and
+        its tokens."""
+        if self.draft_tokens < 1 or job.state.swap is not None:
+            return 0
+        return max(
+            0,
+            min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1),
+        )
+
     def draft_for(self, job: Job) -> list[int]:
         """A draft for the decoding ``job``'s next step, [] where it takes none
-        (engine/drafts.py): no KVSwap, within its channel group and its tokens."""
-        if self.draft_tokens < 1 or job.state.swap is not None:
-            return []
-        limit = min(self.draft_tokens, room(job.state.table), job.max_new - len(job.generated) - 1)
+        (engine/drafts.py): up to ``draft_limit``."""
+        limit = self.draft_limit(job)
         if limit < 1:
             return []
         if job.drafter is None:
@@ -328,3 +349,21 @@ class TurnRunner:
             return
         upto = min(window_start(state.size, self.pool.window), state.durable) // BLOCK_TOKENS
         state.table.release_window(upto)
+
+
+def _ends(counts: list[int]) -> list[int]:
+    """Where each row's tokens end among a jagged step's."""
+    ends, total = [], 0
+    for count in counts:
+        total += count
+        ends.append(total)
+    return ends
+
+
+def _rows_swaps(swaps, counts: list[int], jagged: bool) -> list:
+    """Each row's KVSwap state (a jagged step's list has one entry per token)."""
+    if swaps is None:
+        return [None] * len(counts)
+    if not jagged:
+        return list(swaps)
+    return [swaps[end - count] for end, count in zip(_ends(counts), counts)]

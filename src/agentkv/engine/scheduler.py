@@ -43,13 +43,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 
 import mlx.core as mx
 
 from ..errors import EngineBusyError
 from ..pool import PoolExhaustedError
 from .job import Job, Phase
+from .planner import Plan, Planner, plan_of
 from .runner import TurnRunner
 
 log = logging.getLogger("agentkv.engine")
@@ -78,12 +80,14 @@ class Scheduler:
         self._decoding: list[Job] = []
         # the decode step in flight (pipelined: its jobs and each one's sampled token, still
         # being computed) and whether decode steps are pipelined (a GPU's; tests set it)
-        self._pipe: tuple[list[Job], list[mx.array]] | None = None
+        self._pipe: tuple[list[Job], list[mx.array], list[mx.array]] | None = None
         self.pipeline = mx.default_device() != mx.cpu and os.environ.get(PIPELINE_ENV) != "0"
         self.ahead_steps = 0  # steps started before the tokens they were fed were read
         self._calls: deque = deque()  # work for this thread, between steps (see call)
         self._stopping = False
         self._running = {"running": 0, "reserved_blocks": 0}  # as of the last step
+        self.planner = Planner()  # which turns a decode step runs (engine/planner.py)
+        self.plans: Counter[Plan] = Counter()  # decode steps run, by plan
         self._thread = threading.Thread(target=self._run, name="agentkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -280,7 +284,7 @@ class Scheduler:
                 self._prefilling.append(job)
                 return
             job.prefill_finished()
-            over = job.take(job.sample(logits).item())
+            over = job.take(job.sample(logits).item(), logits)
             if not over:
                 self.runner.start_decode(job)
         except Exception as exc:
@@ -304,58 +308,44 @@ class Scheduler:
         return pick
 
     def _decode_all(self) -> None:
-        """One token for every decoding agent: one forward pass over their block tables,
-        then each row sampled on its own (a constrained row masks its logits with its own
-        grammar first), so a row whose grammar fails ends only its own turn."""
-        jobs = self._decoding
-        if not jobs:
-            return
+        """One decode step: the planner (engine/planner.py) picks the decoding turns it runs
+        (all of them, or the one that runs fastest alone) and the part of each one's draft
+        it feeds; one forward pass over their block tables, then each row sampled on its own
+        (a constrained row masks its logits with its own grammar first), so a row whose
+        grammar fails ends only its own turn. A cancelled turn ends here."""
         if self._pipe is not None or (
             self.pipeline
             and self.runner.swapper is None  # (KVSwap runs on the CPU only)
-            and all(j.grammar is None and j.state.swap is None for j in jobs)
+            and self._decoding
+            and all(j.grammar is None and j.state.swap is None for j in self._decoding)
         ):
-            self._decode_pipelined(jobs)
+            self._decode_pipelined(self._decoding)
             return
-        if len(jobs) == 1:
+        jobs, ended = [], []
+        for job in self._decoding:
+            if job.cancelled:  # ends now, whether or not the plan would step it
+                ended.append((job, None))
+                continue
             try:
-                draft = self.runner.draft_for(jobs[0])
+                job.draft = self.runner.draft_for(job)
+                jobs.append(job)
             except Exception as exc:  # the turn's own failure, as a step's would be
-                self._decoding = []
-                self._fail(jobs[0], exc)
-                return
-            if draft:
-                self._decode_drafted(jobs[0], draft)
-                return
-        try:
-            logits = self.runner.forward(
-                [j.state.table for j in jobs],
-                [[j.last_token] for j in jobs],
-                reservations=[j.reservation for j in jobs],
-                swaps=[j.state.swap for j in jobs],
+                ended.append((job, exc))
+        if jobs:
+            plan = self.planner.plan(
+                [len(j.draft) for j in jobs],
+                [j.drafter.acceptance if j.drafter is not None else 0.0 for j in jobs],
+                [self.runner.draft_limit(j) for j in jobs],
             )
-        except Exception as exc:
-            self._decoding = []
-            for job in jobs:
-                self._fail(job, exc)
-            return
-        sampled, ended = {}, []
-        for i, job in enumerate(jobs):
-            try:
-                self.runner.check_swap(job)  # a failed KVSwap read ends its own turn only
-                sampled[job] = job.sample(logits[i : i + 1])
-            except Exception as exc:
-                ended.append((job, exc))
-        mx.eval(list(sampled.values()))
-        for job, token in sampled.items():
-            try:
-                if job.take(token.item()):
-                    ended.append((job, None))
-            except Exception as exc:
-                ended.append((job, exc))
+            stepping = []
+            for job, take in zip(jobs, plan.takes):
+                if take is not None:  # None: the turn waits this step
+                    job.draft = job.draft[:take]
+                    stepping.append(job)
+            ended += self._step(stepping, plan.width)
         if ended:
             gone = {job for job, _ in ended}
-            self._decoding = [j for j in jobs if j not in gone]
+            self._decoding = [j for j in self._decoding if j not in gone]
             for job, exc in ended:
                 if exc is None:
                     self._finish(job)
@@ -373,23 +363,26 @@ class Scheduler:
                     [j.last_token for j in jobs],
                     [j.reservation for j in jobs],
                 )
-                tokens = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
+                rows = [logits[i : i + 1] for i in range(len(jobs))]
+                tokens = [j.sample(row) for j, row in zip(jobs, rows)]
                 runner.run_ahead(tokens)
             except Exception as exc:
                 self._decoding = []
                 for job in jobs:
                     self._fail(job, exc)
                 return
-            self._pipe = (jobs, tokens)
-        jobs, tokens = self._pipe
+            self._pipe = (jobs, tokens, rows)
+        jobs, tokens, rows = self._pipe
         self._pipe = None
+        self.plans[plan_of([1] * len(jobs))] += 1
         ahead = None
         if jobs == self._decoding and all(self._may_run_ahead(j) for j in jobs):
             try:
                 logits = runner.launch(
                     [j.state.table for j in jobs], tokens, [j.reservation for j in jobs]
                 )
-                ahead = [j.sample(logits[i : i + 1]) for i, j in enumerate(jobs)]
+                ahead_rows = [logits[i : i + 1] for i in range(len(jobs))]
+                ahead = [j.sample(row) for j, row in zip(jobs, ahead_rows)]
                 runner.run_ahead(ahead)
                 self.ahead_steps += 1
             except PoolExhaustedError:  # the tables as they were: this step, unpipelined
@@ -402,7 +395,7 @@ class Scheduler:
         ended, going = [], []
         for i, (job, token) in enumerate(zip(jobs, tokens)):
             try:
-                if job.take(token.item()):
+                if job.take(token.item(), rows[i]):
                     ended.append((job, None))
                     continue
                 if ahead is not None:  # the token the step ahead was fed
@@ -411,7 +404,11 @@ class Scheduler:
             except Exception as exc:
                 ended.append((job, exc))
         if ahead is not None and going:
-            self._pipe = ([jobs[i] for i in going], [ahead[i] for i in going])
+            self._pipe = (
+                [jobs[i] for i in going],
+                [ahead[i] for i in going],
+                [ahead_rows[i] for i in going],
+            )
         if ended:
             gone = {job for job, _ in ended}
             self._decoding = [j for j in self._decoding if j not in gone]
@@ -436,43 +433,70 @@ class Scheduler:
             and not (ct and (table.length + 1) % ct == 0)
         )
 
-    def _decode_drafted(self, job: Job, draft: list[int]) -> None:
-        """One step feeding the turn's last token and a draft (engine/drafts.py): each
-        position sampled as a step would, the draft kept while it matches, the rows of the
-        rest cut from the table."""
-        table = job.state.table
-        start = table.length
-        ids = [job.last_token, *draft]
-        over = False
+    def _step(self, jobs: list[Job], width: int = 0) -> list[tuple[Job, BaseException | None]]:
+        """Run one decode step of ``jobs``, each feeding its last token and ``job.draft``,
+        then (``width``: an even step, ``planner.StepPlan``) copies of its last token up to
+        ``width`` tokens, never kept; the turns it ended (with their error or None)."""
+        ids = [[j.last_token, *j.draft] for j in jobs]
+        if width:
+            ids = [row + [row[-1]] * (width - len(row)) for row in ids]
+        drafted = any(len(row) > 1 for row in ids)
+        began = time.perf_counter()
         try:
             logits = self.runner.forward(
-                [table], [ids], reservations=[job.reservation], logits="every"
-            )[0]
-            kept = 0  # draft tokens sampled as drafted
-            for wanted in [*draft, None]:
-                token = job.sample_drafted(logits[kept : kept + 1], wanted).item()
-                over = job.take(token)
-                if token != wanted:
-                    break
-                kept += 1
-                if over:
-                    break
-            job.drafter.observe(len(draft), kept)
-            table.trim(start + kept + 1)  # the rows of the draft tokens not kept
+                [j.state.table for j in jobs],
+                ids,
+                reservations=[j.reservation for j in jobs],
+                swaps=[j.state.swap for j in jobs],
+                logits="every" if drafted else True,
+            )
         except Exception as exc:
-            self._decoding = []
-            self._fail(job, exc)
-            return
-        if over:
-            self._decoding = []
-            self._finish(job)
+            return [(job, exc) for job in jobs]
+        sampled, rows, ended = {}, {}, []
+        for i, job in enumerate(jobs):
+            try:
+                if len(ids[i]) > 1:
+                    over = self._verify(job, logits[i], len(ids[i]))
+                    self.runner.check_swap(job)
+                    if over:
+                        ended.append((job, None))
+                else:
+                    self.runner.check_swap(job)  # a failed KVSwap read ends its own turn only
+                    rows[job] = logits[i] if drafted else logits[i : i + 1]
+                    sampled[job] = job.sample(rows[job])
+            except Exception as exc:
+                ended.append((job, exc))
+        mx.eval(list(sampled.values()))
+        for job, token in sampled.items():
+            try:
+                if job.take(token.item(), rows[job]):
+                    ended.append((job, None))
+            except Exception as exc:
+                ended.append((job, exc))
+        fed = [len(row) for row in ids]
+        self.planner.record(fed, time.perf_counter() - began)
+        self.plans[plan_of(fed)] += 1
+        return ended
+
+    @staticmethod
+    def _verify(job: Job, logits: mx.array, fed: int) -> bool:
+        """A row that fed ``fed`` tokens: the positions of its last token and its draft
+        sampled (``Job.verify``), the rows of the tokens not kept cut from its table (draft
+        tokens not kept, an even step's padding); whether the turn is over."""
+        draft, table = job.draft, job.state.table
+        start = table.length - fed
+        kept, over = job.verify(logits[: len(draft) + 1], draft)
+        if draft:
+            job.drafter.observe(len(draft), kept)
+        table.trim(start + kept + 1)
+        return over
 
     # -- ends ---------------------------------------------------------------------
 
     def _finish(self, job: Job) -> None:
         try:
             job.record_fed(self.runner.token_text)
-            stats = job.finish(self.runner.eos_ids).stats
+            stats = job.finish(self.runner.eos_ids, self.runner.token_text).stats
             self.runner.finish(job, failed=False)
             log.info(  # before close: a caller that waited on the turn finds it logged
                 "turn of %s: %s, %d tokens reused, %d prefilled; load %.1f ms, prefill %.1f ms, "

@@ -8,6 +8,15 @@ lengths after the step and the arena rows the new tokens go to; each layer gets 
 attention dispatch (``mlx_adapter``) calls ``agentkv_attention``, which reads every row's
 keys and values through its block table. Rows are never padded or copied, so agents join
 and leave a running batch between steps by adding or dropping their table.
+
+A jagged step (rows feeding different numbers of tokens: drafts checked in a batch) runs as
+one-token rows (``token_rows``): a row feeding ``n`` tokens after ``start`` becomes ``n`` rows
+over its one table, of lengths ``start + 1`` .. ``start + n``. Every new key and value is
+written before any row attends, and a query's attention and a row's matmuls do not depend
+on the rows beside it (docs/compute.md), so each token gets the bits it gets in a row of its
+own. It holds while no row of several tokens completes a channel group (a group's keys are
+gathered from its tail before the step writes): drafted steps never do
+(``engine.drafts.room``).
 """
 
 from __future__ import annotations
@@ -103,6 +112,35 @@ class PagedStep:
         """Whether a block can run this step as one operation (``_ext.decoder_layer``): on
         CPU, format 2 with 2/4/8-bit values (a row completing a channel group included)."""
         return fuses(self.arena)
+
+
+class TokenRow:
+    """One token of a jagged step's row: the row's table read as if it held ``length``
+    tokens (what ``PagedStep`` and ``WritePlan`` read of a table)."""
+
+    __slots__ = ("blocks", "tail", "prev_group", "length")
+
+    def __init__(self, table: BlockTable, length: int):
+        self.blocks = table.blocks
+        self.tail = table.tail
+        self.prev_group = table.prev_group
+        self.length = length
+
+
+def token_rows(tables: Sequence[BlockTable], counts: Sequence[int], ct: int) -> list:
+    """A jagged step's rows as one-token rows (module docstring): a row feeding one token is
+    its table itself; one feeding ``n`` is ``n`` ``TokenRow`` s. Every table must have grown
+    by its count; ``ct``: the arena's channel group (0: none), which no token may complete."""
+    rows: list = []
+    for table, count in zip(tables, counts):
+        start = table.length
+        if count == 1:  # its own table: it may complete a group, from its tail
+            rows.append(table)
+            continue
+        if ct and (start % ct + count) // ct:
+            raise ValueError("a jagged step's row of several tokens completes a channel group")
+        rows.extend(TokenRow(table, start + j) for j in range(count))
+    return rows
 
 
 def fuses(arena: KVArena) -> bool:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, ValidationError
 
-from ..engine.generation import MAX_TEMPERATURE, check_sampling
+from ..engine.generation import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, check_sampling
 from ..errors import InvalidRequestError
 from ..model.generation_config import GenerationDefaults
 from .errors import APIError, bad_request, from_validation
@@ -95,3 +95,21 @@ def sampling(temperature: float | None, top_p: float | None):
         param = "temperature" if not 0.0 <= t <= MAX_TEMPERATURE else "top_p"
         raise bad_request(str(exc), param) from None
     return temperature, top_p
+
+
+def requested_logprobs(
+    logprobs: bool, top_logprobs: int | None, *, needs: str = "logprobs: true"
+) -> int | None:
+    """The engine's ``logprobs`` option (None: none; n: each token's with the n likeliest)
+    from whether a request asks for log-probs (``needs`` says how) and its
+    ``top_logprobs``, which needs that."""
+    param = "top_logprobs"
+    if top_logprobs is None:
+        return 0 if logprobs else None
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}", param
+        )
+    if not logprobs:
+        raise bad_request(f"{param} needs {needs}", param)
+    return top_logprobs

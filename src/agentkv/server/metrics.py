@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..engine.planner import Plan
 from ..engine.results import ChatResult
 from ..kernels.attention import paths_used
 
@@ -99,6 +100,18 @@ def _add_gauges(r: CollectorRegistry, router) -> None:
     for path in paths_used():
         calls.labels(path).set_function(lambda path=path: paths_used()[path])
 
+    steps = Gauge(
+        "agentkv_decode_steps",
+        "decode steps of the loaded model's engine by plan (engine/planner.py): one (a turn "
+        "alone, one token), draft (a turn alone with a draft), batch (several, one token "
+        "each), both (several, drafts among them)",
+        ["plan"],
+        registry=r,
+    )
+    for plan in Plan:
+        steps.labels(plan.value).set_function(
+            _of_engine(router, lambda e, plan=plan: e.scheduler.plans[plan])
+        )
     Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
         lambda: turn_load(router)["waiting"]
     )

@@ -9,6 +9,10 @@ assembles them. A call is streamed once the model has written all of it. Reasoni
 ``response_format`` ``json_object`` / ``json_schema`` (``strict`` or not) constrains the
 reply with a grammar (``agentkv.Constraint``): JSON that parses, valid against the schema.
 A forced tool call (``tool_choice`` required / named) takes precedence over it.
+
+``logprobs: true`` (and ``top_logprobs``, 0-20) returns each generated token's log-prob
+under the model (``agentkv.engine.results.TokenLogprob``) in ``choices[0].logprobs.content``;
+streamed, all of them come with the last chunk (the one with ``finish_reason``).
 """
 
 from __future__ import annotations
@@ -27,12 +31,21 @@ from ..engine.results import ChatResult
 from ..errors import InvalidRequestError
 from ..tools import ToolCall
 from .answer import chat_route
-from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling, stop_list
+from .common import (
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    parse_body,
+    requested_logprobs,
+    sampling,
+    stop_list,
+)
 from .endpoint import AppState
 from .errors import OPENAI, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import from_openai
-from .replies import Dialect, Reply, in_pieces, sse
+from .replies import Dialect, Reply, in_pieces, openai_logprobs, sse
 from .requests import TurnRequest
 from .tooling import ToolChoice, check_function, check_unique, openai_tool_choice
 
@@ -68,6 +81,7 @@ class _OpenAIChat(BaseModel):
     parallel_tool_calls: StrictBool | None = None
     functions: list | None = None
     logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     response_format: dict | None = None
     cache_salt: StrictStr | None = None  # as vLLM: prompts share blocks only within a salt
 
@@ -160,6 +174,12 @@ def _call_json(call: ToolCall, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+def chat_logprobs(result: ChatResult) -> dict | None:
+    """A choice's ``logprobs``: its tokens' (``content``), or None where none were asked."""
+    content = openai_logprobs(result)
+    return None if content is None else {"content": content, "refusal": None}
+
+
 def _finish(result: ChatResult, calls: list[ToolCall]) -> str:
     if calls:
         return "tool_calls"
@@ -177,8 +197,7 @@ class OpenAIDialect(Dialect):
         if req.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
         tools, choice = _tools(req)
-        if req.logprobs:
-            raise bad_request("logprobs are not supported by this server", "logprobs")
+        logprobs = requested_logprobs(bool(req.logprobs), req.top_logprobs)
         constraint = _response_format(req.response_format)
         messages = from_openai(req.messages)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -203,6 +222,7 @@ class OpenAIDialect(Dialect):
             tools=tools,
             tool_choice=choice,
             constraint=constraint,
+            logprobs=logprobs,
         )
 
     @staticmethod
@@ -226,7 +246,7 @@ class OpenAIDialect(Dialect):
             "index": 0,
             "message": message,
             "finish_reason": _finish(reply.result, calls),
-            "logprobs": None,
+            "logprobs": chat_logprobs(reply.result),
         }
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -243,7 +263,9 @@ class OpenAIDialect(Dialect):
         yield chunks.chunk({"role": "assistant", "content": ""})
         async for line in reply.written(chunks):
             yield line
-        yield chunks.chunk({}, _finish(reply.result, reply.calls))
+        # the tokens' log-probs come whole with the last chunk (the text is streamed in
+        # pieces that a stop string or a tool call may hold back, not token by token)
+        yield chunks.chunk({}, _finish(reply.result, reply.calls), chat_logprobs(reply.result))
         if reply.req.include_usage:
             usage = self._usage(reply.counts, reply.generated)
             yield sse({**chunks.base, "choices": [], "usage": usage, "agentkv": reply.agentkv})
@@ -263,8 +285,11 @@ class _Chunks:
         self.extra = {"usage": None} if req.include_usage else {}
         self.calls = 0
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(
+        self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None
+    ) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice["logprobs"] = logprobs
         return sse({**self.base, "choices": [choice], **self.extra})
 
     def text(self, kind: str, text: str) -> list[str]:

@@ -41,12 +41,20 @@ from starlette.routing import Route
 from ..engine.constraints import Constraint
 from ..tools import ToolCall
 from .answer import chat_route
-from .common import StrictBool, StrictFloat, StrictInt, StrictStr, parse_body, sampling
+from .common import (
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    parse_body,
+    requested_logprobs,
+    sampling,
+)
 from .endpoint import AppState, endpoint
 from .errors import RESPONSES, APIError, bad_request
 from .identity import first_texts, resolve_agent
 from .messages import check_results, tool_call, tool_result
-from .replies import Dialect, Reply, in_pieces, sse
+from .replies import Dialect, Reply, in_pieces, openai_logprobs, sse
 from .requests import TurnRequest
 from .response_store import ResponseStore, valid_id
 from .tooling import (
@@ -60,6 +68,7 @@ from .tooling import (
 MAX_METADATA = 16
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for them
 SKIPPED_ITEMS = ("reasoning",)  # the reply's own text is replayed from the agent's history
 
 
@@ -83,6 +92,8 @@ class _Responses(BaseModel):
     background: StrictBool | None = None
     conversation: StrictStr | dict | None = None
     cache_salt: StrictStr | None = None
+    include: list[StrictStr] | None = None
+    top_logprobs: StrictInt | None = None
 
 
 @dataclass
@@ -245,6 +256,17 @@ def _metadata(value) -> dict | None:
     return value
 
 
+def _logprobs(req: _Responses) -> int | None:
+    """The engine's ``logprobs`` from ``include`` (``LOGPROBS`` in it) and ``top_logprobs``;
+    other ``include`` values name output this server does not make, and change nothing."""
+    wanted = LOGPROBS in (req.include or [])
+    if wanted and req.stream:
+        raise bad_request(
+            f"include {LOGPROBS!r} is served without streaming only (stream: false)", "include"
+        )
+    return requested_logprobs(wanted, req.top_logprobs, needs=f"include [{LOGPROBS!r}]")
+
+
 # -- response -----------------------------------------------------------------------------------
 
 
@@ -337,6 +359,7 @@ class ResponsesDialect(Dialect):
             agent_id = resolve_agent(agent_header, req.user, *first_texts(messages))
         temperature, top_p = sampling(req.temperature, req.top_p)
         max_tokens = self.limits.check_max_tokens(req.max_output_tokens, "max_output_tokens", model)
+        logprobs = _logprobs(req)
         echo = {
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -367,6 +390,7 @@ class ResponsesDialect(Dialect):
             conversation=conversation,
             echo=echo,
             store=req.store is not False,
+            logprobs=logprobs,
         )
 
     async def load(self, response_id: str, param: str | None = None) -> dict:
@@ -453,7 +477,10 @@ class ResponsesDialect(Dialect):
             output.append(_reasoning(f"rs_{_hex()}", parser.reasoning))
         if parser.content.strip() or not calls:
             message_status = "incomplete" if status["status"] == "incomplete" else "completed"
-            output.append(_message(f"msg_{_hex()}", parser.content, message_status))
+            message = _message(f"msg_{_hex()}", parser.content, message_status)
+            if reply.result.logprobs is not None:
+                message["content"][0]["logprobs"] = openai_logprobs(reply.result)
+            output.append(message)
         output += [_function_call(c, f"fc_{_hex()}") for c in calls]
         body = self._object(
             reply.req,

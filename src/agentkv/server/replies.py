@@ -35,6 +35,22 @@ def sse(data: dict | str, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
+def openai_logprobs(result: ChatResult) -> list[dict] | None:
+    """A reply's token log-probs as OpenAI's APIs list them (None: not asked): each token's
+    text, log-prob, UTF-8 bytes and ``top_logprobs``, likeliest first."""
+    if result.logprobs is None:
+        return None
+
+    def entry(t) -> dict:
+        return {
+            "token": t.text.decode("utf-8", "replace"),
+            "logprob": t.logprob,
+            "bytes": list(t.text),
+        }
+
+    return [{**entry(t), "top_logprobs": [entry(o) for o in t.top]} for t in result.logprobs]
+
+
 def usage_counts(resumed) -> dict:
     """prompt / reused / prefilled token counts of a turn, as its start planned them."""
     return {

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..model.generation_config import GenerationDefaults
 from .tooling import ToolChoice
 
-SAMPLING = ("max_tokens", "temperature", "top_p", "stop", "cache_salt")
+SAMPLING = ("max_tokens", "temperature", "top_p", "stop", "cache_salt", "logprobs")
 
 
 @dataclass
@@ -27,6 +27,7 @@ class TurnRequest:
     cache_salt: str | None = None  # only prompts under the same salt share blocks
     tools: list[dict] | None = None  # function tools, OpenAI's shape
     tool_choice: ToolChoice | None = None  # None: no tools
+    logprobs: int | None = None  # None: none; n: each token's, with the n likeliest beside it
 
     def with_defaults(self, defaults: GenerationDefaults, max_tokens: int) -> None:
         """Fill the sampling the request left to the model: ``defaults`` (the model's
