@@ -122,7 +122,7 @@ def test_drafts_in_a_batch_give_each_row_the_tokens_text_and_kv_it_gets_alone(en
 def test_sampled_rows_draft_in_a_batch_and_keep_their_tables_whole(engine):
     """At a temperature each row's draws are its own (docs/drafts.md); what holds per row is
     its table: after drafts kept and cut in a batch, it holds exactly the agent's tokens."""
-    mx.random.seed(11)
+    engine.scheduler.call(lambda: mx.random.seed(11))  # its thread draws
     turns = [
         (f"batch-sampled-{i}", [{"role": "user", "content": CODE * (i + 1) + "\nRepeat it."}])
         for i in range(3)
@@ -210,7 +210,7 @@ def test_a_drafted_position_samples_mlx_lm_s_distribution(engine, temperature, t
 def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
     """At a temperature the draws differ from one token a step's, so what holds is the table:
     after a sampled turn with drafts kept and cut, it holds exactly the agent's tokens."""
-    mx.random.seed(5)
+    engine.scheduler.call(lambda: mx.random.seed(5))  # its thread draws
     messages = [{"role": "user", "content": CODE + "\nRepeat the code, then explain it."}]
     result = engine.chat("draft-sampled", messages, max_tokens=96, temperature=0.6)
     assert result.stats.accepted_draft_tokens > 0
@@ -240,7 +240,7 @@ def test_a_constrained_turn_at_a_temperature_drafts_within_its_grammar(engine):
         "required": ["names"],
         "additionalProperties": False,
     }
-    mx.random.seed(9)
+    engine.scheduler.call(lambda: mx.random.seed(9))  # its thread draws
     ask = CODE + CODE.replace("parse", "parse_all") + "\nList every function name, as JSON."
     result = engine.chat(
         "draft-grammar",
