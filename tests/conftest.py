@@ -176,3 +176,26 @@ def python_env(agentkv_home):
     package_root = str(Path(agentkv.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     return env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, for the session; the
+    tests that stop it start it again (``s3_store``)."""
+    pytest.importorskip("moto.server", reason="the s3 tests need moto[server] (the test extra)")
+    from s3_server import S3Server, free_port
+
+    server = S3Server(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server, monkeypatch, request):
+    """``s3://bucket/<test name>``, the AWS variables pointing at the test's S3 server."""
+    from s3_server import BUCKET, set_env
+
+    if s3_server.process is None:  # a test before stopped it
+        s3_server.start()
+    set_env(monkeypatch, s3_server)
+    yield f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"
