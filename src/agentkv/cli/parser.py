@@ -33,6 +33,12 @@ from .options import (
     with_parents,
 )
 
+STORE_HELP = (
+    "an S3-compatible object store, s3://bucket/prefix (pip install 'agentkv[s3]'; "
+    "credentials and endpoint from the AWS_* environment variables: docs/fleet.md)"
+)
+
+
 COMMANDS: list[Command] = []
 CACHE_ACTIONS: list[Command] = []
 MODEL_ACTIONS: list[Command] = []
@@ -97,6 +103,13 @@ def _serve(serve: argparse.ArgumentParser) -> None:
     (greedy where it says nothing). SIGTERM (or Ctrl-C) finishes the requests in flight,
     saves every agent and exits."""
     add_engine_options(serve, many=True)
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help=STORE_HELP + "; servers sharing one resume each other's agents warm, "
+        "--cache-dir stays each server's write-through cache",
+    )
     serve.add_argument(
         "--model-idle-ttl",
         type=float_between(0.0),
@@ -199,12 +212,6 @@ def _cache(cache: argparse.ArgumentParser) -> None:
     cache.add_argument("--cache-dir", default=None, help="default: $AGENTKV_HOME/kv")
     actions = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     add_commands(actions, CACHE_ACTIONS)
-
-
-STORE_HELP = (
-    "an S3-compatible object store, s3://bucket/prefix (pip install 'agentkv[s3]'; "
-    "credentials and endpoint from the AWS_* environment variables: docs/fleet.md)"
-)
 
 
 @command(CACHE_ACTIONS, "ls", "list stored agents of every model", json=JSON_LIST)

@@ -311,11 +311,12 @@ class RemoteAgents:
 
     # -- moving one agent -------------------------------------------------------------------
 
-    def push(self, agent_id: str, *, force: bool = False) -> Transfer:
+    def push(self, agent_id: str, *, force: bool = False, adopt: bool = True) -> Transfer:
         """Commit the local state of the agent to the store, if the store lacks it. Refuses
         (AgentBusyError) where the store holds a version the local state does not continue
-        (another machine's turns), unless ``force``."""
-        found = self.read_local(agent_id)
+        (another machine's turns), unless ``force``. ``adopt``: give a local manifest without
+        a version record one (else such an agent is not pushed: ``Moved.ABSENT``)."""
+        found = self.read_local(agent_id, adopt=adopt)
         if found is None:
             return Transfer(agent_id, Moved.ABSENT, None, 0)
         data, manifest = found
@@ -336,9 +337,10 @@ class RemoteAgents:
         sent = self.objects.traffic.snapshot()[1]["up"] - sent
         return Transfer(agent_id, Moved.MOVED, manifest.remote.version, sent)
 
-    def read_local(self, agent_id: str) -> tuple[bytes, Manifest] | None:
+    def read_local(self, agent_id: str, *, adopt: bool = True) -> tuple[bytes, Manifest] | None:
         """The agent's local manifest (bytes, decoded), given a version record if it has none
-        (an agent saved before it was ever in a store; rewritten in place, crash-safe)."""
+        (an agent saved before it was ever in a store; rewritten in place, crash-safe), or
+        None (no manifest, or none with a record and not ``adopt``)."""
         path = self.agent_dir(agent_id) / MANIFEST_NAME
         with agent_lock(path.parent, exclusive=False, create=False):
             try:
@@ -349,6 +351,8 @@ class RemoteAgents:
         if manifest.agent_id != agent_id:
             raise CacheFormatError(path, f"manifest belongs to agent {manifest.agent_id!r}")
         if manifest.remote is None:
+            if not adopt:
+                return None
             manifest.remote = RemoteRecord.first()
             recorded = encode_manifest(manifest)
             with agent_lock(path.parent, exclusive=True):
