@@ -183,7 +183,7 @@ def s3_server():
     """A real S3-compatible server (moto's server mode) on 127.0.0.1, for the session; the
     tests that stop it start it again (``s3_store``)."""
     pytest.importorskip("moto.server", reason="the s3 tests need moto[server] (the test extra)")
-    from s3_server import S3Server, free_port
+    from agentkv.benchmarks.local_s3 import S3Server, free_port
 
     server = S3Server(free_port()).start()
     yield server
@@ -193,9 +193,12 @@ def s3_server():
 @pytest.fixture
 def s3_store(s3_server, monkeypatch, request):
     """``s3://bucket/<test name>``, the AWS variables pointing at the test's S3 server."""
-    from s3_server import BUCKET, set_env
+    from agentkv.benchmarks.local_s3 import BUCKET
 
     if s3_server.process is None:  # a test before stopped it
         s3_server.start()
-    set_env(monkeypatch, s3_server)
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
     yield f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"

@@ -80,7 +80,7 @@ class Fleet:
         except StoreUnavailable as exc:
             self._went_down()
             self.counts["fetch", "unavailable"] += 1
-            return f"the agent store could not be reached ({exc})"
+            return str(exc)  # "the agent store s3://... could not be reached (...)"
         except RemoteDamaged as exc:
             self.counts["fetch", "damaged"] += 1
             log.warning("agentkv: agent %r: %s", agent_id, exc)

@@ -136,6 +136,11 @@ def _add_store_gauges(r: CollectorRegistry, router) -> None:
             _of_fleet(router, lambda f, d=direction: f.objects.traffic.snapshot()[1][d])
         )
     Gauge(
+        "agentkv_kv_saved_bytes",
+        "bytes the agents' saves wrote to the cache directory since the model loaded",
+        registry=r,
+    ).set_function(_of_engine(router, lambda e: e.writer.bytes_written))
+    Gauge(
         "agentkv_store_pending_uploads", "agents waiting for their commit to the store", registry=r
     ).set_function(_of_fleet(router, lambda f: f.pending))
 

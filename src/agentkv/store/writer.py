@@ -43,6 +43,7 @@ class BackgroundWriter:
         self._durable: dict[str, DurableState] = {}
         self._failures: dict[str, str] = {}
         self._reports: deque[SaveReport] = deque(maxlen=256)
+        self.bytes_written = 0  # by every save since the writer started
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="agentkv-writer", daemon=True)
@@ -118,6 +119,7 @@ class BackgroundWriter:
                 with self._cond:
                     self._durable[job.agent_id] = new_state
                     self._reports.append(report)
+                    self.bytes_written += report.bytes_written
                 if self.on_saved is not None:
                     self.on_saved(job.agent_id)
             finally:
