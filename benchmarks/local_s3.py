@@ -43,16 +43,20 @@ class S3Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.05)
-        self.client().create_bucket(Bucket=BUCKET)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                    break
+                except OSError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("moto's S3 server did not start") from None
+                    time.sleep(0.05)
+            self.client().create_bucket(Bucket=BUCKET)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

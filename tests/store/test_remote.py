@@ -192,3 +192,23 @@ def test_store_urls_are_checked(url):
 
     with pytest.raises(InvalidRequestError, match="s3://bucket/prefix"):
         ObjectStore(url)
+
+
+def test_a_version_record_keeps_its_newest_lineage_and_malformed_ones_are_rejected(tmp_path):
+    from agentkv.store.format import MAX_LINEAGE, RemoteRecord, decode_manifest, encode_manifest
+
+    record = RemoteRecord.first()
+    for _ in range(MAX_LINEAGE + 5):
+        record = record.successor()
+    assert len(record.lineage) == MAX_LINEAGE and len(set(record.lineage)) == MAX_LINEAGE
+    assert record.continues(record.lineage[-1]) and not record.continues("0" * 16)
+    store = open_store(tmp_path)
+    pool = pool_for(store.spec)
+    save(store, pool, "x", fill_table(pool, 300))
+    manifest, _ = store.read_manifest("x")
+    manifest.remote = record
+    path = store.manifest_path("x")
+    assert decode_manifest(encode_manifest(manifest), path).remote == record
+    for bad in ([], ["not hex!"], ["ab"] * (MAX_LINEAGE + 1), "abc", [7]):
+        with pytest.raises(ValueError):
+            RemoteRecord.from_dict({"lineage": bad})
