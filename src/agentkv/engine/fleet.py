@@ -97,7 +97,8 @@ class Fleet:
             self.counts["commit", "conflict"] += 1
             note = "another server ran turns of this agent; this server's own were kept aside"
         self.writer.set_durable(agent_id, DurableState())
-        self.remote.install(fetched)
+        with self._lock_of(agent_id):  # not while a commit of the agent reads its files
+            self.remote.install(fetched)
         self.counts["fetch", "ok"] += 1
         return note
 

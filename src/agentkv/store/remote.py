@@ -277,7 +277,8 @@ class RemoteAgents:
         self._upload_model_record()
         list(
             self._pool.map(
-                lambda item: self._upload_file(agent_id, *item), list(manifest.segments.items())
+                lambda item: self._upload_file(manifest, agent_id, *item),
+                list(manifest.segments.items()),
             )
         )
         meta = {VERSION_META: manifest.remote.version}
@@ -294,7 +295,9 @@ class RemoteAgents:
             self.objects.put(key, (self.model_dir / MODEL_RECORD).read_bytes())
         self._present.add(key)
 
-    def _upload_file(self, agent_id: str, name: str, record: SegmentRecord) -> None:
+    def _upload_file(
+        self, manifest: Manifest, agent_id: str, name: str, record: SegmentRecord
+    ) -> None:
         key = self.file_key(agent_id, name, record)
         if key in self._present:
             return
@@ -304,8 +307,7 @@ class RemoteAgents:
             path = self.model_dir / name if shared else self.agent_dir(agent_id) / name
             with open(path, "rb") as fh:
                 data = fh.read()
-            if len(data) != record.size:
-                raise CacheFormatError(path, "the file changed size before its upload")
+            check_file(manifest, name, record, data, path)  # never bytes the manifest does not name
             self.objects.put(key, data)
         self._present.add(key)
 
