@@ -38,7 +38,7 @@ from .local_s3 import BUCKET, S3Server, StoreLink, aws_env, free_port
 from .serve import FILLER, model_id, stream_turn
 from .server_process import ServerProcess
 
-TOKENS_PER_SECTION = 48  # about, for the embedded model's tokenizer
+TOKENS_PER_SECTION = 59  # about, for the embedded model's tokenizer (one FILLER section)
 
 
 def run(
