@@ -52,11 +52,11 @@ def test_a_lost_race_is_refused_and_its_turn_kept_aside(two_engines):
     r1 = turn(a, "x", first)
     base = first + [{"role": "assistant", "content": r1.text}]
     turn(b, "x", base + conversation(2)[-1:])  # b now holds a's version, and one turn more
-    with a.fleet._lock_of("x"):  # a's commit of its next turn waits until b has committed
-        a_turn = a.chat("x", base + [{"role": "user", "content": "A asks."}], max_tokens=8)
-        b_turn = turn(b, "x", base + conversation(2)[-1:] + [
-            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "B asks."}
-        ])  # fmt: skip
+    a.writer.on_saved = None  # a's next turn is committed only by wait_saved, after b's
+    a_turn = a.chat("x", base + [{"role": "user", "content": "A asks."}], max_tokens=8)
+    b_turn = turn(b, "x", base + conversation(2)[-1:] + [
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "B asks."}
+    ])  # fmt: skip
     with pytest.raises(AgentBusyError, match="does not continue"):
         a.wait_saved("x")
     assert a_turn.stats.cache == "warm"  # a fetched b's first turn before its own
@@ -80,3 +80,28 @@ def test_a_store_that_goes_down_costs_a_note_and_uploads_catch_up(two_engines, s
     while a.fleet.remote.head("y") is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert a.fleet.remote.head("y") is not None and a.fleet.pending == 0
+
+
+def test_damaged_bytes_in_the_store_are_never_used(two_engines, s3_server):
+    a, b = two_engines
+    messages = conversation(1)
+    r1 = turn(a, "z", messages)
+    url = a.fleet.objects.url
+    client = s3_server.client()
+    listed = client.list_objects_v2(Bucket=url.bucket, Prefix=url.prefix + "/")["Contents"]
+    block = next(o["Key"] for o in listed if "/blocks/" in o["Key"])
+    data = bytearray(client.get_object(Bucket=url.bucket, Key=block)["Body"].read())
+    data[len(data) // 2] ^= 0x10  # one bit of KV
+    client.put_object(Bucket=url.bucket, Key=block, Body=bytes(data))
+    nxt = messages + [{"role": "assistant", "content": r1.text}, conversation(2)[-1]]
+    r = b.chat("z", nxt, max_tokens=8)
+    assert r.stats.cache == "cold" and "damaged" in r.stats.reuse_note
+    assert b.fleet.counts["fetch", "damaged"] == 1 and b.fleet.counts["fetch", "ok"] == 0
+    assert r.tokens == a.chat("z-cold", nxt, max_tokens=8).tokens  # a cold turn's own tokens
+
+
+def test_a_store_without_its_bucket_is_refused_at_start(tmp_path, s3_store, fresh_engine):
+    from agentkv.store.objects import StoreMisconfigured
+
+    with pytest.raises(StoreMisconfigured, match="has no bucket"):
+        fresh_engine(cache_dir=tmp_path / "a", store_url="s3://no-such-bucket/x", warmup=False)

@@ -89,9 +89,10 @@ class EngineConfig:
             )
         self.requested_quant()  # the bits and the group size
         if self.store_url is not None:
-            from ..store.objects import StoreURL
+            from ..store.objects import StoreURL, require_client
 
             StoreURL.parse(self.store_url)
+            require_client()
         if self.min_reuse_tokens < 0 or (
             self.prefill_chunk is not None and self.prefill_chunk < 64
         ):

@@ -20,7 +20,7 @@ from collections import Counter, OrderedDict
 
 from ..errors import AgentBusyError, CacheFormatError
 from ..store.agent_store import AgentStore, DurableState
-from ..store.objects import ObjectStore, StoreUnavailable
+from ..store.objects import ObjectStore, StoreMisconfigured, StoreUnavailable
 from ..store.remote import RemoteAgents, RemoteDamaged, local_record
 from ..store.writer import BackgroundWriter
 from .residency import Residency
@@ -41,6 +41,12 @@ class Fleet:
         residency: Residency,
     ):
         self.objects = ObjectStore(url)
+        try:
+            self.objects.ping()
+        except StoreMisconfigured:
+            raise  # no bucket, or the credentials refused: a setup error, said at start
+        except StoreUnavailable as exc:  # turns run without it until it answers
+            log.warning("agentkv: %s; serving from the local cache meanwhile", exc)
         self.remote = RemoteAgents(self.objects, store.model_dir)
         self.store = store
         self.writer = writer

@@ -30,6 +30,11 @@ class StoreUnavailable(AgentKVError):
     may not have: a write is only ever retried as the same conditional write)."""
 
 
+class StoreMisconfigured(StoreUnavailable):
+    """The store answered but will not serve this bucket: it has no such bucket, or it
+    refused the credentials. Waiting does not help; the setup must change."""
+
+
 class PreconditionFailed(AgentKVError):
     """A conditional write found another version than the one it was conditioned on."""
 
@@ -184,14 +189,14 @@ class ObjectStore:
             if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
                 if code == "NoSuchBucket" or bucket_only:
                     self.traffic.count(op, "unavailable")
-                    raise StoreUnavailable(
+                    raise StoreMisconfigured(
                         f"the agent store {self.url} has no bucket {self.url.bucket!r}"
                     ) from None
                 self.traffic.count(op, "missing")
                 raise ObjectMissing(args.get("Key", "")) from None
             self.traffic.count(op, "unavailable")
             if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId"):
-                raise StoreUnavailable(
+                raise StoreMisconfigured(
                     f"the agent store {self.url} refused access ({code}): check the AWS credentials"
                 ) from None
             raise StoreUnavailable(f"the agent store {self.url} failed ({code})") from None
@@ -205,16 +210,23 @@ class ObjectStore:
         return result
 
 
+def require_client() -> None:
+    """InvalidRequestError unless boto3 (the ``agentkv[s3]`` extra) is installed."""
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        raise InvalidRequestError("an s3:// store needs boto3: pip install 'agentkv[s3]'") from None
+
+
 def _client():
     """A boto3 S3 client from the standard AWS environment, with short timeouts: a store
     that does not answer costs a turn seconds, not minutes."""
-    try:
-        import os
+    import os
 
-        import boto3
-        from botocore.config import Config
-    except ImportError:
-        raise InvalidRequestError("an s3:// store needs boto3: pip install 'agentkv[s3]'") from None
+    require_client()
+    import boto3
+    from botocore.config import Config
+
     config = Config(
         connect_timeout=CONNECT_TIMEOUT_S,
         read_timeout=READ_TIMEOUT_S,
