@@ -122,10 +122,6 @@ class RemoteAgents:
         self._present: set[str] = set()  # immutable keys known to be in the store, sound
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="agentkv-s3")
 
-    @classmethod
-    def for_store(cls, objects: ObjectStore, store: AgentStore) -> RemoteAgents:
-        return cls(objects, store.model_dir)
-
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
