@@ -79,3 +79,27 @@ def test_push_ls_pull_move_agents_between_cache_dirs(tmp_path, s3_store, python_
 def test_a_bad_store_url_is_a_clear_error(tmp_path, python_env):
     out = run("ls", "--store", str(tmp_path), env=python_env)
     assert out.returncode == 2 and "s3://bucket/prefix" in out.stderr
+
+
+def test_a_push_or_pull_killed_part_way_leaves_no_manifest_naming_a_missing_file(
+    tmp_path, s3_store, python_env
+):
+    env = dict(python_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")})
+    a = save_agents(tmp_path / "a", planner=700)
+    push = ("--cache-dir", str(tmp_path / "a"), "push", "--store", s3_store)
+    killed = run(*push, env={**env, "AGENTKV_CRASH_AT": "store-file-uploaded:2"})
+    assert killed.returncode == -9  # SIGKILL after two of its files went up
+    listed = run("ls", "--store", s3_store, "--json", env=env)
+    assert json.loads(listed.stdout) == []  # files, but no manifest naming them
+    assert run(*push, env=env).returncode == 0
+    pull = ("--cache-dir", str(tmp_path / "b"), "pull", "--store", s3_store)
+    killed = run(*pull, env={**env, "AGENTKV_CRASH_AT": "fetched-files-installed:1"})
+    assert killed.returncode == -9  # block files and segment written, the manifest not yet
+    b_agent = tmp_path / "b" / a.model_dir.name / "agents" / "planner"
+    assert not (b_agent / MANIFEST_NAME).exists()
+    assert run(*pull, env=env).returncode == 0
+    assert (b_agent / MANIFEST_NAME).read_bytes() == (
+        a.agent_dir("planner") / MANIFEST_NAME
+    ).read_bytes()
+    verified = run("--cache-dir", str(tmp_path / "b"), "verify", env=env)
+    assert verified.returncode == 0 and "1 agents checked, 0 bad" in verified.stdout

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _ext
+from .._faults import crash_point
 from ..agent_id import validate_agent_id
 from ..errors import AgentBusyError, AgentKVError, CacheFormatError
 from ..paths import atomic_write_bytes, fsync_dir, secure_mkdir
@@ -238,6 +239,7 @@ class RemoteAgents:
                     if not is_shared_file(name):
                         atomic_write_bytes(directory / name, data, label="segment", sync_dir=False)
                 fsync_dir(directory)
+                crash_point("fetched-files-installed")
                 atomic_write_bytes(manifest_path, fetched.data, label="manifest")
                 AgentStore._collect_garbage(directory, manifest.segments)
 
@@ -305,6 +307,7 @@ class RemoteAgents:
                 data = fh.read()
             check_file(manifest, name, record, data, path)  # never bytes the manifest does not name
             self.objects.put(key, data)
+            crash_point("store-file-uploaded")
         self._present.add(key)
 
     # -- moving one agent -------------------------------------------------------------------
