@@ -1,4 +1,4 @@
-"""``agentkv bench reload|ttft|save|compute|peers|kernels|gpu|batch|pool|serve|constrained|
+"""``agentkv bench reload|fleet|ttft|save|compute|peers|kernels|gpu|batch|pool|serve|constrained|
 quality|kv-candidates|kvswap``."""
 
 from __future__ import annotations
@@ -30,6 +30,19 @@ def run_bench(args) -> int:
         from .reload import run
 
         run(_counts(args.tokens), repeats=args.repeats, as_json=args.json)
+    elif name == "fleet":
+        from .fleet import run
+
+        if args.race_agents > args.agents:
+            raise SystemExit("agentkv: error: --race-agents must be at most --agents")
+        run(
+            agents=args.agents,
+            context=args.context,
+            race_agents=args.race_agents,
+            race_turns=args.race_turns,
+            store=args.store,
+            as_json=args.json,
+        )
     elif name == "ttft":
         from .ttft import run
 

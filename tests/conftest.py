@@ -199,3 +199,29 @@ def llama_cpp_python() -> Path:
             f"no llama-cpp-python at {LLAMA_CPP_PYTHON} (agentkv bench compute --peer install)"
         )
     return LLAMA_CPP_PYTHON
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's server mode) on 127.0.0.1, for the session; the
+    tests that stop it start it again (``s3_store``)."""
+    pytest.importorskip("moto.server", reason="the s3 tests need moto[server] (the test extra)")
+    from agentkv.benchmarks.local_s3 import S3Server, free_port
+
+    server = S3Server(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_store(s3_server, monkeypatch, request):
+    """``s3://bucket/<test name>``, the AWS variables pointing at the test's S3 server."""
+    from agentkv.benchmarks.local_s3 import BUCKET
+
+    if s3_server.process is None:  # a test before stopped it
+        s3_server.start()
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    yield f"s3://{BUCKET}/{request.node.name.replace('[', '-').rstrip(']')}"

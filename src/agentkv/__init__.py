@@ -21,6 +21,7 @@ from .engine import (
     TurnStats,
 )
 from .errors import (
+    AgentBusyError,
     AgentKVError,
     CacheFormatError,
     EngineBusyError,
@@ -36,6 +37,7 @@ from .prompt_cache import load_prompt_cache, make_prompt_cache, save_prompt_cach
 __version__ = "0.1.0"
 __all__ = [
     "BLAS_STATUS",
+    "AgentBusyError",
     "AgentInfo",
     "AgentKVCache",
     "AgentKVError",

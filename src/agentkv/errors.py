@@ -39,3 +39,8 @@ class EngineBusyError(AgentKVError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class AgentBusyError(AgentKVError):
+    """A fleet's object store holds a version of the agent that this machine's state does
+    not continue (another machine ran turns of it: docs/fleet.md); nothing was replaced."""

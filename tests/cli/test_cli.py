@@ -49,11 +49,11 @@ def _commands(parser, path=()):
 def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
     commands = dict(_commands(build_parser()))
     benches = (
-        "reload ttft save compute peers kernels gpu batch pool serve constrained kv-candidates "
-        "quality kvswap"
+        "reload fleet ttft save compute peers kernels gpu batch pool serve constrained "
+        "kv-candidates quality kvswap"
     )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
-    expected |= {("cache", a) for a in ("ls", "show", "rm", "verify", "migrate")}
+    expected |= {("cache", a) for a in ("ls", "push", "pull", "show", "rm", "verify", "migrate")}
     expected |= {
         (m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import", "import-gguf")
     }

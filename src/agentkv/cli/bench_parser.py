@@ -46,6 +46,26 @@ def _reload(reload_: argparse.ArgumentParser) -> None:
     add_count(reload_, "--repeats", 10, "loads timed per size and format (default 10)")
 
 
+@_bench("fleet", "two agentkv serve processes on one S3-compatible store")
+def _fleet(fleet: argparse.ArgumentParser) -> None:
+    """Two `agentkv serve` processes with cache directories of their own and one object store
+    (docs/fleet.md): an agent moved from one to the other (warm from the store, against warm
+    from disk and cold), bytes uploaded against bytes saved, turns racing on the same agents
+    across both (200 or 409, histories a serial order), the store's link cut and restored,
+    and every agent pulled back and verified. Without --store, a local moto server
+    (moto[server]). About 5 minutes on 2 CPU cores at the default sizes."""
+    add_count(fleet, "--agents", 8, "agents moved from one server to the other (default 8)")
+    add_count(fleet, "--context", 4096, "tokens of each agent's first turn, about (default 4096)")
+    add_count(fleet, "--race-agents", 4, "agents the racing turns share (default 4)")
+    add_count(fleet, "--race-turns", 16, "turns sent at once across both servers (default 16)")
+    fleet.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="s3://bucket/prefix to use (the AWS_* variables as set); default: a local moto server",
+    )
+
+
 @_bench("ttft", "time to first token: cold / warm / hot", model=True)
 def _ttft(ttft: argparse.ArgumentParser) -> None:
     ttft.add_argument(

@@ -67,6 +67,10 @@ def _entry_summary(e: inventory.AgentEntry) -> dict:
 
 
 def run_cache(args) -> int:
+    if getattr(args, "store", None) is not None:
+        from .store_commands import run_store_action
+
+        return run_store_action(args, _root(args))
     action = {
         "ls": _cache_ls,
         "show": _cache_show,

@@ -33,6 +33,12 @@ from .options import (
     with_parents,
 )
 
+STORE_HELP = (
+    "an S3-compatible object store, s3://bucket/prefix (pip install 'agentkv[s3]'; "
+    "credentials and endpoint from the AWS_* environment variables: docs/fleet.md)"
+)
+
+
 COMMANDS: list[Command] = []
 CACHE_ACTIONS: list[Command] = []
 MODEL_ACTIONS: list[Command] = []
@@ -97,6 +103,13 @@ def _serve(serve: argparse.ArgumentParser) -> None:
     (greedy where it says nothing). SIGTERM (or Ctrl-C) finishes the requests in flight,
     saves every agent and exits."""
     add_engine_options(serve, many=True)
+    serve.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help=STORE_HELP + "; servers sharing one resume each other's agents warm, "
+        "--cache-dir stays each server's write-through cache",
+    )
     serve.add_argument(
         "--model-idle-ttl",
         type=float_between(0.0),
@@ -201,7 +214,33 @@ def _cache(cache: argparse.ArgumentParser) -> None:
     add_commands(actions, CACHE_ACTIONS)
 
 
-CACHE_ACTIONS.append(Command("ls", "list stored agents of every model", json=JSON_LIST))
+@command(CACHE_ACTIONS, "ls", "list stored agents of every model", json=JSON_LIST)
+def _cache_ls(ls: argparse.ArgumentParser) -> None:
+    """The agents under the cache directory; with --store, those in an object store."""
+    ls.add_argument("--store", default=None, metavar="URL", help=STORE_HELP)
+
+
+@command(CACHE_ACTIONS, "push", "copy stored agents to an object store", json=JSON_LIST)
+def _cache_push(push: argparse.ArgumentParser) -> None:
+    """Commit each agent (every one under the cache directory unless named) to the store:
+    the files the store lacks, then its manifest, written only over the version this
+    machine's copy continues. An agent the store holds a newer version of (another server
+    ran turns of it) is refused (exit 1) unless --force."""
+    push.add_argument("agents", nargs="*", metavar="AGENT")
+    push.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
+    add_flag(
+        push, "--force", "replace the store's version even where this copy does not go on from it"
+    )
+
+
+@command(CACHE_ACTIONS, "pull", "copy agents from an object store here", json=JSON_LIST)
+def _cache_pull(pull: argparse.ArgumentParser) -> None:
+    """Fetch each agent (every one in the store unless named) into the cache directory,
+    every byte checked before any is installed; shared blocks already here are not fetched.
+    An agent whose copy here has turns the store lacks is refused (exit 1) unless --force."""
+    pull.add_argument("agents", nargs="*", metavar="AGENT")
+    pull.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
+    add_flag(pull, "--force", "replace this machine's copy even where it has turns the store lacks")
 
 
 @command(

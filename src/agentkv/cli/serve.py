@@ -127,6 +127,7 @@ def _engine_options(args) -> dict:
     """The Engine options the command line sets (but the model: each served model's)."""
     return {
         "cache_dir": args.cache_dir,
+        "store_url": args.store,
         "kv_bits": args.kv_bits,
         "key_bits": args.key_bits,
         "pool_bytes": args.pool_memory,

@@ -27,6 +27,9 @@ class EngineConfig:
     through agentkv's quantized matmul: 98 MB for the embedded model), ``"float32"``
     dequantizes them at load (538 MB); None: quantized (docs/compute.md);
     ``cache_dir``: where agents' KV is stored (None: ``$AGENTKV_HOME/kv``).
+    ``store_url``: ``s3://bucket/prefix``, an S3-compatible object store several engines
+    share (docs/fleet.md): each turn is committed there too, and an agent another engine ran
+    is fetched from it; the cache directory stays a write-through cache (None: none).
     ``kv_bits`` / ``key_bits`` / ``value_bits``: the stored KV's bits (2-8, or 16 for
     float16); ``group_size``: values per scale (None: fitted to the model's head dims).
     ``kv_format`` (default 2) is the stored KV format: 2 keeps keys rotated and quantized
@@ -61,6 +64,7 @@ class EngineConfig:
     model: str | os.PathLike | None = None
     weights: str | None = None
     cache_dir: str | os.PathLike | None = None
+    store_url: str | None = None
     kv_bits: int = 4
     key_bits: int | None = None
     value_bits: int | None = None
@@ -84,6 +88,11 @@ class EngineConfig:
                 f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}"
             )
         self.requested_quant()  # the bits and the group size
+        if self.store_url is not None:
+            from ..store.objects import StoreURL, require_client
+
+            StoreURL.parse(self.store_url)
+            require_client()
         if self.min_reuse_tokens < 0 or (
             self.prefill_chunk is not None and self.prefill_chunk < 64
         ):

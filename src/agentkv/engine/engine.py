@@ -117,6 +117,7 @@ class Engine:
         kv_bits: int = 4,
         *,
         config: EngineConfig | None = None,
+        store_url: str | None = None,
         key_bits: int | None = None,
         value_bits: int | None = None,
         group_size: int | None = None,
@@ -138,6 +139,7 @@ class Engine:
             model=model,
             weights=weights,
             cache_dir=cache_dir,
+            store_url=store_url,
             kv_bits=kv_bits,
             key_bits=key_bits,
             value_bits=value_bits,
@@ -228,6 +230,13 @@ class Engine:
             self.swapper.prefill_chunk = self.runner.prefill_chunk
             resumer.swapper = self.swapper
         self.residency.save = self.runner.save
+        self.fleet = None
+        if config.store_url is not None:
+            from .fleet import Fleet
+
+            self.fleet = Fleet(config.store_url, self.store, self.writer, self.residency)
+            resumer.fleet = self.fleet
+            self.writer.on_saved = self.fleet.saved
 
     def _check_swappable(self) -> None:
         """KVSwap's needs (docs/kvswap.md), or a clear error at start."""
@@ -570,6 +579,8 @@ class Engine:
             self.writer.flush(agent_id)
             hot = self.scheduler.call(lambda: self._forget(agent_id))
             deleted = self.store.delete(agent_id)
+            if self.fleet is not None:
+                self.fleet.delete(agent_id)
             self.writer.set_durable(agent_id, DurableState())
             self.store.collect_blocks()
             return hot or deleted
@@ -586,8 +597,16 @@ class Engine:
         self.writer.flush()
 
     def wait_saved(self, agent_id: str, timeout: float | None = None) -> bool:
-        """Wait until the agent's finished turns are on disk (False on timeout)."""
-        return self.writer.flush(agent_id, timeout)
+        """Wait until the agent's finished turns are on disk (False on timeout); with a
+        ``store_url``, committed to the store too (or queued for it, where the store cannot
+        be reached). ``AgentBusyError`` there: another engine committed the agent since this
+        turn started; this turn is not in the store and the agent's next turn here starts
+        from the store's state (docs/fleet.md)."""
+        if not self.writer.flush(agent_id, timeout):
+            return False
+        if self.fleet is not None:
+            self.fleet.commit(validate_agent_id(agent_id))
+        return True
 
     def close(self) -> None:
         """Finish the turns in flight, flush every agent's state to disk, stop the threads."""
@@ -595,6 +614,8 @@ class Engine:
             self._closed = True
             self.scheduler.stop()
             self.writer.close()
+            if self.fleet is not None:
+                self.fleet.close()
             # The residency saves through the runner, which holds the residency: without this
             # cycle a closed engine's model and pool go as soon as the last reference does.
             self.residency.save = None

@@ -157,19 +157,24 @@ class Resumer:
         self.context_limit = context_limit
         self.default_seed = pool.seed()
         self.swapper = None  # KVSwap (engine/swapping.py): turns over its budget stream
+        self.fleet = None  # a fleet's object store (engine/fleet.py): checked before each plan
 
     # -- planning -------------------------------------------------------------------------
 
     def plan(self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None) -> ResumePlan:
         """Match the agent's state (memory, then disk) with ``prompt``; count the blocks.
         Nothing changes if it raises (a hot agent stays hot)."""
+        store_note = self.fleet.check(agent_id) if self.fleet is not None else None
         held = [self.residency.take(agent_id)]  # emptied once the state is given up
         try:
-            return self._plan_from(agent_id, prompt, max_new, salt, held)
+            plan = self._plan_from(agent_id, prompt, max_new, salt, held)
         except BaseException:
             if held[0] is not None:
                 self.residency.put(held[0])
             raise
+        if store_note is not None:
+            plan.note = store_note + (f"; {plan.note}" if plan.note else "")
+        return plan
 
     def _plan_from(self, agent_id, prompt, max_new, salt, held: list) -> ResumePlan:
         fresh_seed = self.pool.seed(salt) if salt else self.default_seed

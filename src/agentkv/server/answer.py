@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import AgentKVError
+from ..errors import AgentBusyError, AgentKVError
 from .endpoint import AppState, endpoint, read_json
 from .errors import API, APIError
 from .identity import HEADER
@@ -130,7 +130,10 @@ def _event_stream(
         except Exception as exc:  # headers are sent: report in the stream, then end
             if not isinstance(exc, AgentKVError):
                 log.exception("agentkv: turn of %r failed", agent_id)
-            yield sse(api.error_body(APIError(500, "server", f"generation failed: {exc}")), "error")
+            error = APIError(500, "server", f"generation failed: {exc}")
+            if isinstance(exc, AgentBusyError):  # the turn was streamed, then not kept
+                error = APIError(409, "agent_busy", f"{exc}; this turn was not kept")
+            yield sse(api.error_body(error), "error")
         finally:
             turn.cancel()  # no-op once the turn has ended
             await turn.unwatch()

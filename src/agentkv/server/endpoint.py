@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import (
+    AgentBusyError,
     AgentKVError,
     EngineBusyError,
     InvalidAgentIdError,
@@ -76,6 +77,8 @@ def as_api_error(exc: Exception, request: Request) -> APIError:
     if isinstance(exc, EngineBusyError):
         retry = str(max(1, round(exc.retry_after)))
         return APIError(429, "rate_limit", str(exc), headers={"retry-after": retry})
+    if isinstance(exc, AgentBusyError):  # another server committed the agent (docs/fleet.md)
+        return APIError(409, "agent_busy", f"{exc}; this turn was not kept, send it again")
     if isinstance(exc, TurnFailedError):  # this turn alone failed: it may be sent again
         return APIError(500, "server", str(exc))
     if isinstance(exc, AgentKVError):  # the engine is closed: shutting down

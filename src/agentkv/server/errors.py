@@ -36,6 +36,7 @@ OPENAI_TYPES = {
     "model_not_found": ("invalid_request_error", "model_not_found"),
     "too_large": ("invalid_request_error", "request_too_large"),
     "rate_limit": ("rate_limit_error", "rate_limit_exceeded"),
+    "agent_busy": ("invalid_request_error", "agent_busy"),
     "unavailable": ("server_error", "service_unavailable"),
     "server": ("server_error", None),
 }
@@ -46,6 +47,7 @@ ANTHROPIC_TYPES = {
     "model_not_found": "not_found_error",
     "too_large": "request_too_large",
     "rate_limit": "rate_limit_error",
+    "agent_busy": "invalid_request_error",
     "unavailable": "overloaded_error",
     "server": "api_error",
 }

@@ -112,12 +112,54 @@ def _add_gauges(r: CollectorRegistry, router) -> None:
         steps.labels(plan.value).set_function(
             _of_engine(router, lambda e, plan=plan: e.scheduler.plans[plan])
         )
+    _add_store_gauges(r, router)
     Gauge("agentkv_turns_waiting", "turns queued", registry=r).set_function(
         lambda: turn_load(router)["waiting"]
     )
     Gauge("agentkv_turns_running", "turns prefilling or decoding", registry=r).set_function(
         lambda: turn_load(router)["running"]
     )
+
+
+STORE_EVENTS = [
+    ("fetch", "ok"), ("fetch", "unavailable"), ("fetch", "damaged"),
+    ("commit", "ok"), ("commit", "unavailable"), ("commit", "conflict"), ("commit", "dropped"),
+]  # fmt: skip
+
+
+def _add_store_gauges(r: CollectorRegistry, router) -> None:
+    """The fleet's object store (``--store``: docs/fleet.md): 0 without one."""
+    events = Gauge(
+        "agentkv_store_events",
+        "object store fetches and commits by outcome since the model loaded (fetch: an agent "
+        "another server ran; commit conflict: a lost race; unavailable: the store not reached)",
+        ["op", "outcome"],
+        registry=r,
+    )
+    for op, outcome in STORE_EVENTS:
+        events.labels(op, outcome).set_function(
+            _of_fleet(router, lambda f, key=(op, outcome): f.counts[key])
+        )
+    moved = Gauge(
+        "agentkv_store_bytes", "bytes sent to and read from the object store", ["direction"],
+        registry=r,
+    )  # fmt: skip
+    for direction in ("up", "down"):
+        moved.labels(direction).set_function(
+            _of_fleet(router, lambda f, d=direction: f.objects.traffic.snapshot()[1][d])
+        )
+    Gauge(
+        "agentkv_kv_saved_bytes",
+        "bytes the agents' saves wrote to the cache directory since the model loaded",
+        registry=r,
+    ).set_function(_of_engine(router, lambda e: e.writer.bytes_written))
+    Gauge(
+        "agentkv_store_pending_uploads", "agents waiting for their commit to the store", registry=r
+    ).set_function(_of_fleet(router, lambda f: f.pending))
+
+
+def _of_fleet(router, read):
+    return _of_engine(router, lambda e: read(e.fleet) if e.fleet is not None else 0)
 
 
 def _of_engine(router, read):

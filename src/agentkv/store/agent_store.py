@@ -44,6 +44,7 @@ from .format import (
     SEGMENT_RE,
     Manifest,
     ManifestBlock,
+    RemoteRecord,
     SegmentRecord,
     block_file_name,
     decode_manifest,
@@ -163,6 +164,8 @@ class DurableState:
     generation: int = 0
     blocks: list[ManifestBlock] = field(default_factory=list)
     segments: dict[str, SegmentRecord] = field(default_factory=dict)
+    # where the agent stands with a fleet's object store (docs/fleet.md); None: never in one
+    remote: RemoteRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,8 @@ class AgentStore:
         self.agents_dir = self.model_dir / "agents"
         self.quarantine_dir = self.model_dir / "quarantine"
         self.shared = SharedBlocks(self.model_dir, spec, self.quant)
+        # give every save a version record (docs/fleet.md): set where a fleet's store is used
+        self.track_versions = False
 
     def ensure_layout(self) -> None:
         secure_mkdir(self.agents_dir)
@@ -232,7 +237,11 @@ class AgentStore:
             manifest = decode_manifest(path.read_bytes(), path)
         self._check_identity(manifest, agent_id, path)
         durable = DurableState(
-            signature, manifest.generation, list(manifest.blocks), dict(manifest.segments)
+            signature,
+            manifest.generation,
+            list(manifest.blocks),
+            dict(manifest.segments),
+            manifest.remote,
         )
         return manifest, durable
 
@@ -382,13 +391,21 @@ class AgentStore:
                 blocks += part.blocks
                 segments |= part.segments
                 written += part.bytes_written
-            written += self._switch_manifest(job, generation, blocks, segments)
+            remote = self._next_record(durable)
+            written += self._switch_manifest(job, generation, blocks, segments, remote)
             self._collect_garbage(path.parent, segments)
-            new_state = DurableState(self._signature(path), generation, blocks, segments)
+            new_state = DurableState(self._signature(path), generation, blocks, segments, remote)
         report = SaveReport(
             job.agent_id, generation, written, len(job.regions), time.perf_counter() - started
         )
         return report, new_state
+
+    def _next_record(self, durable: DurableState) -> RemoteRecord | None:
+        """The store record of a new save: on top of the durable one's; a first one where
+        the agents live in an object store too (``track_versions``)."""
+        if durable.remote is not None:
+            return durable.remote.successor()
+        return RemoteRecord.first() if self.track_versions else None
 
     def _kept_blocks(self, job: SaveJob, durable: DurableState, path: Path) -> list[ManifestBlock]:
         """The durable blocks the save keeps, once the disk is known to hold what the
@@ -481,6 +498,7 @@ class AgentStore:
         generation: int,
         blocks: list[ManifestBlock],
         segments: dict[str, SegmentRecord],
+        remote: RemoteRecord | None,
     ) -> int:
         """Write the new manifest over the old one (the save's switch point); its size."""
         manifest = Manifest(
@@ -501,6 +519,7 @@ class AgentStore:
             tail=job.tail,
             prev=job.prev,
             nonce=job.nonce,
+            remote=remote,
         )
         data = encode_manifest(manifest)
         atomic_write_bytes(self.manifest_path(job.agent_id), data, label="manifest")
@@ -573,6 +592,7 @@ class AgentStore:
                     shutil.copy2(source / name, target / name)
             fsync_dir(target)
             manifest.agent_id = dst
+            manifest.remote = None  # a new agent: not in any object store yet
             atomic_write_bytes(target / MANIFEST_NAME, encode_manifest(manifest), label="manifest")
 
     def delete(self, agent_id: str) -> bool:

@@ -42,6 +42,7 @@ import functools
 import json
 import math
 import re
+import secrets
 import struct
 from dataclasses import dataclass, field
 
@@ -128,6 +129,54 @@ class ManifestBlock:
     hash: str | None = None  # hex chain hash (complete blocks; store version 2)
 
 
+MAX_LINEAGE = 256  # versions a manifest remembers: its own and its local ancestors'
+
+
+@dataclass(frozen=True)
+class RemoteRecord:
+    """Where a manifest stands with a fleet's object store (docs/fleet.md): ``lineage`` is
+    this state's version (first), then the versions it was saved on top of, newest first,
+    at most ``MAX_LINEAGE``. A store's version that is in it is one this state continues."""
+
+    lineage: tuple[str, ...]
+
+    @property
+    def version(self) -> str:
+        return self.lineage[0]
+
+    def continues(self, version: str | None) -> bool:
+        return version in self.lineage
+
+    @classmethod
+    def first(cls) -> RemoteRecord:
+        return cls((new_version(),))
+
+    def successor(self) -> RemoteRecord:
+        """The record of a state saved on top of this one."""
+        return RemoteRecord((new_version(), *self.lineage[: MAX_LINEAGE - 1]))
+
+    def to_dict(self) -> dict:
+        return {"lineage": list(self.lineage)}
+
+    @classmethod
+    def from_dict(cls, record) -> RemoteRecord:
+        lineage = record["lineage"]
+        if not isinstance(lineage, list) or not 0 < len(lineage) <= MAX_LINEAGE:
+            raise ValueError("bad remote lineage")
+        if not all(_is_version(v) for v in lineage):
+            raise ValueError(f"bad remote version in {lineage[:4]!r}")
+        return cls(tuple(lineage))
+
+
+def new_version() -> str:
+    """A fresh, random name for an agent's state."""
+    return secrets.token_hex(8)
+
+
+def _is_version(value) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 64 and value.isalnum()
+
+
 @dataclass
 class Manifest:
     """An agent's durable state: its text and tokens, and where its KV blocks are."""
@@ -154,6 +203,7 @@ class Manifest:
     # an agent whose bytes are its own (pool.hashing.private_seed): chain_seed is private,
     # made from its salt's seed and this nonce
     nonce: str | None = None
+    remote: RemoteRecord | None = None  # the fleet's object store, where one is used
 
     def tail_shape(self) -> tuple[int, ...] | None:
         """The shape ``tail`` must have (None: this KV format keeps no tail)."""
@@ -233,6 +283,8 @@ def encode_manifest(m: Manifest) -> bytes:
     }
     if m.nonce is not None:
         record["nonce"] = m.nonce
+    if m.remote is not None:
+        record["remote"] = m.remote.to_dict()
     arrays = {"tokens": tokens, "spans": spans, "text": text}
     if m.tail_shape() is not None:
         if m.tail is None or m.tail.shape != m.tail_shape() or m.tail.dtype != np.float16:
@@ -333,6 +385,17 @@ def _manifest_record(data: bytes, path) -> dict:
     return record
 
 
+def manifest_remote(head: bytes, path) -> RemoteRecord | None:
+    """The fleet's-store record of a manifest, from its header alone (``head``: the length
+    prefix and JSON); CacheFormatError if the header fails its checks."""
+    record = _manifest_record(head, path)
+    try:
+        remote = record.get("remote")
+        return None if remote is None else RemoteRecord.from_dict(remote)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
+
+
 def _manifest_arrays(data: bytes, record: dict, path) -> dict[str, np.ndarray]:
     """The manifest's tensors, the tokens, spans and text checked against the record."""
     from safetensors import SafetensorError
@@ -380,6 +443,8 @@ def _manifest_of(record: dict, arrays: dict[str, np.ndarray], path) -> Manifest:
         nonce = record.get("nonce")
         if nonce is not None and (seed is None or not str(nonce).isalnum()):
             raise ValueError(f"bad nonce {nonce!r}")
+        remote = record.get("remote")
+        remote = None if remote is None else RemoteRecord.from_dict(remote)
     except (KeyError, TypeError, ValueError, InvalidRequestError) as exc:
         raise CacheFormatError(path, f"manifest record is malformed ({exc})") from None
     return Manifest(
@@ -400,6 +465,7 @@ def _manifest_of(record: dict, arrays: dict[str, np.ndarray], path) -> Manifest:
         chain_seed=seed,
         store_version=version,
         nonce=None if nonce is None else str(nonce),
+        remote=remote,
     )
 
 

@@ -118,7 +118,8 @@ def rewrite_agent(model_dir: Path, agent_id: str, version: int, report: Migratio
         used = {b.segment for b in blocks}
         segments = {name: r for name, r in segments.items() if name in used}
         shared.sync_dirs([s.name for s in moved.values()])
-        switched = dataclasses.replace(manifest, blocks=blocks, segments=segments)
+        remote = manifest.remote and manifest.remote.successor()  # new bytes: not the store's
+        switched = dataclasses.replace(manifest, blocks=blocks, segments=segments, remote=remote)
         atomic_write_bytes(path, encode_manifest(switched), label="manifest")
         crash_point("manifest-migrated")
     return True

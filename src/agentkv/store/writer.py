@@ -21,6 +21,7 @@ import logging
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 from .agent_store import AgentStore, DurableState, SaveJob, SaveReport
 
@@ -34,12 +35,15 @@ class BackgroundWriter:
     def __init__(self, store: AgentStore, *, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES):
         self.store = store
         self.max_pending_bytes = max_pending_bytes
+        # called on the writer's thread with the agent's id after each save (a fleet's upload)
+        self.on_saved: Callable[[str], None] | None = None
         self._queue: deque[SaveJob] = deque()
         self._pending_bytes = 0
         self._busy: SaveJob | None = None
         self._durable: dict[str, DurableState] = {}
         self._failures: dict[str, str] = {}
         self._reports: deque[SaveReport] = deque(maxlen=256)
+        self.bytes_written = 0  # by every save since the writer started
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="agentkv-writer", daemon=True)
@@ -115,6 +119,9 @@ class BackgroundWriter:
                 with self._cond:
                     self._durable[job.agent_id] = new_state
                     self._reports.append(report)
+                    self.bytes_written += report.bytes_written
+                if self.on_saved is not None:
+                    self.on_saved(job.agent_id)
             finally:
                 if job.hold is not None:
                     job.hold.close()
