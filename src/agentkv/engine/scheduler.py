@@ -343,14 +343,7 @@ class Scheduler:
                     job.draft = job.draft[:take]
                     stepping.append(job)
             ended += self._step(stepping, plan.width)
-        if ended:
-            gone = {job for job, _ in ended}
-            self._decoding = [j for j in self._decoding if j not in gone]
-            for job, exc in ended:
-                if exc is None:
-                    self._finish(job)
-                else:
-                    self._fail(job, exc)
+        self._end(ended)
 
     def _decode_pipelined(self, jobs: list[Job]) -> None:
         """One decode step, pipelined (module docstring): start the next step on the tokens
@@ -409,14 +402,7 @@ class Scheduler:
                 [ahead[i] for i in going],
                 [ahead_rows[i] for i in going],
             )
-        if ended:
-            gone = {job for job, _ in ended}
-            self._decoding = [j for j in self._decoding if j not in gone]
-            for job, exc in ended:
-                if exc is None:
-                    self._finish(job)
-                else:
-                    self._fail(job, exc)
+        self._end(ended)
 
     @staticmethod
     def _may_run_ahead(job: Job) -> bool:
@@ -492,6 +478,19 @@ class Scheduler:
         return over
 
     # -- ends ---------------------------------------------------------------------
+
+    def _end(self, ended: list[tuple[Job, BaseException | None]]) -> None:
+        """Take turns that ended in a decode step out of the batch: finished (None) or
+        failed (their error)."""
+        if not ended:
+            return
+        gone = {job for job, _ in ended}
+        self._decoding = [j for j in self._decoding if j not in gone]
+        for job, exc in ended:
+            if exc is None:
+                self._finish(job)
+            else:
+                self._fail(job, exc)
 
     def _finish(self, job: Job) -> None:
         try:
