@@ -70,3 +70,46 @@ def test_the_mlx_lm_quick_start_answers_and_saves_a_file_mlx_lm_loads(user_env, 
     assert out == "The capital of France is Paris.\n"
     caches = load_prompt_cache(str(tmp_path / "geography.safetensors"))
     assert len(caches) == 30 and caches[0].offset > 0  # one per layer, the turn's tokens
+
+
+def test_the_store_quick_start_resumes_an_agent_warm_on_the_other_server(
+    user_env, tmp_path, s3_server
+):
+    """The two servers as README starts them (their store pointed at the test's S3 server,
+    ports free): a turn on one, the next turn of the same agent on the other, warm."""
+    import httpx
+
+    from agentkv.benchmarks.local_s3 import BUCKET
+
+    code = snippets("Quick start: two servers, one store")["bash"]
+    install, *serves = [line.split("#")[0].split() for line in code.strip().splitlines()]
+    assert install == ["pip", "install", "'agentkv[s3]'"]
+    store = f"s3://{BUCKET}/readme"
+    env = {**user_env, **s3_server.env()}
+    servers = []
+    for args in serves:
+        assert args[:2] == ["agentkv", "serve"] and args[-1] == "&"
+        options = dict(zip(args[2:-1:2], args[3:-1:2]))
+        assert set(options) == {"--port", "--cache-dir", "--store"}
+        assert options["--store"].startswith("s3://")
+        server = ServerProcess(tmp_path / options["--cache-dir"], env, "--store", store)
+        servers.append(server.start())
+    try:
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 16}
+        headers = {"x-agent-id": "geography"}
+        with httpx.Client(timeout=120) as http:
+            first = http.post(f"{servers[0].url}/v1/chat/completions", json=body, headers=headers)
+            answer = first.json()["choices"][0]["message"]["content"]
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "And of Italy?"},
+            ]
+            second = http.post(f"{servers[1].url}/v1/chat/completions", json=body, headers=headers)
+    finally:
+        for server in servers:
+            server.stop()
+    assert first.status_code == 200 and first.headers["x-agentkv-cache"] == "cold"
+    assert "Paris" in answer
+    assert second.status_code == 200 and second.headers["x-agentkv-cache"] == "warm"
+    assert int(second.headers["x-agentkv-reused-tokens"]) > 20
