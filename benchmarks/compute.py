@@ -56,8 +56,18 @@ def peer_dir() -> Path:
 
 
 def peer_python() -> Path | None:
+    """The peer venv's python, where it imports llama-cpp-python (an install cut short
+    leaves a venv without it: that counts as none, and ``--peer install`` builds it again)."""
     python = peer_dir() / "bin" / "python"
-    return python if python.exists() else None
+    if not python.exists():
+        return None
+    try:
+        found = subprocess.run(
+            [str(python), "-c", "import llama_cpp"], capture_output=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return python if found.returncode == 0 else None
 
 
 def install_peer() -> Path:

@@ -72,3 +72,16 @@ def test_bench_peers_runs_the_workflow_over_a_restart_and_reports_a_peer_it_cann
     assert ours["empty_replies"] == 0 and all(t["ttft_ms"] > 0 for t in turns)
     assert ours["peak_rss_bytes"] > 100 << 20
     assert result["summary"] == {}  # no peer ran: nothing to compare
+
+
+def test_a_peer_venv_without_llama_cpp_counts_as_none(tmp_path, monkeypatch):
+    """An install cut short leaves a venv whose python cannot import llama_cpp: the benches
+    say llama.cpp is not installed (and ``--peer install`` builds it again), never run it."""
+    from agentkv.benchmarks.compute import peer_dir, peer_python
+
+    monkeypatch.setenv("AGENTKV_HOME", str(tmp_path))
+    assert peer_python() is None  # no venv
+    bin_dir = peer_dir() / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "python").symlink_to(sys.executable)  # a python without llama_cpp
+    assert peer_python() is None
