@@ -111,7 +111,7 @@ def clear_mappings() -> None:
     Drop every cached segment mapping (the next loads map their files again).
     """
 
-def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8) -> mlx.core.array:
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None) -> mlx.core.array:
     """
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """
@@ -129,7 +129,7 @@ def pack_quantized(w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.a
 
 def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.array, group_size: int, bits: int) -> mlx.core.array:
     """
-    x @ dequantize(w).T for MLX's affine 4/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
+    x @ dequantize(w).T for MLX's affine 4/5/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
     """
 
 def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array | None, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0, key_plan: mlx.core.array | None = None, key_counts: Sequence[int] = [], prevs: mlx.core.array | None = None, swap_stream: bool = False) -> mlx.core.array:

@@ -673,8 +673,8 @@ def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fres
         job = eng.submit_chat("boundary", messages, max_tokens=24, temperature=0)
         take = job.take
 
-        def cancel_later(token):
-            done = take(token)
+        def cancel_later(token, logits=None):
+            done = take(token, logits)
             if len(job.generated) == 16:  # past the boundary: the block is full and sealed
                 job.cancelled = True
             return done
