@@ -272,6 +272,8 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
                 guarded(rows, {"shape": shape, "arm": name, "context": context}, turn)
         longest = max(s["contexts"])
         what = {"shape": shape}
+        shortest = min(s["contexts"])
+        guarded(rows, what, lambda: _pipeline(shape, tokenizer, engines, replies, shortest, s))
         guarded(rows, what, lambda: _hot(shape, model, tokenizer, engines, replies, longest, s))
         guarded(rows, what, lambda: _batch(shape, model, tokenizer, engines, s))
         engine = engines["agentkv-q4"]
@@ -330,6 +332,30 @@ def _hot(shape, model, tokenizer, engines, replies, context: int, s) -> list[dic
     whole = mlx_lm_generate(model, tokenizer, prompt + more, 2)
     rows.append({"shape": shape, "arm": "mlx-lm-fp16", "measure": "whole_prompt",
                  "context": context, **whole})  # fmt: skip
+    return rows
+
+
+def _pipeline(shape, tokenizer, engines, replies, context: int, s) -> list[dict]:
+    """Decode with the GPU's pipelined loop and without it, side by side: the agent of
+    ``context`` tokens takes two more turns, one per setting (``Scheduler.pipeline``; on a
+    device that does not pipeline, both rows are unpipelined)."""
+    rows = []
+    for name, engine in engines.items():
+        if (name, context) not in replies:
+            continue  # its decode arm failed
+        scheduler = engine.scheduler
+        text, was = prompt_text(tokenizer, context) + replies[name, context], scheduler.pipeline
+        for pipelined in (was, False):
+            text += "\n\nGo on."
+            scheduler.pipeline = pipelined
+            try:
+                row, reply = agentkv_generate(engine, f"ctx{context}", text, s["decode_tokens"])
+            finally:
+                scheduler.pipeline = was
+            text += reply
+            measure = "decode_pipelined" if pipelined else "decode_unpipelined"
+            rows.append({"shape": shape, "arm": name, "measure": measure, "context": context,
+                         **row})  # fmt: skip
     return rows
 
 

@@ -36,6 +36,10 @@ def test_bench_gpu_runs_every_part(python_env):
     assert ("mlx-lm-fp16", "hot_turn") in measures and ("mlx-lm-fp16", "batch_tps") in measures
     hot = [r for r in rows if r.get("measure") == "hot_turn" and r["arm"].startswith("agentkv")]
     assert all(r["cache"] == "hot" for r in hot)
+    # pipelined and unpipelined decode side by side (the CPU does not pipeline: both rows so)
+    again = [r for r in rows if r.get("measure") == "decode_unpipelined"]
+    assert sorted(r["arm"] for r in again) == ["agentkv-kv16"] * 2 + ["agentkv-q4"] * 2
+    assert all(r["cache"] == "hot" and r["tokens"] == 4 and r["context"] == 160 for r in again)
     kernel = [r for r in rows if r.get("measure") == "attention_kernel"]
     assert {r["arm"] for r in kernel} == {"agentkv-q4", "mlx-sdpa-fp16"}
     assert all(r["us"] > 0 and r["kv_bytes"] > 0 for r in kernel)
