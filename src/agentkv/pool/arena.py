@@ -37,6 +37,9 @@ slot*, one per block table that holds tokens::
 
 from __future__ import annotations
 
+import os
+from functools import cache
+
 import mlx.core as mx
 import numpy as np
 
@@ -49,6 +52,31 @@ from .blocks import PoolExhaustedError
 IO_THREADS = 2
 FIRST_TAIL_SLOTS = 16
 NUMPY_DTYPES = {mx.uint32: np.uint32, mx.float16: np.float16, mx.uint16: np.uint16}
+# AGENTKV_GPU_DEVICE_INDEX=1: a step's indices copied into device memory (``index_array``)
+DEVICE_INDEX_ENV = "AGENTKV_GPU_DEVICE_INDEX"
+
+
+def index_array(values) -> mx.array:
+    """A step's indices (host data) as an MLX array. On a GPU with ``AGENTKV_GPU_DEVICE_INDEX=1``
+    they are copied into device memory by one addition: MLX's CUDA backend keeps an array
+    made from host data in managed memory, which the kernels reading it may fault on
+    (docs/gpu-attention.md, "Profile"; an experiment, off by default)."""
+    a = mx.array(values)
+    if a.size and _device_index():
+        a = a + _zero(a.dtype)
+    return a
+
+
+@cache
+def _device_index() -> bool:
+    return mx.default_device() != mx.cpu and os.environ.get(DEVICE_INDEX_ENV) == "1"
+
+
+@cache
+def _zero(dtype: mx.Dtype) -> mx.array:
+    zero = mx.zeros((), dtype=dtype)  # made by a kernel: in device memory
+    mx.eval(zero)
+    return zero
 
 
 class WritePlan:
@@ -68,13 +96,13 @@ class WritePlan:
     """
 
     def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
-        self.rows = mx.array(arena.write_rows([t.blocks for t in tables], starts, count))
+        self.rows = index_array(arena.write_rows([t.blocks for t in tables], starts, count))
         self.count = count
         self.done_first_host: np.ndarray | None = None  # done_first on the host (GPU paths)
         if not arena.quant.channel_keys:
             return
         ct, heads = arena.ct, arena.heads
-        self.tail_slots = mx.array(np.asarray([t.tail for t in tables], dtype=np.int32))
+        self.tail_slots = index_array(np.asarray([t.tail for t in tables], dtype=np.int32))
         direct, direct_src, gather = [], [], []
         group_src, group_rows, rest_src, rest_rows = [], [], [], []
         prev_src, prev_rows = [], []
@@ -131,7 +159,7 @@ class WritePlan:
         if completing:  # the fused layer's form (csrc/ops.h, decoder_layer)
             parts = [direct, direct_src, gather, group_src, group_rows, rest_src, rest_rows]
             parts += [prev_src, prev_rows, done_first]
-            self.key_plan = mx.array(np.asarray(sum(parts, []), np.int32))
+            self.key_plan = index_array(np.asarray(sum(parts, []), np.int32))
             self.key_counts = [
                 len(direct),
                 len(gather),
@@ -141,7 +169,7 @@ class WritePlan:
                 len(done_first),
             ]
             self.done_first_host = np.asarray(done_first, np.int32)
-            self.done_first = mx.array(self.done_first_host)
+            self.done_first = index_array(self.done_first_host)
         self._arena = arena
         self._gather = _index(gather)
         self._gathered: list[mx.array] | None = None
@@ -166,7 +194,7 @@ class WritePlan:
 
 
 def _index(values: list[int]) -> mx.array | None:
-    return mx.array(np.asarray(values, dtype=np.int32)) if values else None
+    return index_array(np.asarray(values, dtype=np.int32)) if values else None
 
 
 class KVArena:

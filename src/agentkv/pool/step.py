@@ -37,7 +37,7 @@ from ..kernels.attention import CacheBase, count_fused_attention, paged_attentio
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
 from ..kernels.types import HostIndex
 from ..mlx_adapter import FusedLayer
-from .arena import KVArena, WritePlan
+from .arena import KVArena, WritePlan, index_array
 from .swap import SwapState
 from .tables import BlockTable
 
@@ -84,14 +84,14 @@ class PagedStep:
         self.quant: KVQuant = arena.quant
         self.count = count
         ends = np.asarray(starts, dtype=np.int32) + count
-        self.tables = mx.array(table)
+        self.tables = index_array(table)
         # What attention reads; a swapped row reads its staging blocks, then its resident
         # ones (pool/swap.py), and RoPE takes its true positions (`positions`).
         lengths = np.asarray(
             [e if s is None or stream else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
             dtype=np.int32,
         )
-        self.lengths = mx.array(lengths)
+        self.lengths = index_array(lengths)
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
         self.stream = stream
         # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers

@@ -1,0 +1,241 @@
+"""Experiments on a lent CUDA machine, many in one call (docs/gpu-attention.md, "Profile").
+
+``kernel``: the paged attention kernel alone (one layer, one decode query per query head,
+the default format 2), at several contexts and two head shapes (SmolLM2-135M's 3 KV heads
+of 64, Llama-3-8B's 8 of 128), in variants made here by text substitution: as shipped; its
+small inputs (tables, lengths, tail slots, dims, scale) copied into device memory first
+(MLX's CUDA backend keeps arrays made from host data in managed memory); ``__expf`` for
+``expf``; other part sizes. Against MLX's fused attention over float16 keys and values.
+
+``decode``: one engine (or mlx-lm) decoding 128 tokens after a 1K prompt, in this process,
+for an A/B of environment settings run as separate processes by the caller.
+
+    python tests/scripts/gpu_lab.py kernel --tokenizer .devkit/tokenizer
+    MLX_USE_CUDA_GRAPHS=0 python tests/scripts/gpu_lab.py decode --arm q4 --tokenizer ...
+
+A developer's tool for the device, not part of the product.
+"""
+# ruff: noqa: B023  (each closure runs inside the iteration that makes it)
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+CALLS = 20
+
+
+def timed(fn, repeats: int = 30) -> float:
+    """Median microseconds of one call (CALLS calls an evaluation)."""
+    for _ in range(2):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6 / CALLS
+
+
+def device_copy(a):
+    """``a`` in device memory (an operation's output), evaluated."""
+    if a is None:
+        return None
+    out = a + mx.zeros((), dtype=a.dtype) if a.dtype != mx.bool_ else a
+    mx.eval(out)
+    return out
+
+
+def variant(suffix: str, subs: list[tuple[str, str]]):
+    """Make the kernels gpu.py builds carry ``subs`` (and another name, so MLX compiles them
+    anew)."""
+    from agentkv.kernels import gpu
+
+    original = variant.original
+    if suffix:
+
+        def make(*, name, input_names, output_names, source, header="", **options):
+            for a, b in subs:
+                source, header = source.replace(a, b), header.replace(a, b)
+            return original(name=name + suffix, input_names=input_names,
+                            output_names=output_names, source=source, header=header,
+                            **options)  # fmt: skip
+
+        mx.fast.cuda_kernel = make
+    else:
+        mx.fast.cuda_kernel = original
+    gpu._kernel.cache_clear()
+
+
+variant.original = mx.fast.cuda_kernel
+
+
+def kernel_lab(args) -> list[dict]:
+    from agentkv import Engine, kernels
+    from agentkv.format.geometry import BLOCK_TOKENS
+    from agentkv.kernels import gpu as gpu_kernels
+    from agentkv.kernels.types import HostIndex, PagedQuery
+    from agentkv.pool import KVPool
+    from benchmarks import gpu
+    from benchmarks.common import synthetic_table
+
+    rows = []
+    cuda = "cuda" in kernels.available_backends()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gpu.build_model("smollm2-135m", Path(tmp) / "m", Path(args.tokenizer))
+        engine = Engine(model=str(path), cache_dir=Path(tmp) / "kv", pool_bytes=256 << 20)
+        try:
+            base_spec, quant = engine.spec, engine.quant
+            shapes = {"135m": (base_spec, 9), "8b": (replace(
+                base_spec, kv_heads=8, key_head_dim=128, value_head_dim=128), 32)}  # fmt: skip
+            for shape, (spec, q_heads) in shapes.items():
+                for context in [int(c) for c in args.contexts.split(",")]:
+                    layer = 0
+                    block_bytes = KVPool(spec, quant, pool_bytes=64 << 20).arena.block_bytes
+                    pool = KVPool(
+                        spec, quant, pool_bytes=(context // BLOCK_TOKENS + 4) * block_bytes
+                    )
+                    table = synthetic_table(pool, context)
+                    arena = pool.arena
+                    lq = arena.layer_quants[layer]
+                    ct = lq.channel_tokens if lq.channel_keys else 0
+                    host = HostIndex(
+                        tables=np.asarray([table.blocks], np.int32),
+                        lengths=np.asarray([context], np.int32),
+                        tail_slots=np.asarray([table.tail], np.int32) if ct else None,
+                    )
+                    dim = spec.key_head_dim
+
+                    def paged(device: bool):
+                        f = device_copy if device else (lambda a: a)
+                        return PagedQuery(
+                            arena.keys(layer), arena.values(layer),
+                            f(mx.array([table.blocks], dtype=mx.int32)),
+                            f(mx.array([context], dtype=mx.int32)),
+                            spec.kv_heads, BLOCK_TOKENS, lq.key_bits, lq.value_bits,
+                            lq.group_size, 0, None, ct, arena.tails[layer] if ct else None,
+                            f(mx.array(host.tail_slots)) if ct else None, host,
+                        )  # fmt: skip
+
+                    queries = [
+                        mx.random.normal((1, q_heads, 1, dim)).astype(mx.float16)
+                        for _ in range(CALLS)
+                    ]
+                    mx.eval(queries)
+                    kv_bytes = context * sum(c.heads * c.row_bytes for c in arena.components[layer])
+                    longest = context
+
+                    def run(p, launch=None):
+                        return lambda: [
+                            kernels.paged_attention_body(x, p, scale=dim**-0.5)
+                            if launch is None
+                            else gpu_kernels.for_backend("cuda").paged_attention(
+                                x, p, scale=dim**-0.5, launch=launch)
+                            for x in queries
+                        ]  # fmt: skip
+
+                    plain, on_device = paged(False), paged(True)
+                    base_launch = plain.launch(queries[0])
+                    cases = [("as shipped", "", [], plain, None),
+                             ("small inputs in device memory", "", [], on_device, None),
+                             ("__expf", "_fastexp", [("expf(x)", "__expf(x)")], plain, None),
+                             ("__expf + device inputs", "_fastexp", [("expf(x)", "__expf(x)")],
+                              on_device, None)]  # fmt: skip
+                    for keys_a_part in (256, 1024) if cuda else ():
+                        splits = max(1, min(128, math.ceil(longest / keys_a_part)))
+                        launch = plain.launch(queries[0], splits=splits)
+                        cases.append((f"{splits} parts", "", [], on_device, launch))
+                    orig_ints, orig_floats = gpu_kernels._ints, gpu_kernels._floats
+                    for name, suffix, subs, p, launch in cases:
+                        variant(suffix, subs)
+                        if p is on_device:  # the kernel's dims and scale too
+                            gpu_kernels._ints = lambda v: device_copy(orig_ints(v))
+                            gpu_kernels._floats = lambda v: device_copy(orig_floats(v))
+                        try:
+                            us = timed(run(p, launch))
+                        except Exception as exc:  # noqa: BLE001  (a variant that fails says so)
+                            us = None
+                            name += f" (failed: {type(exc).__name__}: {str(exc)[:120]})"
+                        finally:
+                            gpu_kernels._ints, gpu_kernels._floats = orig_ints, orig_floats
+                            variant("", [])
+                        row = {"shape": shape, "context": context, "case": name,
+                               "launch": str(launch or base_launch), "us": us and round(us, 1),
+                               "gbps": us and round(kv_bytes / (us * 1e-6) / 1e9, 1)}  # fmt: skip
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                    keys = mx.random.normal((1, spec.kv_heads, context, dim)).astype(mx.float16)
+                    values = mx.random.normal((1, spec.kv_heads, context, dim)).astype(mx.float16)
+                    us = timed(lambda: [mx.fast.scaled_dot_product_attention(
+                        x, keys, values, scale=dim**-0.5) for x in queries])  # fmt: skip
+                    gbps = (keys.nbytes + values.nbytes) / (us * 1e-6) / 1e9
+                    row = {"shape": shape, "context": context, "case": "mlx sdpa fp16",
+                           "us": round(us, 1), "gbps": round(gbps, 1)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+                    table.release()
+                    mx.clear_cache()
+        finally:
+            engine.close()
+    return rows
+
+
+def decode(args) -> dict:
+    """128 tokens after a 1K prompt, timed from outside (bench gpu's way)."""
+    from benchmarks import gpu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gpu.build_model(args.shape, Path(tmp) / "m", Path(args.tokenizer))
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(str(path))
+        prompt = gpu.prompt_text(tokenizer, args.context)
+        if args.arm == "mlx-lm":
+            gpu.mlx_lm_generate(model, tokenizer, prompt[:2000], 8)
+            row = gpu.mlx_lm_generate(model, tokenizer, prompt, 128)
+        else:
+            from agentkv import Engine
+
+            options = {"kv_bits": 16} if args.arm == "kv16" else {}
+            engine = Engine(model=str(path), cache_dir=Path(tmp) / "kv", pool_bytes=1 << 30,
+                            **options)  # fmt: skip
+            try:
+                gpu._warm_up(model, tokenizer, {"a": engine})
+                row, text = gpu.agentkv_generate(engine, "a", prompt, 128)
+                row2, _ = gpu.agentkv_generate(engine, "a", prompt + text + "\n\nGo on.", 128)
+                row["hot_decode_tps"] = row2["decode_tps"]
+            finally:
+                engine.close()
+    return {"arm": args.arm, "shape": args.shape, "context": args.context, **row}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["kernel", "decode"])
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--arm", default="q4", choices=["q4", "kv16", "mlx-lm"])
+    parser.add_argument("--shape", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    if args.what == "kernel":
+        kernel_lab(args)
+    else:
+        print(json.dumps(decode(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

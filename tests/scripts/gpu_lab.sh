@@ -1,0 +1,26 @@
+#!/bin/bash
+# One lent-GPU call of experiments (tests/scripts/gpu_lab.py): installs as gpu_check.sh does
+# (carry .devkit), then the kernel's variants alone, then decode A/Bs of MLX's CUDA graph
+# settings, each arm a process of its own, one after another. Results: $OUT/lab.jsonl.
+OUT=${OUT:-/tmp/gpu-lab}
+mkdir -p "$OUT"
+TESTS=0 BENCH=0 bash tests/scripts/gpu_check.sh > "$OUT/install.log" 2>&1 || exit 1
+export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx PYTHONUNBUFFERED=1
+LAB="python3 tests/scripts/gpu_lab.py --tokenizer .devkit/tokenizer"
+timeout ${KERNEL_LIMIT:-90} $LAB kernel --contexts 1024,8192,32768 | tee -a "$OUT/lab.jsonl"
+arm() {  # name, one VAR=value, then the lab's arguments
+  local name=$1 setting=$2
+  shift 2
+  echo "== $name"
+  env "$setting" timeout ${ARM_LIMIT:-35} $LAB decode "$@" 2> "$OUT/arm-err.log" | sed "s/^{/{\"env\": \"$name\", /" |
+    tee -a "$OUT/lab.jsonl" || tail -3 "$OUT/arm-err.log"
+}
+arm default-q4 X=0 --arm q4
+arm default-mlx-lm X=0 --arm mlx-lm
+arm devindex-q4 AGENTKV_GPU_DEVICE_INDEX=1 --arm q4
+arm graph1000-q4 MLX_MAX_OPS_PER_BUFFER=1000 --arm q4
+arm graph1000-mlx-lm MLX_MAX_OPS_PER_BUFFER=1000 --arm mlx-lm
+arm nographs-q4 MLX_USE_CUDA_GRAPHS=0 --arm q4
+arm default-kv16 X=0 --arm kv16
+arm devindex-kv16 AGENTKV_GPU_DEVICE_INDEX=1 --arm kv16
+arm nographs-mlx-lm MLX_USE_CUDA_GRAPHS=0 --arm mlx-lm
