@@ -37,12 +37,15 @@ import numpy as np  # noqa: E402
 CALLS = 20
 
 
-def timed(fn, repeats: int = 30) -> float:
+REPEATS = [30]  # timed evaluations a case (--repeats)
+
+
+def timed(fn, repeats: int | None = None) -> float:
     """Median microseconds of one call (CALLS calls an evaluation)."""
     for _ in range(2):
         mx.eval(fn())
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats or REPEATS[0]):
         start = time.perf_counter()
         mx.eval(fn())
         times.append(time.perf_counter() - start)
@@ -94,11 +97,12 @@ def kernel_lab(args) -> list[dict]:
     rows = []
     cuda = "cuda" in kernels.available_backends()
     with tempfile.TemporaryDirectory() as tmp:
-        path = gpu.build_model("smollm2-135m", Path(tmp) / "m", Path(args.tokenizer))
+        path = gpu.build_model(args.shape, Path(tmp) / "m", Path(args.tokenizer))
         engine = Engine(model=str(path), cache_dir=Path(tmp) / "kv", pool_bytes=256 << 20)
         try:
             base_spec, quant = engine.spec, engine.quant
-            shapes = {"135m": (base_spec, 9), "8b": (replace(
+            # the model's own KV shape (SmolLM2-135M's by default), and Llama-3-8B's
+            shapes = {"135m": (base_spec, 3 * base_spec.kv_heads), "8b": (replace(
                 base_spec, kv_heads=8, key_head_dim=128, value_head_dim=128), 32)}  # fmt: skip
             for shape, (spec, q_heads) in shapes.items():
                 for context in [int(c) for c in args.contexts.split(",")]:
@@ -229,7 +233,9 @@ def main() -> int:
     parser.add_argument("--arm", default="q4", choices=["q4", "kv16", "mlx-lm"])
     parser.add_argument("--shape", default="smollm2-135m")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=30, help="timed evaluations a case")
     args = parser.parse_args()
+    REPEATS[0] = args.repeats
     if args.what == "kernel":
         kernel_lab(args)
     else:

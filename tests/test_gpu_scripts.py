@@ -1,0 +1,59 @@
+"""The developer's scripts for a lent GPU (tests/scripts/gpu_profile.py, gpu_lab.py) run
+their whole course here on the CPU, a tiny shape, so a GPU call is not spent on a script
+that breaks before it measures (the profiler and the CUDA-only variants left out)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import TOKENIZER_ENV
+
+from agentkv.model.load import ensure_embedded_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tokenizer_dir() -> Path:
+    import os
+
+    return Path(os.environ.get(TOKENIZER_ENV) or ensure_embedded_model())
+
+
+def run(python_env, *args) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=python_env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_the_profile_script_runs_every_case(python_env, tmp_path):
+    out = tmp_path / "profile.json"
+    run(python_env, "tests/scripts/gpu_profile.py", "--shape", "tiny", "--contexts", "160",
+        "--tokens", "4", "--batch", "2", "--tokenizer", str(tokenizer_dir()), "--out", str(out),
+        "--dry-run")  # fmt: skip
+    cases = json.loads(out.read_text())
+    assert set(cases) == {f"{arm} {what}" for arm in ("q4", "kv16")
+                          for what in ("decode at 160", "batch of 2 at 1024")}  # fmt: skip
+    assert cases["q4 decode at 160"]["tokens"] == 4
+    assert cases["q4 batch of 2 at 1024"]["tokens"] == 8
+
+
+def test_the_lab_runs_its_kernel_cases_and_a_decode_arm(python_env):
+    tokenizer = str(tokenizer_dir())
+    kernel = run(python_env, "tests/scripts/gpu_lab.py", "kernel", "--contexts", "160",
+                 "--repeats", "1", "--shape", "tiny", "--tokenizer", tokenizer)  # fmt: skip
+    rows = [json.loads(line) for line in kernel.stdout.splitlines()]
+    assert {r["shape"] for r in rows} == {"135m", "8b"}
+    assert all(r["us"] and r["us"] > 0 for r in rows), rows
+    assert {"as shipped", "small inputs in device memory", "mlx sdpa fp16"} <= {
+        r["case"] for r in rows
+    }
+    decode = run(python_env, "tests/scripts/gpu_lab.py", "decode", "--arm", "q4", "--shape",
+                 "tiny", "--tokenizer", tokenizer)  # fmt: skip
+    row = json.loads(decode.stdout.splitlines()[-1])
+    assert row["tokens"] == 128 and row["cache"] == "cold" and row["hot_decode_tps"] > 0
