@@ -78,3 +78,29 @@ def test_tails_read_and_write_through_copies():
     assert np.array_equal(cpu.arena.read_tail(3, 700 % 64), gpu.arena.read_tail(3, 700 % 64))
     assert np.array_equal(cpu.arena.read_prev(3), gpu.arena.read_prev(3))
     assert np.array_equal(cpu.arena.read_tail(0, 700 % 64), gpu.arena.read_tail(0, 700 % 64))
+
+
+def test_the_host_reads_one_buffer_a_save():
+    """``one_buffer``: the parts a save or a tail read hands the host are views of one
+    evaluated buffer, 16-byte aligned, with the parts' values, dtypes and shapes; so on a GPU
+    the host's read moves one buffer, not one per layer and component. ``host_buffers``: the
+    staging arrays of a reload, zeroed views of one array made from host data."""
+    from agentkv import _ext
+    from agentkv.pool.arena import host_buffers, one_buffer
+
+    parts = [
+        mx.arange(15, dtype=mx.uint32).reshape(3, 5),
+        mx.arange(7, dtype=mx.float16).reshape(7, 1),  # 14 bytes: the next one is padded
+        mx.arange(12, dtype=mx.uint16).reshape(2, 6),
+    ]
+    out = one_buffer(parts)
+    addresses = [_ext.data_address(a) for a in out]
+    assert [b - addresses[0] for b in addresses] == [0, 64, 80]
+    for a, b in zip(out, parts):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.array(a), np.array(b))
+    staging = host_buffers([((4, 3), mx.uint32), ((5,), mx.float16), ((2, 2), mx.uint16)])
+    addresses = [_ext.data_address(a) for a in staging]
+    assert [b - addresses[0] for b in addresses] == [0, 48, 64]
+    assert [a.shape for a in staging] == [(4, 3), (5,), (2, 2)]
+    assert all(not np.array(a).any() for a in staging)

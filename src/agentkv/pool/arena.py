@@ -51,7 +51,6 @@ from .blocks import PoolExhaustedError
 
 IO_THREADS = 2
 FIRST_TAIL_SLOTS = 16
-NUMPY_DTYPES = {mx.uint32: np.uint32, mx.float16: np.float16, mx.uint16: np.uint16}
 # AGENTKV_GPU_DEVICE_INDEX=1: a step's indices copied into device memory (``index_array``)
 DEVICE_INDEX_ENV = "AGENTKV_GPU_DEVICE_INDEX"
 
@@ -65,6 +64,46 @@ def index_array(values) -> mx.array:
     if a.size and _device_index():
         a = a + _zero(a.dtype)
     return a
+
+
+def one_buffer(parts: list[mx.array]) -> list[mx.array]:
+    """``parts`` as views of one evaluated buffer (each 16-byte aligned), for the host to
+    read. On a GPU the host's first read moves the array it reads into managed memory with a
+    synchronous copy (MLX's CUDA backend): one buffer is one such copy a save or a tail read,
+    where each part of its own was one (docs/gpu-attention.md, "Profile")."""
+    if len(parts) < 2:
+        mx.eval(parts)
+        return list(parts)
+    chunks, offsets, at = [], [], 0
+    for part in parts:
+        flat = mx.view(part, mx.uint8).reshape(-1)
+        offsets.append(at)
+        chunks.append(flat)
+        at += flat.size
+        if pad := -at % 16:
+            chunks.append(mx.zeros((pad,), dtype=mx.uint8))
+            at += pad
+    whole = mx.concatenate(chunks)
+    out = [
+        mx.view(whole[o : o + part.nbytes], part.dtype).reshape(part.shape)
+        for o, part in zip(offsets, parts)
+    ]
+    mx.eval(out)
+    return out
+
+
+def host_buffers(shapes: list[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
+    """Zeroed arrays of these shapes and dtypes made from host data, as views of one array
+    (``one_buffer``'s reason: one allocation in managed memory, not one each)."""
+    sizes = [int(np.prod(shape)) * dtype.size for shape, dtype in shapes]
+    aligned = [n + (-n % 16) for n in sizes]
+    whole = mx.array(np.zeros(sum(aligned), np.uint8))
+    out, at = [], 0
+    for (shape, dtype), n, step in zip(shapes, sizes, aligned):
+        out.append(mx.view(whole[at : at + n], dtype).reshape(shape))
+        at += step
+    mx.eval(out)
+    return out
 
 
 @cache
@@ -318,8 +357,7 @@ class KVArena:
         first, last = slot * self.heads * self.ct, (slot + 1) * self.heads * self.ct
         if not self._lazy:
             rows = mx.arange(first, last, dtype=mx.int32)
-            copies = [mx.take(t, rows, axis=0) for t in arrays]
-            mx.eval(copies)
+            copies = one_buffer([mx.take(t, rows, axis=0) for t in arrays])
             return [np.array(c).reshape(self.heads, self.ct, -1) for c in copies]
         return [
             np.asarray(memoryview(t))[first:last].reshape(self.heads, self.ct, -1) for t in arrays
@@ -462,9 +500,8 @@ class KVArena:
         slots = sorted({r[5] for r in regions})
         index = {slot: i for i, slot in enumerate(slots)}
         rows = len(slots) * self.heads * BLOCK_TOKENS
-        staging = [  # unified memory from the start: the extension writes it, MLX reads it
-            mx.array(np.zeros((rows, a.shape[1]), NUMPY_DTYPES[a.dtype])) for a in self._flat()
-        ]
+        # unified memory from the start: the extension writes it, MLX reads it
+        staging = host_buffers([((rows, a.shape[1]), a.dtype) for a in self._flat()])
         staged = [(*r[:5], index[r[5]]) for r in regions]
         _ext.read_regions(staging, *self._layout, len(slots), files, staged, IO_THREADS)
         self._scatter_blocks(staging, slots)
@@ -477,8 +514,7 @@ class KVArena:
         arrays, capacity = self._flat(), self.capacity
         if not self._lazy and slots:
             rows = self._block_rows(slots)
-            arrays = [mx.take(a, rows, axis=0) for a in arrays]
-            mx.eval(arrays)
+            arrays = one_buffer([mx.take(a, rows, axis=0) for a in arrays])
             slots, capacity = list(range(len(slots))), len(slots)
         return _ext.pack_regions(arrays, *self._layout, capacity, slots, tokens, layouts, 2)
 
