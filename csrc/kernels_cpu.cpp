@@ -195,7 +195,7 @@ bool power_of_two_in(int x, int lo, int hi) {
 
 mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables_in,
-                          const mx::array& lengths_in, const std::array<int, 16>& dims,
+                          const mx::array& lengths_in, const std::array<int, 17>& dims,
                           const std::optional<mx::array>& sinks_in, float scale_value, int threads,
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in, int vectors,
@@ -205,7 +205,7 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
   const auto [n_rows, q_heads, kv_heads, n_queries, dim, dim_v, width, block_tokens, kbits, vbits,
-              group, window, has_sinks, channel_tokens, splits, split_keys] = dims;
+              group, window, has_sinks, channel_tokens, splits, split_keys, rotate] = dims;
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   auto grouped = [&](int bits, int d) { return bits == 16 || (group >= 1 && d % group == 0); };
   if (n_rows < 1 || q_heads < 1 || kv_heads < 1 || q_heads % kv_heads || n_queries < 1 || dim < 1 ||
@@ -214,7 +214,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       window < 0 || has_sinks != (sinks_in ? 1 : 0) || splits < 1 || split_keys < 1 ||
       !power_of_two_in(vectors, 1, 8) || !power_of_two_in(lanes_per_key, 4, 32) ||
       (dim + lanes_per_key - 1) / lanes_per_key > 8 ||
-      (dim_v + lanes_per_key - 1) / lanes_per_key > 8 ||
+      (dim_v + lanes_per_key - 1) / lanes_per_key > 8 || (rotate != 0 && rotate != 1) ||
+      (rotate && (dim != dim_v || dim != 8 * lanes_per_key)) ||
       (channel_tokens != 0 && (channel_tokens < 8 || kbits == 16 || dim % channel_tokens ||
                                block_tokens % channel_tokens || !tail_in || !tail_slots_in))) {
     throw std::invalid_argument("paged attention: bad dims");
@@ -291,7 +292,9 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
   mx::array parts_out =
       splits > 1 ? new_array({static_cast<int>(outputs), splits, dim_v}, mx::float32) : out;
   mx::array stats = new_array({static_cast<int>(outputs), splits, 2}, mx::float32);
-  const float scale[1] = {scale_value};
+  // rotate: 1 / sqrt(D) of the queries' rotation folded into their scale, then the output's
+  const float scale[2] = {rotate ? scale_value / std::sqrt(static_cast<float>(dim)) : scale_value,
+                          rotate ? 1.0f / std::sqrt(static_cast<float>(dim_v)) : 1.0f};
   const PagedArgs args{q.data<float>(),
                        parts[0].data<uint32_t>(),
                        parts[1].data<uint16_t>(),

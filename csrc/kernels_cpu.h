@@ -21,7 +21,7 @@ namespace mx = mlx::core;
 // Format 2: `done` and `done_first`, the groups the step completes (none where absent).
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
-                          const mx::array& lengths, const std::array<int, 16>& dims,
+                          const mx::array& lengths, const std::array<int, 17>& dims,
                           const std::optional<mx::array>& sinks, float scale, int threads,
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots, int vectors,

@@ -19,11 +19,11 @@
 //          vs, vb  half[rows * Dv / group]         (16 bits: unread)
 //          tables  int[B * M]    row b's blocks, in token order
 //          lengths int[B]        tokens of row b, these queries included
-//          dims    int[16]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
+//          dims    int[17]       B, Hq, Hkv, L, D, Dv, M, block_tokens, kbits, vbits,
 //                                group, window (0: none), has_sinks, channel_tokens, splits,
-//                                split_keys
+//                                split_keys, rotate
 //          sinks   float[Hq]     (read only if has_sinks)
-//          scale   float[1]
+//          scale   float[2]      the queries' scale; rotate: the output's (1 / sqrt(Dv))
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
 //          tail_slots int[B]
 //          done    half[entries * channel_tokens * D]  the channel groups this step
@@ -35,7 +35,13 @@
 // keys in its tail slot. A query inside a group its step completes, before the group's last
 // token, reads that group's keys in float16 from `done` (one token at a time, they would
 // still be in its tail): its other groups quantized, as every later query reads them.
-// Rotation (format 2) is the caller's: queries in, output out.
+// Rotation (format 2, whose keys and values are stored times the Walsh-Hadamard matrix H):
+// with rotate = 1 (D == Dv == 8 * KL, a power of two) the body rotates each query as it
+// loads it (H q: three butterfly stages in a lane's 8 channels, log2(KL) across the team's
+// lanes by shuffles; the caller folds 1 / sqrt(D) into scale[0]) and each output before it
+// writes it (H o from threadgroup memory, times scale[1]); so q.(H k) == (H q).(H k) needs no
+// operations around the kernel. A part's sums are rotated as they are: the merge pass adds
+// them linearly. rotate = 0: the caller rotates, if the format does.
 // outputs: splits == 1: out T[B * Hq * L * Dv], the attention; stats unwritten.
 //          splits > 1:  out float[B * Hq * L * splits * Dv], each split's sum of
 //                       exp(score - m) * value, and stats float[B * Hq * L * splits * 2]
@@ -106,6 +112,7 @@ const int has_sinks = dims[12];
 const int channel_tokens = dims[13];
 const int n_splits = dims[14];
 const int split_keys = dims[15];
+const int rotate = dims[16];
 const int rep = q_heads / kv_heads;
 const int n_vectors = n_queries * rep;
 const int tid = (int)kv_tid;
@@ -168,6 +175,24 @@ for (int j = 0; j < NQ; ++j) {
   for (int e = 0; e < 8; ++e) {
     const int d = d0 + e;
     q[j][e] = real && e < key_count ? kv_float(q_in[q0 + (unsigned int)d]) * scale[0] : 0.0f;
+  }
+  if (rotate) {  // H q: channel d = 8 * team_lane + e (8 channels a lane, KL lanes a key)
+    for (int s = 1; s < 8; s *= 2) {
+      for (int e = 0; e < 8; ++e) {
+        if ((e & s) == 0) {
+          const float a = q[j][e];
+          const float c = q[j][e + s];
+          q[j][e] = a + c;
+          q[j][e + s] = a - c;
+        }
+      }
+    }
+    for (int s = 1; s < KL; s *= 2) {
+      for (int e = 0; e < 8; ++e) {
+        const float other = KV_SHUFFLE_XOR(q[j][e], s);
+        q[j][e] = (team_lane & s) != 0 ? other - q[j][e] : q[j][e] + other;
+      }
+    }
   }
 }
 int row_splits = (k_hi - k_lo + split_keys - 1) / split_keys;
@@ -367,7 +392,20 @@ for (int k = tid; k < NQ * dim_v; k += TG) {
     const int i = v / rep;
     const int h = kvh * rep + v % rep;
     const unsigned int o = (unsigned int)((b * q_heads + h) * n_queries + i);
-    const float sum = merged[j * 8 * KL + d];
+    float sum = merged[j * 8 * KL + d];
+    if (rotate) {  // (H o)[d] = sum over c of (-1)^popcount(d & c) o[c], times 1 / sqrt(Dv)
+      sum = 0.0f;
+      for (int c = 0; c < dim_v; ++c) {
+        int x = d & c;
+        x ^= x >> 8;
+        x ^= x >> 4;
+        x ^= x >> 2;
+        x ^= x >> 1;
+        const float o = merged[j * 8 * KL + c];
+        sum += (x & 1) != 0 ? -o : o;
+      }
+      sum *= scale[1];
+    }
     if (n_splits == 1) {
       float total = l_all[j];
       float keep = 1.0f;

@@ -15,7 +15,7 @@ import pytest
 from helpers import bits_equal, format_2_batch, jagged_batch, random_components, tiny_llama_dir
 
 from agentkv import Engine, kernels
-from agentkv.format.quant import V1, KVQuant
+from agentkv.format.quant import V1, KVQuant, hadamard
 from agentkv.kernels import RowSource, attention
 
 GPUS = [name for name in ("metal", "cuda") if name in kernels.available_backends()]
@@ -99,6 +99,25 @@ def test_paged_attention_body_reads_format_2_tails(gpu, window, q_heads):
     _, q, paged = format_2_batch(window, q_heads)
     body = on(gpu, lambda: kernels.paged_attention_body(q, paged, scale=0.125))
     close(body, reference(q, paged), atol=2e-3)
+
+
+@pytest.mark.parametrize("dim,dtype", [(64, mx.float16), (128, mx.float32)])
+def test_the_kernel_rotates_format_2_queries_and_output_inside_itself(gpu, dim, dtype):
+    """``PagedQuery.rotate``: the kernel's own Walsh-Hadamard transforms (no operations
+    around it) against MLX's transform around the kernel, over the 8K row's 128 parts too."""
+    _, _, q, paged = jagged_batch(KVQuant(4, 4, 64, **V1), CONTEXTS, q_heads=6, dim=dim)
+    q = q.astype(dtype)
+    inside = paged._replace(rotate=True)
+    assert inside.rotates_inside(q)
+    body = on(gpu, lambda: kernels.paged_attention_body(q, inside, scale=0.125))
+    around = on(
+        gpu, lambda: hadamard(kernels.paged_attention_body(hadamard(q), paged, scale=0.125))
+    )
+    close(
+        body.astype(mx.float32),
+        around.astype(mx.float32),
+        atol=3e-4 if dtype == mx.float32 else 3e-3,
+    )
 
 
 # The contexts the issue names (1, 5, 64, 1K, 8K) as one jagged batch, in every width

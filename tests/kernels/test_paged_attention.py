@@ -11,12 +11,19 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import FLOAT_ATOL, attention_atol, format_2_batch, jagged_batch, table_arrays
+from helpers import (
+    FLOAT_ATOL,
+    FUSED_ATOL,
+    attention_atol,
+    format_2_batch,
+    jagged_batch,
+    table_arrays,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv import _ext, kernels
-from agentkv.format.quant import V1, KVQuant
+from agentkv.format.quant import V1, KVQuant, hadamard
 from agentkv.kernels import attention, cpu, dense
 from agentkv.kernels.types import MAX_SPLITS, SPLIT_KEYS, HostIndex
 
@@ -282,3 +289,41 @@ def test_the_dense_prefill_path_reads_format_2_tails(window):
 
 def reference(q, paged):
     return kernels.reference.paged_attention(q, paged, scale=0.125)
+
+
+@pytest.mark.parametrize("dim,q_heads,queries", [(32, 4, 1), (64, 6, 3), (128, 4, 1), (256, 2, 2)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_body_rotates_queries_and_output_inside_itself(dim, q_heads, queries, splits):
+    """Format 2's rotation inside the kernel (``PagedQuery.rotate``: the query's Walsh-Hadamard
+    transform by butterflies in a lane and across its team, the output's from threadgroup
+    memory) gives what rotating around it gives: H . body(H q), H from MLX's transform, in
+    pass 1 alone and through the merge pass. On a GPU that is two operations a layer fewer."""
+    _, _, q, paged = jagged_batch(KVQuant(4, 4, 32, **V1), [700, queries, 300], queries=queries,
+                                  q_heads=q_heads, dim=dim)  # fmt: skip
+    launch = paged.launch(q, splits=splits)
+    inside = paged._replace(rotate=True)
+    assert inside.rotates_inside(q, launch)
+    body = cpu.paged_attention(q, inside, scale=0.125, launch=launch)
+    around = hadamard(cpu.paged_attention(hadamard(q), paged, scale=0.125, launch=launch))
+    close(body, around, atol=2e-5)
+    assert not mx.allclose(body, cpu.paged_attention(q, paged, scale=0.125, launch=launch))
+
+
+def test_a_rotating_format_reads_the_same_through_every_entry_point():
+    """Format 2 in a pool step: the body rotating inside itself gives the body rotated around
+    it; the entry point (``paged_attention_body``) and the dispatch (here the fused CPU
+    kernel, rotated around) agree with it, the reference within its format-2 tolerance. A
+    launch whose lanes do not hold 8 channels each cannot rotate inside: the extension
+    refuses it."""
+    _, q, paged = format_2_batch()
+    inside = paged._replace(rotate=True)
+    body = cpu.paged_attention(q, inside, scale=0.125)
+    close(body, hadamard(cpu.paged_attention(hadamard(q), paged, scale=0.125)), atol=2e-5)
+    close(kernels.paged_attention_body(q, inside, scale=0.125), body, atol=2e-5)
+    close(attention.paged_attention(q, inside, scale=0.125), body, atol=FUSED_ATOL)
+    want = hadamard(kernels.reference.paged_attention(hadamard(q), paged, scale=0.125))
+    np.testing.assert_allclose(np.array(body), np.array(want), atol=2e-3, rtol=1e-3)
+    wide = paged.launch(q)._replace(lanes_per_key=16)  # 4 channels a lane
+    assert not inside.rotates_inside(q, wide)
+    with pytest.raises(ValueError, match="bad dims"):
+        cpu.paged_attention(q, inside, scale=0.125, launch=wide)

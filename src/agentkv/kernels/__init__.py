@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from ..errors import InvalidRequestError
+from ..format.quant import hadamard
 from . import cpu, gpu, reference
 from .types import ExtractRow, PagedQuery, RowSource
 
@@ -121,6 +122,9 @@ def paged_attention_body(queries: mx.array, paged: PagedQuery, *, scale: float) 
     batch's queries over the pool's arenas, through block tables."""
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
         raise InvalidRequestError("per-channel keys need their tails and tail slots")
+    if paged.rotate and (_impl() is reference or not paged.rotates_inside(queries)):
+        out = _impl().paged_attention(hadamard(queries), paged._replace(rotate=False), scale=scale)
+        return hadamard(out)  # the body rotates inside itself where it can (PagedQuery.rotate)
     return _impl().paged_attention(queries, paged, scale=scale)
 
 

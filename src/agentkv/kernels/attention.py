@@ -20,8 +20,11 @@ Each call takes one of three paths, counted by ``paths_used``:
 * ``quantized_matmul`` — everywhere else, the pure-MLX reference (``kernels/reference.py``).
   ``AGENTKV_ATTENTION=reference`` forces it.
 
-Format 2 (per-channel keys) also reads each row's float16 tail, its filling group; rotation
-is the caller's (queries in, output out, both in the stored space).
+Format 2 (per-channel keys) also reads each row's float16 tail, its filling group. Its
+rotation (keys and values stored times H): ``paged_attention`` takes queries as they are
+where ``PagedQuery.rotate`` says so, and the paged kernel rotates them and their output
+inside itself where it can (``PagedQuery.rotates_inside``; two operations a layer fewer);
+every other path, and ``cache_attention``, gets queries rotated by the caller.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import ClassVar
 
 import mlx.core as mx
 
-from ..format.quant import KVQuant
+from ..format.quant import KVQuant, hadamard
 from . import backend, cpu, dense, gpu, reference
 from .masks import NOT_OURS, mask_window
 from .types import PagedQuery
@@ -140,6 +143,16 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
         raise ValueError("per-channel keys need their tails and tail slots")
     quant = paged.quant()
+    kernel = (
+        os.environ.get(ENV) != "reference"
+        and backend() in ("metal", "cuda")
+        and not fused_takes(quant, queries)
+        and not dense.takes(queries, paged)
+    )
+    if paged.rotate and not (kernel and paged.rotates_inside(queries)):
+        # q.(H k) == (H q).(H k); values are stored as H v
+        out = paged_attention(hadamard(queries), paged._replace(rotate=False), scale=scale)
+        return hadamard(out)
     if fused_takes(quant, queries):
         _PATHS[FUSED] += 1
         return cpu.fused_paged_attention(queries, paged, scale=scale)

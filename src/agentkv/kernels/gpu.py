@@ -151,7 +151,7 @@ def for_backend(backend: str) -> SimpleNamespace:
                 paged.lengths,
                 _ints(paged.dims(queries, launch)),
                 sinks,
-                _floats((scale,)),
+                _floats(paged.kernel_scales(scale, queries)),
                 paged.tail if paged.tail is not None else _zeros(1, mx.float16),
                 paged.tail_slots if paged.tail_slots is not None else _zeros(B, mx.int32),
                 paged.done if paged.done is not None else _zeros(1, mx.float16),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -53,6 +54,10 @@ class PagedQuery(NamedTuple):
     # kernels/dense.py)
     done: mx.array | None = None
     done_first: mx.array | None = None
+    # KV format 2's rotation: keys and values are stored times H. True: the caller hands in
+    # queries as they are and takes the output as it is, and the path rotates both (the
+    # paged kernel inside itself where the shape allows: ``rotates_inside``)
+    rotate: bool = False
 
     def quant(self) -> KVQuant:
         """The KV format these arenas hold."""
@@ -78,7 +83,23 @@ class PagedQuery(NamedTuple):
             self.channel_tokens,
             launch.splits,
             launch.split_keys,
+            int(self.rotate),
         )
+
+    def rotates_inside(self, queries: mx.array, launch: Launch | None = None) -> bool:
+        """Whether the paged kernel rotates these queries and their output itself: a
+        rotating format whose key and value dims are equal, a power of two, 8 channels a lane
+        (kernels/paged_attention.metal)."""
+        dim = queries.shape[-1]
+        launch = launch or self.launch(queries)
+        return self.rotate and dim == self.value_dim and dim == 8 * launch.lanes_per_key
+
+    def kernel_scales(self, scale: float, queries: mx.array) -> tuple[float, float]:
+        """The kernel's ``scale`` input: the queries' (times 1 / sqrt(D) where it rotates
+        them) and the output's rotation (1 / sqrt(Dv))."""
+        if not self.rotate:
+            return (scale, 1.0)
+        return (scale / math.sqrt(queries.shape[-1]), 1 / math.sqrt(self.value_dim))
 
     @property
     def value_dim(self) -> int:

@@ -213,20 +213,22 @@ class PagedLayerCache(CacheBase):
             done=step.plan.done.get(self.layer) if channel else None,
             done_first=step.plan.done_first if channel else None,
         )
-        rotate = quant.rotate
-        q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
         if step.stream:
             raise ValueError("a swapped table's prefill runs through the fused layers only")
-        if step.swapped:  # the swapped rows' groups come into their staging blocks first
-            q = _ext.kvswap_stage(
-                q.astype(mx.float32),
-                list(keys),
-                list(values),
-                step.tables,
-                [s.swapset for _, s in step.swapped],
-                [b for b, _ in step.swapped],
-                self.layer,
-            )
+        rotate = quant.rotate
+        if not step.swapped:  # the path rotates (the GPU kernel inside itself)
+            return paged_attention(queries, paged._replace(rotate=rotate), scale=scale)
+        # the swapped rows' groups come into their staging blocks first, for rotated queries
+        q = hadamard(queries) if rotate else queries  # q.(H k) == (H q).(H k)
+        q = _ext.kvswap_stage(
+            q.astype(mx.float32),
+            list(keys),
+            list(values),
+            step.tables,
+            [s.swapset for _, s in step.swapped],
+            [b for b, _ in step.swapped],
+            self.layer,
+        )
         out = paged_attention(q, paged, scale=scale)
         return hadamard(out) if rotate else out  # values are stored as H v
 
