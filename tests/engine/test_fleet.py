@@ -105,3 +105,33 @@ def test_a_store_without_its_bucket_is_refused_at_start(tmp_path, s3_store, fres
 
     with pytest.raises(StoreMisconfigured, match="has no bucket"):
         fresh_engine(cache_dir=tmp_path / "a", store_url="s3://no-such-bucket/x", warmup=False)
+
+
+def test_the_store_is_looked_at_off_the_scheduler_thread(two_engines):
+    """A turn's look at the store (HEAD, and a fetch where needed) runs on the fleet's own
+    threads before the turn is admitted: while one agent's look waits on the store, another
+    agent's turn runs to its end, and the first turn then resumes warm as ever."""
+    import threading
+
+    a, b = two_engines
+    first = conversation(1)
+    r1 = turn(a, "slow", first)
+    second = first + [{"role": "assistant", "content": r1.text}] + conversation(2)[-1:]
+    release, looked_from = threading.Event(), []
+    head = b.fleet.remote.head
+
+    def held_head(agent_id):  # the real HEAD, after the store "stalls" for this agent
+        looked_from.append(threading.current_thread().name)
+        if agent_id == "slow":
+            assert release.wait(60)
+        return head(agent_id)
+
+    b.fleet.remote.head = held_head
+    slow = b.submit_chat("slow", second, max_tokens=8)
+    other = b.chat("other", conversation(1), max_tokens=4)  # runs while "slow" waits
+    assert other.text and not slow.done.is_set()
+    release.set()
+    result = slow.wait()
+    assert result.stats.cache == "warm", result.stats.reuse_note
+    assert "agentkv-scheduler" not in looked_from  # (the uploads' thread HEADs too)
+    assert any(name.startswith("agentkv-s3-look") for name in looked_from)

@@ -320,7 +320,7 @@ class Engine:
         ]
         self._check_open()
         for job in jobs:
-            self.scheduler.submit(job)
+            self._submit(job)
         return [job.wait() for job in jobs]
 
     def submit_chat(
@@ -367,7 +367,7 @@ class Engine:
             salt=cache_salt,
             constraint=constraint,
         )
-        self.scheduler.submit(job)
+        self._submit(job)
         return job
 
     def generate(self, agent_id: str, prompt: str, **options) -> ChatResult:
@@ -628,6 +628,16 @@ class Engine:
 
     # -- internals --------------------------------------------------------------
 
+    def _submit(self, job: Job) -> None:
+        """Hand a turn to the scheduler; with a fleet, its agent's look at the store starts
+        now, off the scheduler's thread (Fleet.prefetch), and the turn waits for it."""
+        if self.fleet is not None:
+            job.store_check = self.fleet.prefetch(
+                job.agent_id, self._agent_lock, self.scheduler.call
+            )
+            job.store_check.add_done_callback(lambda _: self.scheduler.wake())
+        self.scheduler.submit(job)
+
     def _check_open(self) -> None:
         if self._closed:
             raise AgentKVError("the engine is closed")
@@ -636,7 +646,7 @@ class Engine:
         self._check_open()
 
         def pieces() -> Iterator[str]:
-            self.scheduler.submit(job)
+            self._submit(job)
             try:
                 while (piece := job.pieces.get()) is not DONE:
                     yield piece

@@ -4,7 +4,10 @@
 The local store stays a write-through cache. Before a turn is planned (``check``), the
 store's version of the agent is compared with the local one: where the store holds a state
 the local one does not continue (another server ran turns of the agent), it is fetched,
-checked and installed, and the turn resumes warm from it. After a turn is saved, the agent
+checked and installed, and the turn resumes warm from it. The engine runs this look on a
+small pool of threads as a turn is submitted (``prefetch``), under the agent's lock, so the
+store's round trips never hold the scheduler's thread (and the other agents' decoding) up;
+the turn is admitted once it is done. After a turn is saved, the agent
 is committed (``commit``: by ``Engine.wait_saved``, which a server's request awaits, and by a
 background thread for every save, with retries): the files the store lacks, then the
 manifest, conditionally. Where the store cannot be reached, turns run from the local copy
@@ -17,6 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import AgentBusyError, CacheFormatError
 from ..store.agent_store import AgentStore, DurableState
@@ -28,6 +32,7 @@ from .residency import Residency
 log = logging.getLogger("agentkv.store")
 
 MAX_PENDING = 4096  # agents waiting for an upload (each a name: the state is on disk)
+LOOKERS = 4  # threads looking at the store for submitted turns (``prefetch``)
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
@@ -62,14 +67,30 @@ class Fleet:
         self._closed = False
         self._thread = threading.Thread(target=self._upload_loop, name="agentkv-s3-up", daemon=True)
         self._thread.start()
+        self._lookers = ThreadPoolExecutor(LOOKERS, thread_name_prefix="agentkv-s3-look")
 
     # -- before a turn: fetch what another server committed -------------------------------
 
-    def check(self, agent_id: str) -> str | None:
+    def prefetch(self, agent_id: str, agent_lock, call) -> Future:
+        """``check`` on the fleet's threads, holding the agent's lock (``agent_lock``: the
+        engine's; a turn of the agent holds it while it runs, so the look follows it), with
+        whatever touches memory run on the scheduler's thread (``call``). The future's
+        result is the note for the turn's ``reuse_note``, or None."""
+
+        def look() -> str | None:
+            with agent_lock(agent_id):
+                return self.check(
+                    agent_id, drop=lambda: call(lambda: self.residency.drop(agent_id))
+                )
+
+        return self._lookers.submit(look)
+
+    def check(self, agent_id: str, *, drop=None) -> str | None:
         """Make the local copy of the agent the store's newest state where the store holds
-        one it does not continue; called on the scheduler's thread before the turn is planned
-        (the agent's turns run one at a time). Returns a note for the turn's ``reuse_note``
-        where the store could not help."""
+        one it does not continue; called before the turn is planned, with the agent held (its
+        turns run one at a time): by ``prefetch``, or on the scheduler's thread. ``drop``
+        drops the agent's state in memory (default: here). Returns a note for the turn's
+        ``reuse_note`` where the store could not help."""
         if self._is_down():
             self.counts["fetch", "unavailable"] += 1
             return self._down_note()
@@ -94,7 +115,8 @@ class Fleet:
         if fetched is None:
             return None
         note = None
-        if self.residency.drop(agent_id):  # its state in memory is older than the store's
+        dropped = drop() if drop is not None else self.residency.drop(agent_id)
+        if dropped:  # its state in memory was older than the store's
             self.writer.flush(agent_id)
             local = local_record(self.store.agent_dir(agent_id))
         if local is not None and not fetched.manifest.remote.continues(local.version):
@@ -212,4 +234,5 @@ class Fleet:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=max(deadline - time.monotonic(), 1.0))
+        self._lookers.shutdown(wait=True, cancel_futures=True)
         self.remote.close()

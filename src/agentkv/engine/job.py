@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 
@@ -100,6 +101,9 @@ class Job:
         self.error: BaseException | None = None
         # set by the scheduler as the job runs
         self.lock: threading.Lock | None = None
+        # a fleet's look at the object store for this agent, run off the scheduler's thread
+        # before the turn may start (engine/fleet.py, Fleet.prefetch): its note, or None
+        self.store_check: Future | None = None
         self.resumed = None
         self.state = None
         self.chunks: list[int] = []

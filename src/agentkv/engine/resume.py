@@ -161,10 +161,16 @@ class Resumer:
 
     # -- planning -------------------------------------------------------------------------
 
-    def plan(self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None) -> ResumePlan:
+    def plan(
+        self, agent_id: str, prompt: bytes, *, max_new: int, salt: str | None, checked=False
+    ) -> ResumePlan:
         """Match the agent's state (memory, then disk) with ``prompt``; count the blocks.
-        Nothing changes if it raises (a hot agent stays hot)."""
-        store_note = self.fleet.check(agent_id) if self.fleet is not None else None
+        Nothing changes if it raises (a hot agent stays hot). A fleet's store is looked at
+        first, unless ``checked`` says it was (``Fleet.prefetch``: True, or its note)."""
+        if checked is False:
+            store_note = self.fleet.check(agent_id) if self.fleet is not None else None
+        else:
+            store_note = None if checked is True else checked
         held = [self.residency.take(agent_id)]  # emptied once the state is given up
         try:
             plan = self._plan_from(agent_id, prompt, max_new, salt, held)

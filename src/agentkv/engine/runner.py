@@ -87,8 +87,12 @@ class TurnRunner:
         if self.context_limit is not None:
             max_new = min(max_new, self.context_limit)
         rejected = None  # what a stored file that failed its checks left to say
+        # the fleet's look at the store, made before admission (Fleet.prefetch): its note
+        checked = False if job.store_check is None else (job.store_check.result() or True)
         for _ in range(RELOAD_ATTEMPTS):
-            plan = self.resumer.plan(job.agent_id, job.prompt, max_new=max_new, salt=job.salt)
+            plan = self.resumer.plan(
+                job.agent_id, job.prompt, max_new=max_new, salt=job.salt, checked=checked
+            )
             need = plan.blocks_needed
             if need > self.pool.capacity:
                 plan.cancel()

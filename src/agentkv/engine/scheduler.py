@@ -108,6 +108,11 @@ class Scheduler:
             self._cond.notify_all()
         return job
 
+    def wake(self) -> None:
+        """Look at the pending turns again now (one became ready: Fleet.prefetch)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def cancel(self, job: Job) -> None:
         """Stop a job at its next token (its agent's state stays consistent)."""
         job.cancelled = True
@@ -225,6 +230,8 @@ class Scheduler:
         for job in waiting:
             if job.agent_id in busy:
                 continue
+            if job.store_check is not None and not job.store_check.done():
+                continue  # the fleet is still looking at the store for its agent
             if running and (self.policy == "fcfs" or running >= self.max_batch):
                 break  # in order: a later turn does not overtake one that does not fit
             lock = self.runner.agent_lock(job.agent_id)
