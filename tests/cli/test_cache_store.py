@@ -103,3 +103,55 @@ def test_a_push_or_pull_killed_part_way_leaves_no_manifest_naming_a_missing_file
     ).read_bytes()
     verified = run("--cache-dir", str(tmp_path / "b"), "verify", env=env)
     assert verified.returncode == 0 and "1 agents checked, 0 bad" in verified.stdout
+
+
+def test_gc_deletes_only_old_files_no_manifest_names(tmp_path, s3_store, python_env):
+    """``agentkv cache gc --store``: a killed upload's block file, the segment a later turn
+    replaced and a deleted agent's segments go once older than the min age; every file a
+    manifest names, the manifests, the model record and keys that are not agentkv's stay, and
+    the agent left reads back whole. A manifest that fails its checks keeps its agent's files
+    and every block file."""
+    import time
+
+    from agentkv.store.objects import ObjectStore
+    from agentkv.store.remote import collect
+
+    env = dict(python_env, **{k: v for k, v in os.environ.items() if k.startswith("AWS_")})
+    push = ("--cache-dir", str(tmp_path / "a"), "push", "--store", s3_store)
+    a = save_agents(tmp_path / "a", planner=700, coder=300)
+    assert run(*push, env=env).returncode == 0
+    objects = ObjectStore(s3_store)
+    model = a.model_dir.name
+    first = set(objects.keys(f"{model}/"))
+    save_agents(tmp_path / "a", planner=900)  # a later turn: planner's segment replaced
+    assert run(*push, env=env).returncode == 0
+    objects.delete(f"{model}/agents/coder/{MANIFEST_NAME}")  # coder deleted from the store
+    killed = f"{model}/blocks/ab/{'ab' * 32}.v3.safetensors"  # a killed upload's file
+    objects.put(killed, b"partial")
+    objects.put(f"{model}/notes.txt", b"not agentkv's")
+    before = set(objects.keys(f"{model}/"))
+    dry = run("gc", "--store", s3_store, "--dry-run", "--json", env=env)
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["deleted"] == [] and report["kept_young"] >= 3 and report["named"] > 0
+    assert set(objects.keys(f"{model}/")) == before  # min age 60 minutes: all young
+    done = collect(objects, min_age_s=3600, now=time.time() + 7200)
+    gone = set(done.deleted)
+    assert killed in gone and f"{model}/notes.txt" not in gone
+    assert any(k.startswith(f"{model}/agents/coder/seg-") for k in gone)
+    replaced = {k for k in first - set(objects.keys(f"{model}/")) if "/planner/seg-" in k}
+    assert replaced and replaced <= gone  # the segment planner's later turn replaced
+    left = set(objects.keys(f"{model}/"))
+    assert f"{model}/agents/planner/{MANIFEST_NAME}" in left and f"{model}/model.json" in left
+    assert not any(k.startswith(f"{model}/agents/coder/") for k in left)
+    pulled = run("--cache-dir", str(tmp_path / "b"), "pull", "planner", "--store", s3_store,
+                 env=env)  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    verified = run("--cache-dir", str(tmp_path / "b"), "verify", env=env)
+    assert verified.returncode == 0 and "1 agents checked, 0 bad" in verified.stdout
+    # a manifest that fails its checks: its agent's files and every block file stay
+    objects.put(f"{model}/agents/planner/{MANIFEST_NAME}", b"not a manifest")
+    objects.put(killed, b"partial")
+    kept = collect(objects, min_age_s=3600, now=time.time() + 7200)
+    assert kept.unreadable == [f"{model}/agents/planner/{MANIFEST_NAME}"]
+    assert kept.deleted == [] and killed in objects.keys(f"{model}/")

@@ -212,3 +212,34 @@ def test_a_version_record_keeps_its_newest_lineage_and_malformed_ones_are_reject
     for bad in ([], ["not hex!"], ["ab"] * (MAX_LINEAGE + 1), "abc", [7]):
         with pytest.raises(ValueError):
             RemoteRecord.from_dict({"lineage": bad})
+
+
+def test_a_file_collected_under_a_commit_is_uploaded_again_once_its_sighting_is_old(
+    machines, monkeypatch
+):
+    """A commit trusts a file it saw in the store for PRESENT_TTL_S; past that it asks the
+    store again, so a block file ``collect`` deleted (or any file gone from the store) is
+    uploaded again by the next commit that names it, and the agent reads back whole."""
+    from agentkv.store import remote as remote_module
+
+    a, b, ra, rb = machines
+    pool = pool_for(a.spec)
+    table = fill_table(pool, 1000)
+    _, durable = save(a, pool, "x", table)
+    ra.push("x")
+    durable = a.read_manifest("x")[1]
+    block = next(k for k in ra.objects.keys(f"{ra.model}/blocks/"))
+    ra.objects.delete(block)  # as if collected while this machine still believed in it
+    fill_table(pool, 1064, table=table)
+    save(a, pool, "x", table, durable=durable, keep=3)
+    ra.push("x")  # within the TTL: trusted, not uploaded again
+    assert block not in ra.objects.keys(f"{ra.model}/blocks/")
+    monkeypatch.setattr(remote_module, "PRESENT_TTL_S", 0.0)
+    durable = a.read_manifest("x")[1]
+    fill_table(pool, 1100, table=table)
+    save(a, pool, "x", table, durable=durable, keep=3)
+    ra.push("x")  # the sighting is old: asked again, uploaded again
+    assert block in ra.objects.keys(f"{ra.model}/blocks/")
+    assert rb.pull("x").moved is Moved.MOVED
+    for want, have in zip(table_arrays(pool, table), loaded_into_pool(b, "x", 1100)):
+        assert np.array_equal(want, have)

@@ -244,6 +244,21 @@ def _cache_pull(pull: argparse.ArgumentParser) -> None:
 
 
 @command(
+    CACHE_ACTIONS, "gc", "delete the files of an object store no agent names", json=JSON_OBJECT
+)
+def _cache_gc(gc: argparse.ArgumentParser) -> None:
+    """Delete the block files and segments of the store that no agent's manifest names and
+    that were written more than --min-age minutes ago: a lost race's or a killed upload's
+    files, segments later turns replaced, deleted agents' files (docs/fleet.md). An upload in
+    flight writes its files before its manifest: keep --min-age above the longest upload."""
+    gc.add_argument("--store", required=True, metavar="URL", help=STORE_HELP)
+    add_count(
+        gc, "--min-age", 60, "minutes since a file's last write before it may go (default 60)"
+    )
+    add_flag(gc, "--dry-run", "list what would be deleted, delete nothing")
+
+
+@command(
     CACHE_ACTIONS,
     "show",
     "details of one agent",

@@ -1,5 +1,6 @@
-"""``agentkv cache push / pull / ls --store s3://bucket/prefix``: agents moved between a
-machine's cache directory and a fleet's object store by hand (docs/fleet.md)."""
+"""``agentkv cache push / pull / ls / gc --store s3://bucket/prefix``: agents moved between a
+machine's cache directory and a fleet's object store by hand, and the store's unnamed files
+collected (docs/fleet.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from pathlib import Path
 from ..errors import AgentKVError
 from ..store import inventory
 from ..store.objects import ObjectStore
-from ..store.remote import Moved, RemoteAgents, Transfer, stored_models
+from ..store.remote import Moved, RemoteAgents, Transfer, collect, stored_models
 from .output import human_bytes, table
 
 
 def run_store_action(args, root: Path) -> int:
     objects = ObjectStore(args.store)
-    action = {"push": _push, "pull": _pull, "ls": _ls}[args.cache_command]
+    action = {"push": _push, "pull": _pull, "ls": _ls, "gc": _gc}[args.cache_command]
     return action(args, root, objects)
 
 
@@ -38,6 +39,27 @@ def _ls(args, root: Path, objects: ObjectStore) -> int:
         print(f"no agents in {objects.url}")
     else:
         table(["AGENT", "FINGERPRINT", "VERSION"], [list(r.values()) for r in rows])
+    return 0
+
+
+def _gc(args, root: Path, objects: ObjectStore) -> int:
+    del root
+    done = collect(objects, min_age_s=args.min_age * 60.0, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps({
+            "deleted": done.deleted, "bytes": done.nbytes, "dry_run": args.dry_run,
+            "kept_young": done.kept_young, "named": done.named, "unreadable": done.unreadable,
+        }, indent=2))  # fmt: skip
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for key in done.deleted:
+        print(f"{verb} {objects.url}/{key}")
+    for key in done.unreadable:
+        print(f"kept the files of {key}'s agent: the manifest failed its checks", file=sys.stderr)
+    print(
+        f"{verb} {len(done.deleted)} files ({human_bytes(done.nbytes)}); kept {done.named} "
+        f"named by a manifest and {done.kept_young} younger than {args.min_age} minutes"
+    )
     return 0
 
 

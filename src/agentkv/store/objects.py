@@ -80,6 +80,15 @@ class Head:
     metadata: dict
 
 
+@dataclass(frozen=True)
+class Listed:
+    """One object of a listing."""
+
+    key: str
+    size: int
+    modified: float  # seconds since the epoch
+
+
 @dataclass
 class Traffic:
     """Requests by (op, outcome) and bytes by direction, since the store was opened."""
@@ -155,6 +164,11 @@ class ObjectStore:
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (relative to the store's prefix)."""
+        return [item.key for item in self.listing(prefix)]
+
+    def listing(self, prefix: str) -> list[Listed]:
+        """Every object under ``prefix``: its key (relative to the store's prefix), size and
+        when it was last written."""
         base = f"{self.url.prefix}/" if self.url.prefix else ""
         full, start = base + prefix, len(base)
         out, token = [], None
@@ -163,7 +177,11 @@ class ObjectStore:
             if token:
                 args["ContinuationToken"] = token
             r = self._call("list", self._client.list_objects_v2, **args)
-            out += [item["Key"][start:] for item in r.get("Contents", ())]
+            out += [
+                Listed(item["Key"][start:], int(item.get("Size", 0)),
+                       item["LastModified"].timestamp())
+                for item in r.get("Contents", ())
+            ]  # fmt: skip
             if not r.get("IsTruncated"):
                 return out
             token = r["NextContinuationToken"]

@@ -21,6 +21,8 @@ lacks, then writes the manifest with ``If-Match`` on the version it continues (o
 from __future__ import annotations
 
 import json
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
@@ -49,12 +51,18 @@ from .format import (
     new_version,
     read_header,
 )
-from .objects import ObjectMissing, ObjectStore, PreconditionFailed
+from .objects import Listed, ObjectMissing, ObjectStore, PreconditionFailed
 
 VERSION_META = "agentkv-version"
 TRANSFER_THREADS = 8
 MAX_HEAD_BYTES = 1 << 20
 MODEL_RECORD = "model.json"
+# How long a commit trusts that a file it saw in the store is still there; ``collect``
+# deletes only files older than its min age (default COLLECT_MIN_AGE_S, far longer)
+PRESENT_TTL_S = 300.0
+COLLECT_MIN_AGE_S = 3600.0
+# a segment's key under <model>/agents/<id>/ (``RemoteAgents.file_key``)
+SEGMENT_KEY_RE = re.compile(r"^seg-\d{8}\.[0-9a-f]{8}\.safetensors$")
 
 
 class RemoteDamaged(AgentKVError):
@@ -104,6 +112,15 @@ class Transfer:
     nbytes: int
 
 
+def file_key(model: str, agent_id: str, name: str, record: SegmentRecord) -> str:
+    """A file's key in the store: a block file's is its name; a segment's adds its header
+    CRC (two servers racing on one generation never write one key)."""
+    if is_shared_file(name):
+        return f"{model}/{name}"
+    stem = name.removesuffix(".safetensors")
+    return f"{model}/agents/{agent_id}/{stem}.{record.header_crc:08x}.safetensors"
+
+
 def stored_models(objects: ObjectStore) -> list[str]:
     """The model directories (fingerprint prefixes) the store holds agents of."""
     return sorted(
@@ -120,11 +137,17 @@ class RemoteAgents:
         self.objects = objects
         self.model_dir = Path(model_dir)
         self.model = self.model_dir.name
-        self._present: set[str] = set()  # immutable keys known to be in the store, sound
+        # immutable keys known to be in the store, sound, and when that was last seen: a
+        # commit trusts it for PRESENT_TTL_S (``collect`` may delete what no manifest names)
+        self._present: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="agentkv-s3")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def _known(self, key: str) -> bool:
+        seen = self._present.get(key)
+        return seen is not None and time.monotonic() - seen < PRESENT_TTL_S
 
     # -- names ----------------------------------------------------------------------------
 
@@ -132,12 +155,7 @@ class RemoteAgents:
         return f"{self.model}/agents/{validate_agent_id(agent_id)}/{MANIFEST_NAME}"
 
     def file_key(self, agent_id: str, name: str, record: SegmentRecord) -> str:
-        """A block file's key is its name; a segment's adds its header CRC (two servers
-        racing on one generation never write one key)."""
-        if is_shared_file(name):
-            return f"{self.model}/{name}"
-        stem = name.removesuffix(".safetensors")
-        return f"{self.model}/agents/{agent_id}/{stem}.{record.header_crc:08x}.safetensors"
+        return file_key(self.model, agent_id, name, record)
 
     def agent_dir(self, agent_id: str) -> Path:
         return self.model_dir / "agents" / validate_agent_id(agent_id)
@@ -206,9 +224,9 @@ class RemoteAgents:
         try:
             check_file(manifest, name, record, data, f"{self.objects.url}/{key}")
         except CacheFormatError as exc:
-            self._present.discard(key)  # the next commit naming it uploads it again
+            self._present.pop(key, None)  # the next commit naming it uploads it again
             raise RemoteDamaged(f"{name}: {exc.reason}", key) from None
-        self._present.add(key)
+        self._present[key] = time.monotonic()
         return data
 
     # -- installing ------------------------------------------------------------------------
@@ -287,17 +305,17 @@ class RemoteAgents:
 
     def _upload_model_record(self) -> None:
         key = f"{self.model}/{MODEL_RECORD}"
-        if key in self._present:
+        if self._known(key):
             return
         if self.objects.head(key) is None:
             self.objects.put(key, (self.model_dir / MODEL_RECORD).read_bytes())
-        self._present.add(key)
+        self._present[key] = time.monotonic()
 
     def _upload_file(
         self, manifest: Manifest, agent_id: str, name: str, record: SegmentRecord
     ) -> None:
         key = self.file_key(agent_id, name, record)
-        if key in self._present:
+        if self._known(key):
             return
         found = self.objects.head(key)
         if found is None or found.size != record.size:
@@ -308,7 +326,7 @@ class RemoteAgents:
             check_file(manifest, name, record, data, path)  # never bytes the manifest does not name
             self.objects.put(key, data)
             crash_point("store-file-uploaded")
-        self._present.add(key)
+        self._present[key] = time.monotonic()
 
     # -- moving one agent -------------------------------------------------------------------
 
@@ -436,3 +454,81 @@ def check_file(manifest: Manifest, name: str, record: SegmentRecord, data: bytes
     for b in blocks:
         if _ext.block_checksum(view[b.offset : b.offset + b.length]) != b.checksum:
             raise CacheFormatError(label, "block region checksum mismatch")
+
+
+@dataclass
+class Collected:
+    """What ``collect`` found: the files no manifest names, old enough to delete (deleted
+    unless it was a dry run), what it kept and why."""
+
+    deleted: list[str]
+    nbytes: int
+    kept_young: int  # unnamed files younger than the min age (an upload in flight, maybe)
+    named: int  # files some manifest names
+    unreadable: list[str]  # manifests that failed their checks: their agents' files kept
+
+
+def collect(
+    objects: ObjectStore, *, min_age_s: float = COLLECT_MIN_AGE_S, dry_run: bool = False,
+    now: float | None = None,
+) -> Collected:  # fmt: skip
+    """Delete the files of the store no agent's manifest names and that were written more
+    than ``min_age_s`` ago: a lost race's and a killed upload's files, the segments an
+    agent's later turns replaced, a deleted agent's files. Only agentkv's own kinds of key
+    are considered (block files, segments); a manifest that fails its checks keeps its
+    agent's files and, since it may name any of them, every block file of its model. A
+    file's age is its last write: an upload in flight writes its files before its manifest,
+    so they are young while it runs (docs/fleet.md, "Collecting")."""
+    now = time.time() if now is None else now
+    out = Collected([], 0, 0, 0, [])
+    for model in stored_models(objects):
+        listed = objects.listing(f"{model}/")
+        named, keep_blocks, keep_agents = set(), False, set()
+        for item in listed:
+            parts = item.key.split("/")
+            if len(parts) != 4 or parts[1] != "agents" or parts[3] != MANIFEST_NAME:
+                continue
+            agent_id = parts[2]
+            try:
+                data, _ = objects.get(item.key)
+                manifest = decode_manifest(data, f"{objects.url}/{item.key}")
+                if manifest.agent_id != agent_id:
+                    raise CacheFormatError(item.key, "a manifest of another agent")
+            except ObjectMissing:  # deleted since the listing: its files are unnamed now
+                continue
+            except CacheFormatError:
+                out.unreadable.append(item.key)
+                keep_blocks = True
+                keep_agents.add(agent_id)
+                continue
+            named.update(
+                file_key(model, agent_id, name, record)
+                for name, record in manifest.segments.items()
+            )
+        for item in listed:
+            if not _collectable(item, model, keep_blocks, keep_agents):
+                continue
+            if item.key in named:
+                out.named += 1
+            elif now - item.modified < min_age_s:
+                out.kept_young += 1
+            else:
+                if not dry_run:
+                    objects.delete(item.key)
+                out.deleted.append(item.key)
+                out.nbytes += item.size
+    return out
+
+
+def _collectable(item: Listed, model: str, keep_blocks: bool, keep_agents: set[str]) -> bool:
+    """Whether ``item`` is one of agentkv's files that ``collect`` may delete."""
+    rel = item.key[len(model) + 1 :]
+    if is_shared_file(rel):
+        return not keep_blocks
+    parts = rel.split("/")
+    return (
+        len(parts) == 3
+        and parts[0] == "agents"
+        and parts[1] not in keep_agents
+        and SEGMENT_KEY_RE.match(parts[2]) is not None
+    )
