@@ -53,7 +53,9 @@ def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
         "kv-candidates quality kvswap"
     )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}
-    expected |= {("cache", a) for a in ("ls", "push", "pull", "show", "rm", "verify", "migrate")}
+    expected |= {
+        ("cache", a) for a in ("ls", "push", "pull", "gc", "show", "rm", "verify", "migrate")
+    }
     expected |= {
         (m, a) for m in ("models", "model") for a in ("", "pull", "ls", "import", "import-gguf")
     }
