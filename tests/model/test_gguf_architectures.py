@@ -20,6 +20,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from agentkv import Engine
+from agentkv.engine.engine import adds_bos
 from agentkv.errors import ModelImportError
 from agentkv.model.gguf import import_gguf, read_tensor_report
 from agentkv.model.gguf_tensors import read_gguf
@@ -111,11 +112,17 @@ def write_gguf(
     if config.get("rope_scaling", {}).get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(config["rope_scaling"]["factor"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_tokenizer_model(tok.get("tokenizer.ggml.model", "gpt2"))
+    if "tokenizer.ggml.pre" in tok:
+        w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
     w.add_token_list(tok["tokenizer.ggml.tokens"])
     w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.merges" in tok:
+        w.add_token_merges(tok["tokenizer.ggml.merges"])
+    if "tokenizer.ggml.scores" in tok:  # a SentencePiece vocabulary
+        w.add_token_scores(tok["tokenizer.ggml.scores"])
+        w.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
+        w.add_add_space_prefix(True)
     w.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
     w.add_chat_template(tok["tokenizer.chat_template"])
@@ -279,3 +286,68 @@ def test_gemma2_unknown_architectures_and_yarn_are_refused_in_one_line(
     assert "soft-caps" in str(
         pytest.raises(ModelImportError, import_gguf, tmp_path / "gemma2.gguf", tmp_path / "g").value
     )
+
+
+def sentencepiece_vocabulary(tmp_path: Path):
+    """A SentencePiece BPE model trained here the way Llama 2's was set up (byte fallback,
+    digits split, spaces kept as they are), and its vocabulary as llama.cpp's converter
+    writes it into a GGUF (pieces, scores, token types; model "llama")."""
+    import io
+    from pydoc_data.topics import topics
+
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(topics[k] for k in sorted(topics))[:300_000])
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_writer=model, vocab_size=800, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        normalization_rule_name="identity", add_dummy_prefix=True,
+        remove_extra_whitespaces=False, split_digits=True, minloglevel=2,
+    )  # fmt: skip
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    n = sp.vocab_size()
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+             for i in range(n)]  # fmt: skip
+    return sp, {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": kinds,
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
+    }
+
+
+def test_a_sentencepiece_gguf_imports_and_tokenizes_as_sentencepiece(tmp_path):
+    """A llama GGUF with a SentencePiece vocabulary (tokenizer model "llama": Llama 2,
+    Mistral, Gemma ship so) imports; its tokenizer, rebuilt by transformers' GGUF converter,
+    gives SentencePiece's own tokens on prose, code, numbers, newlines, tabs and text it
+    must spell in bytes, BOS first as llama.cpp adds it; the engine runs a turn on it.
+    (Where they part: a run of spaces at the very start of a text, documented.)"""
+    from transformers import AutoTokenizer
+
+    sp, tok = sentencepiece_vocabulary(tmp_path)
+    config = {**COMMON, "vocab_size": sp.vocab_size()}
+    model = reference_model("llama", config, seed=3)
+    write_gguf(tmp_path / "spm.gguf", "llama", config, model, tok)
+    dest = import_gguf(tmp_path / "spm.gguf", tmp_path / "model", weight_dtype="float32").path
+    hf = AutoTokenizer.from_pretrained(str(dest))
+    assert adds_bos(hf) and hf.bos_token == "<s>"
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "def f(x):\n\treturn x ** 2  # squares, 12345 and 3.14159",
+        "Ünïcödé text, 日本語 and an emoji 🙂 spelled in bytes.",
+        "line one\n\n\nline four   with  spaces",
+    ]
+    for text in texts:
+        assert hf.encode(text, add_special_tokens=False) == sp.encode(text), text
+        assert hf.encode(text) == [1, *sp.encode(text)], text
+        assert hf.decode(sp.encode(text)) == text
+    # (head dim 16: no KV group fits it, so float16 KV)
+    with Engine(model=str(dest), cache_dir=tmp_path / "kv", warmup=False, kv_bits=16) as eng:
+        r = eng.generate("spm", texts[1], max_tokens=4)
+    assert r.stats.prompt_tokens == 1 + len(sp.encode(texts[1])) and len(r.tokens) == 4

@@ -102,6 +102,24 @@ class AgentLocks:
             return self._locks.setdefault(agent_id, threading.Lock())
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether the model's text starts with its BOS token, as its tokenizer encodes text:
+    the tokenizer says so (``add_bos_token``), or its post-processor puts BOS first (a
+    ``tokenizer.json`` alone, as a GGUF's SentencePiece vocabulary is rebuilt; mlx-lm
+    encodes prompts through it too)."""
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    try:
+        with_specials = tokenizer.encode("a")
+        plain = tokenizer.encode("a", add_special_tokens=False)
+    except Exception:  # noqa: BLE001  (a tokenizer that cannot say: no BOS, as before)
+        return False
+    return with_specials == [bos, *plain]
+
+
 class Engine:
     """Serve chats for many agents, each with its own persistent quantized KV cache.
 
@@ -192,8 +210,7 @@ class Engine:
         self.token_text = TokenText.for_tokenizer(hf_tokenizer)
         self.eos_ids = frozenset(loaded.tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(hf_tokenizer, self.eos_ids)
-        bos = getattr(hf_tokenizer, "add_bos_token", False)
-        self.bos_id = hf_tokenizer.bos_token_id if bos else None
+        self.bos_id = hf_tokenizer.bos_token_id if adds_bos(hf_tokenizer) else None
         self.store = open_store(config.cache_dir, loaded, self.quant)
         self.writer = BackgroundWriter(self.store)
         self.residency = Residency(self.pool)

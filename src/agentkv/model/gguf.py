@@ -305,16 +305,15 @@ def _convert_weights(
 
 
 def _build_tokenizer(meta: dict):
-    """A Hugging Face fast tokenizer rebuilt from the GGUF vocabulary and merges."""
+    """A Hugging Face fast tokenizer rebuilt from the GGUF vocabulary: byte-level BPE
+    ("gpt2") here, from the vocabulary and merges; every other kind transformers rebuilds
+    from a GGUF (SentencePiece "llama": Llama 2, Mistral, Gemma...) through its converter."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     kind = _meta_str(meta, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ModelImportError(
-            f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') GGUF "
-            "tokenizers import (use an mlx-lm model directory for SentencePiece models)"
-        )
+        return _converted_tokenizer(meta, kind)
     pre = _meta_str(meta, "tokenizer.ggml.pre") or "default"
     if pre not in _PRE_PATTERNS:
         raise ModelImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
@@ -350,6 +349,66 @@ def _build_tokenizer(meta: dict):
         eos_token=token_at("eos"),
         unk_token=token_at("unknown"),
         pad_token=token_at("padding"),
+        clean_up_tokenization_spaces=False,
+    )
+    template = _meta_str(meta, "tokenizer.chat_template")
+    if template:
+        fast.chat_template = template
+    return fast
+
+
+def _converted_tokenizer(meta: dict, kind: str | None):
+    """A GGUF tokenizer that is not byte-level BPE, rebuilt by transformers' GGUF converter
+    (the classes transformers' own ``gguf_file=`` loading builds: SentencePiece vocabularies
+    as ``LlamaTokenizer`` with merges recovered from the scores, Gemma's and Phi-3's fixes).
+    llama.cpp adds BOS to a SentencePiece vocabulary unless the file says not to; so does
+    the engine here (the tokenizer's ``add_bos_token``)."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    def plain(value):
+        return value.tolist() if isinstance(value, mx.array) else value
+
+    fields = {
+        name: plain(meta[f"tokenizer.{key}"])
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    tokens = fields.get("tokens")
+    if not kind or not isinstance(tokens, list) or not tokens:
+        raise ModelImportError(f"the GGUF has no tokenizer vocabulary (tokenizer model {kind!r})")
+    arch = _meta_str(meta, "general.architecture") or "llama"
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, fields)
+    except Exception as exc:  # a kind or a field transformers' converter does not take
+        raise ModelImportError(
+            f"tokenizer model {kind!r} of this GGUF could not be rebuilt: "
+            f"{type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
+
+    def token_at(key):
+        value = _meta_num(meta, f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(value)] if value is not None and 0 <= int(value) < len(tokens) else None
+
+    bos = token_at("bos")
+    add_bos = _meta_num(meta, "tokenizer.ggml.add_bos_token", kind == "llama")
+    add_bos = bool(add_bos) and bos is not None
+    if add_bos:  # as llama.cpp tokenizes: BOS first
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokens.index(bos))],
+        )  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=bos,
+        eos_token=token_at("eos"),
+        unk_token=token_at("unknown"),
+        pad_token=token_at("padding"),
+        add_bos_token=add_bos,
         clean_up_tokenization_spaces=False,
     )
     template = _meta_str(meta, "tokenizer.chat_template")
