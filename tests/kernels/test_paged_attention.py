@@ -302,7 +302,7 @@ def test_the_body_rotates_queries_and_output_inside_itself(dim, q_heads, queries
                                   q_heads=q_heads, dim=dim)  # fmt: skip
     launch = paged.launch(q, splits=splits)
     inside = paged._replace(rotate=True)
-    assert inside.rotates_inside(q, launch)
+    assert inside.rotates_inside(q, launch) and inside.rotates_inside(q)  # with or without
     body = cpu.paged_attention(q, inside, scale=0.125, launch=launch)
     around = hadamard(cpu.paged_attention(hadamard(q), paged, scale=0.125, launch=launch))
     close(body, around, atol=2e-5)

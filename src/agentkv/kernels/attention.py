@@ -143,24 +143,25 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
         raise ValueError("per-channel keys need their tails and tail slots")
     quant = paged.quant()
-    kernel = (
-        os.environ.get(ENV) != "reference"
-        and backend() in ("metal", "cuda")
-        and not fused_takes(quant, queries)
-        and not dense.takes(queries, paged)
-    )
-    if paged.rotate and not (kernel and paged.rotates_inside(queries)):
-        # q.(H k) == (H q).(H k); values are stored as H v
-        out = paged_attention(hadamard(queries), paged._replace(rotate=False), scale=scale)
-        return hadamard(out)
     if fused_takes(quant, queries):
-        _PATHS[FUSED] += 1
+        path = FUSED
+    elif os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
+        path = DENSE if dense.takes(queries, paged) else KERNEL
+    else:
+        path = REFERENCE
+    if paged.rotate and not (path == KERNEL and paged.rotates_inside(queries)):
+        # q.(H k) == (H q).(H k); values are stored as H v
+        plain = paged._replace(rotate=False)
+        return hadamard(_run_path(path, hadamard(queries), plain, scale))
+    return _run_path(path, queries, paged, scale)
+
+
+def _run_path(path: str, queries: mx.array, paged: PagedQuery, scale: float) -> mx.array:
+    _PATHS[path] += 1
+    if path == FUSED:
         return cpu.fused_paged_attention(queries, paged, scale=scale)
-    if os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
-        if dense.takes(queries, paged):
-            _PATHS[DENSE] += 1
-            return dense.paged_attention(queries, paged, scale=scale)
-        _PATHS[KERNEL] += 1
+    if path == DENSE:
+        return dense.paged_attention(queries, paged, scale=scale)
+    if path == KERNEL:
         return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
-    _PATHS[REFERENCE] += 1
     return reference.paged_attention(queries, paged, scale=scale)

@@ -91,8 +91,11 @@ class PagedQuery(NamedTuple):
         rotating format whose key and value dims are equal, a power of two, 8 channels a lane
         (kernels/paged_attention.metal)."""
         dim = queries.shape[-1]
-        launch = launch or self.launch(queries)
-        return self.rotate and dim == self.value_dim and dim == 8 * launch.lanes_per_key
+        if not self.rotate or dim != self.value_dim:
+            return False
+        if launch is not None:
+            return dim == 8 * launch.lanes_per_key
+        return dim in (32, 64, 128, 256)  # what ``launch`` gives 8 channels a lane
 
     def kernel_scales(self, scale: float, queries: mx.array) -> tuple[float, float]:
         """The kernel's ``scale`` input: the queries' (times 1 / sqrt(D) where it rotates
