@@ -109,6 +109,27 @@ def test_forked_agents_share_every_block_until_one_writes(fresh_engine):
     assert eng.pool_stats().used_blocks <= used + 2  # its own tail (copied once) and growth
 
 
+def test_agents_that_start_at_once_compute_their_shared_system_prompt_once(fresh_engine):
+    """Three agents whose turns arrive together, with the same ~560-token system prompt: the
+    first prefills it (in five chunks), the other two wait for those chunks and share its
+    blocks, so the prompt is computed once, not three times; each gives the tokens it gives
+    with nothing shared (its own salt)."""
+    eng = fresh_engine(max_batch=8, prefill_chunk=128)
+    system = {"role": "system", "content": brief(420)}
+    turns = [
+        (f"at-once-{i}", [system, {"role": "user", "content": f"Agent {i}: who parses?"}])
+        for i in range(3)
+    ]
+    solo = [eng.chat(a, m, max_tokens=4, cache_salt=f"solo-{a}").tokens for a, m in turns]
+    results = eng.chat_many(turns, max_tokens=4)
+    assert [r.tokens for r in results] == solo
+    stats = sorted((r.stats for r in results), key=lambda s: s.shared_tokens)
+    assert stats[0].shared_tokens == 0 and stats[0].prefill_tokens > 2 * BLOCK_TOKENS
+    for s in stats[1:]:  # all but their own question and the prompt's last group
+        assert s.shared_tokens >= 2 * BLOCK_TOKENS and s.prefill_tokens < GROUP_TOKENS + 20
+        assert s.cache == "hot" and "found by their content" in s.reuse_note
+
+
 @pytest.mark.slow
 def test_sixteen_agents_sharing_a_prompt_give_their_solo_tokens_batched_and_after_a_restart(
     fresh_engine, tmp_path

@@ -104,6 +104,8 @@ class Job:
         # a fleet's look at the object store for this agent, run off the scheduler's thread
         # before the turn may start (engine/fleet.py, Fleet.prefetch): its note, or None
         self.store_check: Future | None = None
+        # another turn's prefill this one waits for, to share its blocks (runner.Waits)
+        self.waits_for = None
         self.resumed = None
         self.state = None
         self.chunks: list[int] = []

@@ -103,6 +103,21 @@ class ResumePlan:
     # many pool blocks at once; None: it holds its whole context
     streams: int | None = None
 
+    def context(self) -> list[int]:
+        """The turn's context: the own tokens it keeps, then the tokens to prefill."""
+        if self.tier == "hot":
+            own = self.hot.tokens[: self.reuse]
+        elif self.tier == "warm":
+            own = self.manifest.tokens[: self.reuse].tolist()
+        else:
+            own = []
+        return own + self.prefill_ids
+
+    @property
+    def reused(self) -> int:
+        """The context tokens the turn would not prefill: its own kept, and shared ones."""
+        return max(self.reuse, self.share.reuse if self.share is not None else 0)
+
     def cancel(self) -> None:
         """The turn waits: give a hot agent back as it was."""
         self.unpin()
@@ -419,13 +434,7 @@ class Resumer:
 
     def _count(self, plan: ResumePlan, max_new: int) -> ResumePlan:
         """Find what sharing adds past the own reuse, and count the blocks the turn takes."""
-        if plan.tier == "hot":
-            own = plan.hot.tokens[: plan.reuse]
-        elif plan.tier == "warm":
-            own = plan.manifest.tokens[: plan.reuse].tolist()
-        else:
-            own = []
-        context = own + plan.prefill_ids
+        context = plan.context()
         if self.swapper is not None:
             plan.streams = self.swapper.bounded_blocks(len(context) + max_new)
         if plan.streams is not None:  # it holds a few blocks at a time: read, never shared

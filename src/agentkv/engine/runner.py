@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .. import mlx_adapter
 from ..errors import InvalidRequestError
-from ..format.geometry import BLOCK_TOKENS
+from ..format.geometry import BLOCK_TOKENS, GROUP_TOKENS
 from ..kv.cache import window_start
 from ..model.load import LoadedModel
 from ..pool import KVPool, PoolExhaustedError
@@ -26,7 +28,7 @@ from ..store.writer import BackgroundWriter
 from ..text.tokens import TokenText
 from .drafts import DEFAULT_DRAFT_TOKENS, ContextDrafter, room
 from .generation import LAST_CHUNK_MAX, SCORES_BUDGET_BYTES
-from .job import Job, Resumed
+from .job import Job, Phase, Resumed
 from .residency import Residency
 from .resume import ReloadNeeded, Resumer
 from .state import AgentState
@@ -35,8 +37,28 @@ from .swapping import Swapper
 log = logging.getLogger("agentkv.engine")
 
 RELOAD_ATTEMPTS = 3
+# A turn waits for another turn's prefill when that prefill computes at least this many
+# tokens of its context that it would otherwise compute itself (``Waits``)
+WAIT_FOR_PREFIX = 2 * GROUP_TOKENS
 PREFILL_CHUNK = 512
 GPU_PREFILL_CHUNK = 2048  # mlx-lm's prefill step too
+
+
+class Waits(NamedTuple):
+    """A turn that waits, unadmitted, for ``job``'s prefill to write the first ``tokens``
+    tokens of its own context, then shares those blocks instead of computing them again
+    (agents that start at once with the same system prompt compute it once)."""
+
+    job: Job
+    tokens: int
+
+    def pending(self) -> bool:
+        job = self.job
+        return (
+            job.phase is Phase.PREFILL
+            and not job.done.is_set()
+            and job.state.table.length < self.tokens
+        )
 
 
 class TurnRunner:
@@ -80,9 +102,11 @@ class TurnRunner:
 
     # -- admission --------------------------------------------------------------------------
 
-    def admit(self, job: Job, busy: set[str]) -> Resumed | None:
+    def admit(self, job: Job, busy: set[str], prefilling=()) -> Resumed | Waits | None:
         """Plan the turn, make room in the pool and reserve its blocks, then build its
-        state; None if the blocks are not there now (the turn waits, nothing changed)."""
+        state; None if the blocks are not there now (the turn waits, nothing changed);
+        ``Waits`` if one of the turns ``prefilling`` is computing a long part of its context
+        (the turn waits for it, nothing changed)."""
         max_new = job.params.max_tokens
         if self.context_limit is not None:
             max_new = min(max_new, self.context_limit)
@@ -93,6 +117,9 @@ class TurnRunner:
             plan = self.resumer.plan(
                 job.agent_id, job.prompt, max_new=max_new, salt=job.salt, checked=checked
             )
+            if (waits := _shares_in_flight(plan, prefilling)) is not None:
+                plan.cancel()
+                return waits
             need = plan.blocks_needed
             if need > self.pool.capacity:
                 plan.cancel()
@@ -371,3 +398,31 @@ def _rows_swaps(swaps, counts: list[int], jagged: bool) -> list:
     if not jagged:
         return list(swaps)
     return [swaps[end - count] for end, count in zip(_ends(counts), counts)]
+
+
+def _shares_in_flight(plan, prefilling: Sequence[Job]) -> Waits | None:
+    """The turn among ``prefilling`` whose prefill is still writing the longest run of
+    ``plan``'s context past what the plan reuses (at least ``WAIT_FOR_PREFIX`` tokens, under
+    the same chain seed, so its blocks are the plan's own bytes), and the context tokens to
+    wait for: whole channel groups, short of the context's last token, which the turn
+    prefills itself (``pool.sharing.plan_sharing``)."""
+    if plan.streams is not None or not prefilling:
+        return None  # a turn streaming its context through a few blocks shares nothing
+    context = np.asarray(plan.context(), dtype=np.int64)
+    cap = (len(context) - 1) // GROUP_TOKENS * GROUP_TOKENS
+    reused = plan.reused
+    best = None
+    for other in prefilling:
+        state = other.state
+        if other.phase is not Phase.PREFILL or state.swap is not None:
+            continue
+        if state.table.seed != plan.seed or state.table.length >= cap:
+            continue
+        theirs = np.asarray(state.tokens + other.resumed.prefill_ids, dtype=np.int64)
+        n = min(cap, len(theirs))
+        differ = np.flatnonzero(context[:n] != theirs[:n])
+        common = (int(differ[0]) if differ.size else n) // GROUP_TOKENS * GROUP_TOKENS
+        if common - reused >= WAIT_FOR_PREFIX and state.table.length < common:
+            if best is None or common > best.tokens:
+                best = Waits(other, common)
+    return best

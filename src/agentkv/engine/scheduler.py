@@ -34,7 +34,10 @@ starts only when the pool can give it every block it may need (its context, prom
 ``max_tokens``): ``TurnRunner.admit`` reclaims idle agents' blocks if it must, reserves
 them and builds the agent's state; otherwise the turn waits, so a running turn never
 runs out of blocks. Waiting turns start in arrival order; at most ``max_queue`` wait,
-beyond that ``submit`` raises ``EngineBusyError``. ``policy="fcfs"`` runs one turn at a
+beyond that ``submit`` raises ``EngineBusyError``. A turn whose context another turn is
+still prefilling (agents that start at once with the same system prompt) waits for that
+prefill and shares its blocks (``runner.Waits``): the prefix is computed once, not once an
+agent, and later turns start meanwhile. ``policy="fcfs"`` runs one turn at a
 time to completion (the baseline the interleaved scheduler is measured against).
 """
 
@@ -52,7 +55,7 @@ from ..errors import EngineBusyError
 from ..pool import PoolExhaustedError
 from .job import Job, Phase
 from .planner import Plan, Planner, plan_of
-from .runner import TurnRunner
+from .runner import TurnRunner, Waits
 
 log = logging.getLogger("agentkv.engine")
 
@@ -232,6 +235,10 @@ class Scheduler:
                 continue
             if job.store_check is not None and not job.store_check.done():
                 continue  # the fleet is still looking at the store for its agent
+            if job.waits_for is not None:
+                if job.waits_for.pending():
+                    continue  # another turn's prefill is writing a part of its context
+                job.waits_for = None
             if running and (self.policy == "fcfs" or running >= self.max_batch):
                 break  # in order: a later turn does not overtake one that does not fit
             lock = self.runner.agent_lock(job.agent_id)
@@ -242,11 +249,15 @@ class Scheduler:
                     lock.release()
                     continue
             try:
-                resumed = self.runner.admit(job, busy)
+                resumed = self.runner.admit(job, busy, self._prefilling)
             except Exception as exc:
                 self._drop_pending(job)
                 job.lock = lock
                 self._fail(job, exc)
+                continue
+            if isinstance(resumed, Waits):  # it shares that prefill's blocks once written
+                lock.release()
+                job.waits_for = resumed
                 continue
             if resumed is None:  # the pool cannot give its blocks yet: it waits, in order
                 lock.release()
