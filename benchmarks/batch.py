@@ -7,7 +7,10 @@ Batched: ``Engine.generate_many`` for all N: each agent's prefill of the new
 text runs on its own, then all decode in one batch. Both produce the same
 tokens (checked); ``*_tps`` = generated tokens / wall time of all N turns. Drafts are on
 (the default): ``plans`` counts the batched arm's decode steps by plan (engine/planner.py:
-one, draft, batch, both).
+one, draft, batch, both), and ``step_costs_ms`` the planner's measured step costs after it:
+a one-turn step's base and cost a token fed, and what a token costs beyond that in a jagged
+batch step and in an even one (what bounds a batch's gain over drafted turns one after
+another: docs/drafts.md).
 ``attention_calls`` says which attention path ran over the 4-bit caches
 (``fused_cpu``: agentkv's kernel; ``quantized_matmul``: MLX's).
 """
@@ -67,6 +70,7 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
                 ran = eng.scheduler.plans - plans
                 row["plans"] = {plan.value: ran[plan] for plan in Plan}
                 row["cache"] = batched[0].stats.cache
+                row["step_costs_ms"] = _step_costs(eng.scheduler.planner)
                 rows.append(row)
                 progress(
                     f"batch: {n} agents: batched {row['batched_tps']} tok/s, sequential "
@@ -79,3 +83,12 @@ def run(agent_counts=(1, 2, 4, 8), as_json: bool = False, model: str | None = No
     extra = {"context_tokens": CONTEXT_TOKENS, "new_tokens": NEW_TOKENS}
     emit("batch", rows, as_json, {**extra, "attention_calls": paths_used()})
     return rows
+
+
+def _step_costs(planner) -> dict:
+    return {
+        "alone_base": round(planner.alone.base * 1000, 2),
+        "alone_per_token": round(planner.alone.per_token * 1000, 3),
+        "batch_extra_per_token": round(planner.batch.extra * 1000, 3),
+        "even_extra_per_token": round(planner.even.extra * 1000, 3),
+    }
