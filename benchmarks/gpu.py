@@ -291,9 +291,11 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
 def _warm_up(model, tokenizer, engines) -> None:
     """Every arm once, untimed: a cold prompt over more keys than one part, a hot turn, a
     batch of two (so neither side's first-use compilation lands in a timed row)."""
+    import mlx.core as mx
     import mlx_lm
 
-    prompt = prompt_text(tokenizer, 700)
+    # (on the CPU, where the harness runs in the tests, a shorter one: no kernel compiles)
+    prompt = prompt_text(tokenizer, 700 if mx.default_device() != mx.cpu else 200)
     mlx_lm_generate(model, tokenizer, prompt, 4)
     mlx_lm.batch_generate(model, tokenizer, [tokenizer.encode(prompt)] * 2, max_tokens=4)
     for engine in engines.values():
@@ -449,13 +451,20 @@ def _kernel(shape, engine, context: int, extra: dict) -> list[dict]:
 
 
 ANATOMY_STEPS = 48
+CPU_ANATOMY_STEPS = 6  # on the CPU the harness runs (tests): mlx-lm's float16 steps are slow
+
+
+def _anatomy_steps() -> int:
+    import mlx.core as mx
+
+    return ANATOMY_STEPS if mx.default_device() != mx.cpu else CPU_ANATOMY_STEPS
 
 
 def _anatomy(shape: str, name: str, engine, context: int) -> list[dict]:
     """Where one decode step's time goes in agentkv's engine (median ms of ANATOMY_STEPS
-    steps at ``context`` tokens, the runner's own operations one by one on this thread
-    while the scheduler idles): building the step and its graph, evaluating it, settling the
-    arenas, sampling. What a GPU spends beyond mlx-lm's step is here."""
+    steps, CPU_ANATOMY_STEPS on a CPU, at ``context`` tokens, the runner's own operations one
+    by one on this thread while the scheduler idles): building the step and its graph,
+    evaluating it, settling the arenas, sampling. What a GPU spends beyond mlx-lm's step is here."""
     import mlx.core as mx
 
     from agentkv import mlx_adapter
@@ -463,12 +472,13 @@ def _anatomy(shape: str, name: str, engine, context: int) -> list[dict]:
 
     runner, pool = engine.runner, engine.pool
     table = pool.new_table(pool.seed("agentkv/anatomy"))
-    reservation = pool.reserve(-(-(context + ANATOMY_STEPS + 1) // 256) + 1)
+    steps = _anatomy_steps()
+    reservation = pool.reserve(-(-(context + steps + 1) // 256) + 1)
     parts: dict[str, list[float]] = {"build": [], "eval": [], "settle": [], "sample": []}
     try:
         logits = runner.forward([table], [[7] * context], reservations=[reservation])
         token = int(mx.argmax(logits, axis=-1).item())
-        for _ in range(ANATOMY_STEPS):
+        for _ in range(steps):
             t0 = time.perf_counter()
             table.grow(1, pool.arena.copy_rows, reservation)
             step = PagedStep(pool.arena, engine.loaded.spec, [table], 1)
@@ -503,7 +513,7 @@ def _mlx_lm_anatomy(shape: str, model, context: int) -> list[dict]:
     logits = model(mx.array([[7] * context]), cache=cache)[:, -1, :]
     token = int(mx.argmax(logits, axis=-1).item())
     parts: dict[str, list[float]] = {"build": [], "eval": [], "sample": []}
-    for _ in range(ANATOMY_STEPS):
+    for _ in range(_anatomy_steps()):
         t0 = time.perf_counter()
         logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
         t1 = time.perf_counter()

@@ -534,13 +534,6 @@ def make_sampler(*, temp: float, top_p: float):
     return mlx_lm_make_sampler(temp=temp, top_p=top_p)
 
 
-def top_p_filter(logprobs: mx.array, top_p: float) -> mx.array:
-    """mlx-lm's nucleus filter, as its sampler applies it (the tokens outside at -inf)."""
-    from mlx_lm.sample_utils import apply_top_p
-
-    return apply_top_p(logprobs, top_p)
-
-
 def create_causal_mask(N: int, offset, *, window_size=None, right_padding=None, left_padding=None):
     from mlx_lm.models.base import create_causal_mask as mlx_lm_mask
 

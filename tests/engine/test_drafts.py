@@ -165,44 +165,40 @@ def test_a_drafted_token_s_logprob_is_the_verifying_step_s(engine, tmp_path):
         engine.chat("lp-bad", TURNS[0][1], max_tokens=4, logprobs=21)
 
 
-def _frequencies(draw, vocab: int, n: int) -> np.ndarray:
-    return np.bincount([draw() for _ in range(n)], minlength=vocab) / n
-
-
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 @pytest.mark.parametrize("grammar", [False, True], ids=["free", "under a grammar"])
-def test_a_drafted_position_samples_mlx_lm_s_distribution(engine, temperature, top_p, grammar):
-    """Speculative sampling with a one-token draft draws every token as often as mlx-lm's
-    own sampler (``mlx_lm.sample_utils.make_sampler`` over the logprobs, as mlx-lm's
-    generation calls it) does from the same logits, whichever token was drafted: the likeliest,
-    a middling one, one top-p or the grammar removes. Under a grammar both sample the logits
-    a real JSON-schema grammar's first state masks, as a constrained turn does. Seeded: the
-    same draws every run; each frequency within 5 standard errors of the difference."""
+def test_a_drafted_position_draws_what_mlx_lm_s_sampler_draws(engine, temperature, top_p, grammar):
+    """A drafted position is drawn by mlx-lm's own sampler (``mlx_lm.sample_utils.
+    make_sampler`` over the logprobs, as mlx-lm's generation calls it): from the same random
+    state, the same tokens, whichever token was drafted (the likeliest, a middling one, one
+    top-p or the grammar removes), so the same distribution; the draft is kept while the
+    draws equal it, which for one fixed token a position is speculative sampling's rule
+    (``SamplingParams.draft_sampler``). Under a grammar both draw from the logits a real
+    JSON-schema grammar's first state masks, as a constrained turn does: a token the grammar
+    removes is never drawn. Greedy: the argmax."""
     from mlx_lm.sample_utils import make_sampler
 
     vocab = engine.loaded.tokenizer.vocab_size if grammar else 6
     rng = np.random.default_rng(3)
-    logits = mx.array(rng.normal(0.0, 3.0, (1, vocab)).astype(np.float32))
+    logits = mx.array(rng.normal(0.0, 1.0, (1, vocab)).astype(np.float32))
     if grammar:
         logits = engine.grammars.start(Constraint.json_schema(WEATHER)).mask(logits)
     allowed = np.flatnonzero(np.isfinite(np.array(logits[0])))
     order = allowed[np.argsort(-np.array(logits[0])[allowed])]
     banned = int(np.flatnonzero(~np.isfinite(np.array(logits[0])))[0]) if grammar else 4
-    drafted = (int(order[0]), int(order[min(2, len(order) - 1)]), banned)
     theirs_sample = make_sampler(temp=temperature, top_p=top_p)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    n = 3000
-    mx.random.seed(11)
-    theirs = _frequencies(lambda: theirs_sample(logprobs).item(), vocab, n)
     draw = SamplingParams.create(temperature=temperature, top_p=top_p).draft_sampler()
-    for wanted in drafted:
-        mx.random.seed(12 + wanted)
-        ours = _frequencies(lambda w=wanted: draw(logits, w).item(), vocab, n)
-        p = (ours + theirs) / 2
-        bound = 5 * np.sqrt(2 * p * (1 - p) / n) + 1.5 / n
-        assert np.all(np.abs(ours - theirs) <= bound), (wanted, np.flatnonzero(ours - theirs))
-    if grammar:
-        assert theirs[banned] == 0  # what the grammar removes, mlx-lm never draws either
+    n = 200
+    mx.random.seed(11)
+    theirs = [theirs_sample(logprobs).item() for _ in range(n)]
+    if grammar:  # (the grammar's first state leaves one token: `{`)
+        assert banned not in theirs and set(theirs) <= set(allowed.tolist())
+    else:
+        assert len(set(theirs)) > 1  # a real distribution, not one token
+    for wanted in (int(order[0]), int(order[min(2, len(order) - 1)]), banned):
+        mx.random.seed(11)
+        assert [draw(logits, wanted).item() for _ in range(n)] == theirs, wanted
     greedy = SamplingParams.create().draft_sampler()
     assert greedy(logits, banned).item() == int(order[0])
 

@@ -6,8 +6,9 @@ reply's last few tokens earlier in the agent's context (its prompt and what it h
 generated), takes the tokens that followed their latest occurrence as a draft, and feeds the
 turn's last token and the draft in one forward pass. The draft is kept up to the first
 position that samples another token, plus the token sampled there (greedy: the argmax; at a
-temperature, speculative sampling, ``SamplingParams.draft_sampler``); the rows of the draft
-tokens not kept are cut from the agent's table.
+temperature, the turn's sampler, whose draws kept while they equal the draft are speculative
+sampling for a draft of one fixed token a position: ``SamplingParams.draft_sampler``); the
+rows of the draft tokens not kept are cut from the agent's table.
 
 Greedy, the tokens are those of decoding one step at a time, bit for bit (at a temperature,
 their distribution is): agentkv's matmuls reduce each row alone, a query's attention does not

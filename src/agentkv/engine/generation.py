@@ -73,30 +73,15 @@ class SamplingParams:
         return lambda logits: sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def draft_sampler(self) -> Callable[[mx.array, int], mx.array]:
-        """``sampler`` for a position whose draft token is ``wanted`` (engine/drafts.py), with
-        the same distribution. Greedy: the argmax. At a temperature, speculative sampling
-        with a one-token draft: ``wanted`` with its probability p under this sampling, else
-        a sample from the other tokens, renormalized; so ``wanted`` comes with probability p
-        and any other token t with (1 - p) * p(t) / (1 - p) = p(t). The same distribution as
-        ``sampler``, not the same draws."""
-        if self.temperature == 0.0:
-            return lambda logits, wanted: mx.argmax(logits, axis=-1)
-        from ..mlx_adapter import top_p_filter
-
-        inverse, top_p = 1.0 / self.temperature, self.top_p
-
-        def sample(logits: mx.array, wanted: int) -> mx.array:
-            x = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # what sampler gives
-            if 0.0 < top_p < 1.0:
-                x = top_p_filter(x, top_p)
-            x = x * inverse  # mlx-lm's categorical_sampling
-            p = mx.softmax(x, axis=-1)[..., wanted]
-            if mx.random.uniform().item() < p.item():
-                return mx.array([wanted])
-            x[..., wanted] = -mx.inf
-            return mx.random.categorical(x)
-
-        return sample
+        """``sampler`` for a position whose draft token is ``wanted`` (engine/drafts.py): the
+        sampler itself. The draft is one fixed token a position, so speculative sampling's
+        rule (keep ``wanted`` with its probability p, else draw from the other tokens
+        renormalized) gives exactly what drawing from the sampler and keeping the draft while
+        the draws equal it gives: ``wanted`` with probability p, any other token t with
+        p(t). So a drafted position is drawn as a one-token step draws (mlx-lm's sampler: the
+        same distribution; the same draws for the same random state), in one evaluation."""
+        sample = self.sampler()
+        return lambda logits, wanted: sample(logits)
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

@@ -203,7 +203,8 @@ class Job:
 
     def sample_drafted(self, logits: mx.array, wanted: int | None) -> mx.array:
         """``sample`` at a drafted step's position, whose draft token is ``wanted`` (None: the
-        position after the draft): the same distribution (``SamplingParams.draft_sampler``)."""
+        position after the draft): drawn as ``sample`` draws (``SamplingParams.draft_sampler``:
+        the same distribution, and the same draws for the same random state)."""
         if wanted is None or self.params.temperature == 0.0:
             return self.sample(logits)
         if self.grammar is not None:
