@@ -22,6 +22,14 @@ WEATHER = {
     "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city"],
 }
+NAMES = {  # a JSON schema of a list of names
+    "type": "object",
+    "properties": {
+        "names": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 4}
+    },
+    "required": ["names"],
+    "additionalProperties": False,
+}
 CODE = "def parse(text):\n    return [line.split(',') for line in text.splitlines()]\n"
 # (agent, messages, options): free text, code that quotes its prompt, a reply under a tool
 # grammar (auto: free text until a call starts) and a call it requires, a stop string, a reply
@@ -203,17 +211,37 @@ def test_a_drafted_position_draws_what_mlx_lm_s_sampler_draws(engine, temperatur
     assert greedy(logits, banned).item() == int(order[0])
 
 
-def test_a_sampled_turn_drafts_and_keeps_its_table_whole(engine):
-    """At a temperature the draws differ from one token a step's, so what holds is the table:
-    after a sampled turn with drafts kept and cut, it holds exactly the agent's tokens."""
-    engine.scheduler.call(lambda: mx.random.seed(2))  # its thread draws (this seed keeps drafts)
+def test_a_sampled_turn_drafts_and_gives_the_tokens_of_one_token_a_step(engine, tmp_path):
+    """At a temperature a drafted position is drawn as a one-token step draws it, one draw a
+    token, over the same logits bit for bit: so from the same random state a sampled turn
+    gives the very tokens it gives one token a step, drafts kept and cut; after it the table
+    holds exactly the agent's tokens. (Free text and under a grammar, at two temperatures.)"""
+    from agentkv import Engine
+
     messages = [{"role": "user", "content": CODE + "\nRepeat the code, then explain it."}]
-    result = engine.chat("draft-sampled", messages, max_tokens=96, temperature=0.6)
-    assert result.stats.accepted_draft_tokens > 0
-    state = engine.residency.get("draft-sampled")
-    assert state.table.length == state.size
-    fed = state.size - result.stats.prompt_tokens  # all but the last token (and an EOS)
-    assert fed in (len(result.tokens) - 1, len(result.tokens))
+    plain = Engine(cache_dir=tmp_path / "kv", draft_tokens=0)
+    try:
+        for seed, options in (
+            (2, {"temperature": 0.6}),
+            (5, {"temperature": 1.0, "top_p": 0.9}),
+            (7, {"temperature": 0.8, "constraint": Constraint.json_schema(NAMES)}),
+        ):
+            agent = f"draft-sampled-{seed}"
+            runs = []
+            for eng in (engine, plain):
+                eng.scheduler.call(lambda s=seed: mx.random.seed(s))  # its thread draws
+                runs.append(eng.chat(agent, messages, max_tokens=96, **options))
+            drafted, alone = runs
+            assert drafted.tokens == alone.tokens and drafted.text == alone.text
+            assert drafted.stats.draft_tokens > 0 and alone.stats.draft_tokens == 0
+            if "constraint" not in options:  # (the grammar's reply quotes too little)
+                assert drafted.stats.accepted_draft_tokens > 0
+            state = engine.residency.get(agent)
+            assert state.table.length == state.size
+            fed = state.size - drafted.stats.prompt_tokens  # all but the last token (and EOS)
+            assert fed in (len(drafted.tokens) - 1, len(drafted.tokens))
+    finally:
+        plain.close()
 
 
 def test_a_constrained_turn_at_a_temperature_drafts_within_its_grammar(engine):
@@ -224,18 +252,7 @@ def test_a_constrained_turn_at_a_temperature_drafts_within_its_grammar(engine):
 
     import jsonschema
 
-    schema = {
-        "type": "object",
-        "properties": {
-            "names": {
-                "type": "array",
-                "items": {"type": "string", "maxLength": 24},
-                "maxItems": 4,
-            }
-        },
-        "required": ["names"],
-        "additionalProperties": False,
-    }
+    schema = NAMES
     engine.scheduler.call(lambda: mx.random.seed(9))  # its thread draws
     ask = CODE + CODE.replace("parse", "parse_all") + "\nList every function name, as JSON."
     result = engine.chat(
