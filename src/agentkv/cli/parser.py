@@ -178,10 +178,9 @@ def _add_serve_limits(serve: argparse.ArgumentParser) -> None:
         "--draft-tokens",
         type=int_between(0, MAX_DRAFT),
         default=DEFAULT_DRAFT_TOKENS,
-        help="the most tokens a turn decoding alone drafts from its context and checks "
-        f"in one step: the same tokens (or, sampling, their distribution) in fewer steps (CPU; "
-        f"default {DEFAULT_DRAFT_TOKENS}; "
-        "0: off)",
+        help="the most tokens a decoding turn drafts from its context and checks in one step: "
+        "the same tokens (sampling, alone the same draws, batched their distribution) in fewer "
+        f"steps (CPU; default {DEFAULT_DRAFT_TOKENS}; 0: off)",
     )
     serve.add_argument(
         "--schedule",
