@@ -1,5 +1,5 @@
-"""``agentkv bench reload|fleet|ttft|save|compute|peers|kernels|gpu|batch|pool|serve|constrained|
-quality|kv-candidates|kvswap``."""
+"""``agentkv bench reload|fleet|ttft|save|compute|perplexity|peers|kernels|gpu|batch|pool|
+serve|constrained|quality|kv-candidates|kvswap``."""
 
 from __future__ import annotations
 
@@ -67,6 +67,10 @@ def run_bench(args) -> int:
             model=args.model,
             as_json=args.json,
         )
+    elif name == "perplexity":
+        from .perplexity import run
+
+        run(args.model, args.tokens, args.window, peer=args.peer, as_json=args.json)
     elif name == "peers":
         from .peers import SERVERS, run
 

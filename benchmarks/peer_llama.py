@@ -1,4 +1,5 @@
-"""The llama.cpp arm of ``agentkv bench compute``, run by the peer's own Python (a venv with
+"""The llama.cpp arm of ``agentkv bench compute`` (and ``bench perplexity``'s, a job of
+``kind`` "nll": ``_nll``), run by the peer's own Python (a venv with
 llama-cpp-python, never agentkv's). Reads one JSON job on stdin, prints one JSON result.
 
 The job: ``model`` (the GGUF file), ``threads``, ``kv`` ("f16": llama.cpp's default; "q4_0":
@@ -18,6 +19,9 @@ import time
 def main() -> None:
     job = json.load(sys.stdin)
     import llama_cpp
+
+    if job.get("kind") == "nll":
+        return _nll(llama_cpp, job)
 
     options = {}
     if job["kv"] == "q4_0":
@@ -80,6 +84,33 @@ def main() -> None:
         history = out["hot"][-1]["text"]
     out["batch_context"] = turn(work["batch"][0], work["decode_tokens"], cold=True)
     json.dump(out, sys.stdout)
+
+
+def _nll(llama_cpp, job: dict) -> None:
+    """``bench perplexity``'s job: each of ``windows`` (token ids) evaluated from its start
+    with logits at every position (llama.cpp's default float16 KV); the summed negative
+    log-likelihood of each window's next tokens after its first, and how many."""
+    import numpy as np
+
+    llm = llama_cpp.Llama(
+        model_path=job["model"],
+        n_ctx=job["n_ctx"],
+        n_batch=512,
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        logits_all=True,
+        verbose=False,
+    )
+    total, scored = 0.0, 0
+    for ids in job["windows"]:
+        llm.reset()
+        llm.eval(ids)
+        lg = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)
+        top = lg.max(-1, keepdims=True)
+        lse = np.log(np.exp(lg - top).sum(-1)) + top[:, 0]
+        total += float((lse - lg[np.arange(len(ids) - 1), ids[1:]]).sum())
+        scored += len(ids) - 1
+    json.dump({"nll": total, "scored": scored, "version": llama_cpp.__version__}, sys.stdout)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -85,3 +85,40 @@ def test_a_peer_venv_without_llama_cpp_counts_as_none(tmp_path, monkeypatch):
     bin_dir.mkdir(parents=True)
     (bin_dir / "python").symlink_to(sys.executable)  # a python without llama_cpp
     assert peer_python() is None
+
+
+def test_bench_perplexity_without_llama_cpp_says_how_to_get_it(python_env):
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli.main", "bench", "perplexity", "--peer", "none"],
+        env=python_env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "bench perplexity needs llama.cpp: --peer install builds" in run.stderr
+
+
+def test_bench_perplexity_scores_the_same_predictions_as_llama_cpp(
+    python_env, llama_cpp_python, tmp_path
+):
+    """The embedded model's GGUF in agentkv and in llama.cpp (the user's llama-cpp-python
+    venv, linked into this test's agentkv home): both texts, the same predictions scored,
+    perplexities of the same model (its arithmetic apart, within a few percent)."""
+    import os
+    from pathlib import Path
+
+    peers = Path(python_env["AGENTKV_HOME"]) / "peers"
+    peers.mkdir(parents=True, exist_ok=True)
+    if not (peers / "llama-cpp").exists():
+        os.symlink(llama_cpp_python.parents[1], peers / "llama-cpp")
+    run = subprocess.run(
+        [sys.executable, "-m", "agentkv.cli.main", "bench", "perplexity", "--tokens", "300",
+         "--window", "150", "--json"],
+        env=python_env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["bench"] == "perplexity" and result["window"] == 150
+    assert [r["text"] for r in result["rows"]] == ["prose (pydoc topics)", "code (stdlib source)"]
+    for row in result["rows"]:
+        assert row["tokens"] == 300 and row["scored"] == 298  # two windows, each from its start
+        assert 1 < row["agentkv_perplexity"] and 1 < row["llama.cpp_perplexity"]
+        assert abs(row["delta_pct"]) < 5

@@ -49,7 +49,7 @@ def _commands(parser, path=()):
 def test_every_command_has_help_and_every_option_says_what_it_does(capsys):
     commands = dict(_commands(build_parser()))
     benches = (
-        "reload fleet ttft save compute peers kernels gpu batch pool serve constrained "
+        "reload fleet ttft save compute perplexity peers kernels gpu batch pool serve constrained "
         "kv-candidates quality kvswap"
     )
     expected = {(), *[(c,) for c in ("demo", "chat", "serve", "cache", "doctor", "bench")]}

@@ -106,6 +106,21 @@ def _compute(compute: argparse.ArgumentParser) -> None:
     _add_peer(compute)
 
 
+@_bench("perplexity", "a GGUF file's perplexity in agentkv against llama.cpp on the same file")
+def _perplexity(perplexity: argparse.ArgumentParser) -> None:
+    """The file imported by agentkv (its weights as shipped, agentkv's CPU matmul, a float KV
+    cache) and llama.cpp (llama-cpp-python, its default float16 KV) on the same GGUF, scoring
+    the same predictions of the `bench quality` texts (prose, code): the first --tokens
+    tokens of each, in windows of --window tokens each evaluated from its start. Perplexity
+    per text and over both, and agentkv's against llama.cpp's. A minute or two on 2 cores."""
+    perplexity.add_argument(
+        "--model", default=None, help="a GGUF file (default: the embedded model's)"
+    )
+    add_count(perplexity, "--tokens", 2048, "tokens of each text scored (default 2048)")
+    add_count(perplexity, "--window", 512, "tokens of each window (default 512)")
+    _add_peer(perplexity)
+
+
 @_bench("peers", "one agent workflow through the openai SDK: agentkv vs llama.cpp vs mlx-lm")
 def _peers(peers: argparse.ArgumentParser) -> None:
     """One scripted multi-agent workflow (agents sharing a system prompt and three tools, each
