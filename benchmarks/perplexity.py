@@ -8,8 +8,10 @@ evaluated from its start, alone, and each of its next tokens after the first is 
 both sides score the same predictions with the same context. agentkv: the file imported with
 its weights as shipped (``weights="quantized"``: agentkv's CPU matmul) and a float KV cache;
 llama.cpp: its default (float16 KV), ``logits_all``. Both weigh the same model; llama.cpp's
-arithmetic differs (int8 activations in its dot products). Reported per text and over all:
-perplexity of each, and agentkv's against llama.cpp's (``delta_pct``).
+arithmetic differs (int8 activations in its dot products). A third arm, ``exact``: the file's
+weights dequantized to float32 in agentkv (the model both approximate). Reported per text and
+over all: perplexity of each, agentkv's against llama.cpp's (``delta_pct``), and each against
+the exact model's (``exact_delta_pct``, ``llama_cpp_exact_delta_pct``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import tempfile
 from pathlib import Path
 
 from .common import emit, progress
+
+# agentkv's arms: the file as the engine runs it, and its exact model (every weight the
+# file's value, in float32: what both runs approximate)
+ARMS = {"agentkv": "quantized", "exact": "float32"}
 
 
 def run(
@@ -47,44 +53,53 @@ def run(
             f"llama-cpp-python into {peer_dir()} (minutes)"
         )
     progress(f"perplexity: importing {gguf.name}...")
-    loaded = load_model(str(gguf), weights="quantized")
+    models = {arm: load_model(str(gguf), weights=w) for arm, w in ARMS.items()}
     windows: dict[str, list[list[int]]] = {}
     for name, text in texts().items():
-        ids = loaded.tokenizer.encode(text)[:tokens]
+        ids = models["agentkv"].tokenizer.encode(text)[:tokens]
         windows[name] = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
-    rows, totals = [], {"agentkv": [0.0, 0], "llama.cpp": [0.0, 0]}
+    rows, totals = [], {arm: [0.0, 0] for arm in (*ARMS, "llama.cpp")}
     with tempfile.TemporaryDirectory(prefix="agentkv-bench-ppl-") as tmp:
         for name, parts in windows.items():
-            progress(f"perplexity: {name}: agentkv...")
-            ours = [0.0, 0]
-            for ids in parts:
-                logits = loaded.model(mx.array([ids]))[0].astype(mx.float32)
-                nll, n = _nll(np.array(logits), ids)
-                ours[0] += nll
-                ours[1] += n
+            scores = {}
+            for arm, loaded in models.items():
+                progress(f"perplexity: {name}: {arm}...")
+                scores[arm] = [0.0, 0]
+                for ids in parts:
+                    logits = loaded.model(mx.array([ids]))[0].astype(mx.float32)
+                    nll, n = _nll(np.array(logits), ids)
+                    scores[arm][0] += nll
+                    scores[arm][1] += n
             progress(f"perplexity: {name}: llama.cpp...")
-            theirs = _peer_nll(python, gguf, parts, window, Path(tmp))
-            row = {"text": name, "tokens": sum(len(p) for p in parts), "scored": ours[1]}
-            for arm, (nll, n) in (("agentkv", ours), ("llama.cpp", theirs)):
+            scores["llama.cpp"] = _peer_nll(python, gguf, parts, window, Path(tmp))
+            row = {"text": name, "tokens": sum(len(p) for p in parts)}
+            row["scored"] = scores["agentkv"][1]
+            for arm, (nll, n) in scores.items():
                 row[f"{arm}_perplexity"] = round(math.exp(nll / n), 4)
                 totals[arm][0] += nll
                 totals[arm][1] += n
-            row["delta_pct"] = _delta(ours, theirs)
+            row.update(_deltas(scores))
             rows.append(row)
             progress(f"perplexity: {name}: {json.dumps(row)}")
-    extra = {
-        "model": str(gguf),
-        "window": window,
-        "agentkv_perplexity": round(math.exp(totals["agentkv"][0] / totals["agentkv"][1]), 4),
-        "llama_cpp_perplexity": round(math.exp(totals["llama.cpp"][0] / totals["llama.cpp"][1]), 4),
-        "delta_pct": _delta(totals["agentkv"], totals["llama.cpp"]),
-    }
+    extra = {"model": str(gguf), "window": window}
+    for arm, (nll, n) in totals.items():
+        extra[f"{arm.replace('.', '_')}_perplexity"] = round(math.exp(nll / n), 4)
+    extra.update(_deltas(totals))
     emit("perplexity", rows, as_json, extra)
     return {"rows": rows, **extra}
 
 
+def _deltas(scores: dict) -> dict:
+    """agentkv's perplexity against llama.cpp's, and each against the exact model's."""
+    return {
+        "delta_pct": _delta(scores["agentkv"], scores["llama.cpp"]),
+        "exact_delta_pct": _delta(scores["agentkv"], scores["exact"]),
+        "llama_cpp_exact_delta_pct": _delta(scores["llama.cpp"], scores["exact"]),
+    }
+
+
 def _delta(ours, theirs) -> float:
-    """agentkv's perplexity against llama.cpp's, in percent."""
+    """One perplexity against another, in percent."""
     return round(100 * (math.exp(ours[0] / ours[1] - theirs[0] / theirs[1]) - 1), 3)
 
 
