@@ -30,15 +30,7 @@ def main() -> None:
             "type_v": llama_cpp.GGML_TYPE_Q4_0,
             "flash_attn": True,
         }
-    llm = llama_cpp.Llama(
-        model_path=job["model"],
-        n_ctx=job["n_ctx"],
-        n_batch=512,
-        n_threads=job["threads"],
-        n_threads_batch=job["threads"],
-        verbose=False,
-        **options,
-    )
+    llm = _llama(llama_cpp, job, **options)
 
     def turn(text: str, tokens: int, *, cold: bool) -> dict:
         ids = llm.tokenize(text.encode(), add_bos=False, special=False)
@@ -86,21 +78,26 @@ def main() -> None:
     json.dump(out, sys.stdout)
 
 
+def _llama(llama_cpp, job: dict, **options):
+    """The job's model on its threads, 512-token batches, quiet."""
+    return llama_cpp.Llama(
+        model_path=job["model"],
+        n_ctx=job["n_ctx"],
+        n_batch=512,
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        verbose=False,
+        **options,
+    )
+
+
 def _nll(llama_cpp, job: dict) -> None:
     """``bench perplexity``'s job: each of ``windows`` (token ids) evaluated from its start
     with logits at every position (llama.cpp's default float16 KV); the summed negative
     log-likelihood of each window's next tokens after its first, and how many."""
     import numpy as np
 
-    llm = llama_cpp.Llama(
-        model_path=job["model"],
-        n_ctx=job["n_ctx"],
-        n_batch=512,
-        n_threads=job["threads"],
-        n_threads_batch=job["threads"],
-        logits_all=True,
-        verbose=False,
-    )
+    llm = _llama(llama_cpp, job, logits_all=True)
     total, scored = 0.0, 0
     for ids in job["windows"]:
         llm.reset()
