@@ -120,5 +120,7 @@ def test_bench_perplexity_scores_the_same_predictions_as_llama_cpp(
     assert [r["text"] for r in result["rows"]] == ["prose (pydoc topics)", "code (stdlib source)"]
     for row in result["rows"]:
         assert row["tokens"] == 300 and row["scored"] == 298  # two windows, each from its start
-        assert 1 < row["agentkv_perplexity"] and 1 < row["llama.cpp_perplexity"]
-        assert abs(row["delta_pct"]) < 5
+        # the file's own weights as the engine runs them: its exact model's perplexity
+        # (measured over 2,048 tokens: within 0.001%); llama.cpp's arithmetic, a few percent
+        assert abs(row["exact_delta_pct"]) < 0.1 and abs(row["delta_pct"]) < 5
+        assert 1.5 < row["agentkv_perplexity"] < 100
