@@ -161,19 +161,25 @@ def kernel_lab(args) -> list[dict]:
                         splits = max(1, min(128, math.ceil(longest / keys_a_part)))
                         launch = plain.launch(queries[0], splits=splits)
                         cases.append((f"{splits} parts", "", [], on_device, launch))
-                    orig_ints, orig_floats = gpu_kernels._ints, gpu_kernels._floats
+                    if spec.key_head_dim == spec.value_head_dim and dim in (64, 128):
+                        cases.append(("rotated inside + device inputs", "", [],
+                                      on_device._replace(rotate=True), None))  # fmt: skip
+                    originals = gpu_kernels._ints, gpu_kernels._floats, gpu_kernels._zeros
                     for name, suffix, subs, p, launch in cases:
                         variant(suffix, subs)
-                        if p is on_device:  # the kernel's dims and scale too
-                            gpu_kernels._ints = lambda v: device_copy(orig_ints(v))
-                            gpu_kernels._floats = lambda v: device_copy(orig_floats(v))
+                        if p.tables is on_device.tables:  # the kernel's dims and scale too
+                            made = ({}, {}, {})  # device copies made once, outside the timing
+                            gpu_kernels._ints, gpu_kernels._floats, gpu_kernels._zeros = (
+                                lambda *v, f=f, c=c: c.setdefault(v, device_copy(f(*v)))
+                                for f, c in zip(originals, made)
+                            )
                         try:
                             us = timed(run(p, launch))
                         except Exception as exc:  # noqa: BLE001  (a variant that fails says so)
                             us = None
                             name += f" (failed: {type(exc).__name__}: {str(exc)[:120]})"
                         finally:
-                            gpu_kernels._ints, gpu_kernels._floats = orig_ints, orig_floats
+                            gpu_kernels._ints, gpu_kernels._floats, gpu_kernels._zeros = originals
                             variant("", [])
                         row = {"shape": shape, "context": context, "case": name,
                                "launch": str(launch or base_launch), "us": us and round(us, 1),

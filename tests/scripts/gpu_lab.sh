@@ -1,7 +1,8 @@
 #!/bin/bash
 # One lent-GPU call of experiments (tests/scripts/gpu_lab.py): installs as gpu_check.sh does
 # (carry .devkit), then the kernel's variants alone, then decode A/Bs of MLX's CUDA graph
-# settings, each arm a process of its own, one after another. Results: $OUT/lab.jsonl.
+# settings, each arm a process of its own, one after another (ARMS: which, by name), then
+# (LAB_TESTS=1) tests/gpu. Results: $OUT/lab.jsonl.
 OUT=${OUT:-/tmp/gpu-lab}
 mkdir -p "$OUT"
 TESTS=0 BENCH=0 bash tests/scripts/gpu_check.sh > "$OUT/install.log" 2>&1 || exit 1
@@ -11,9 +12,11 @@ timeout ${KERNEL_LIMIT:-90} $LAB kernel --contexts 1024,8192,32768 | tee -a "$OU
 arm() {  # name, one VAR=value, then the lab's arguments
   local name=$1 setting=$2
   shift 2
+  [[ " ${ARMS:-$name} " == *" $name "* ]] || return 0
   echo "== $name"
-  env "$setting" timeout ${ARM_LIMIT:-35} $LAB decode "$@" 2> "$OUT/arm-err.log" | sed "s/^{/{\"env\": \"$name\", /" |
-    tee -a "$OUT/lab.jsonl" || tail -3 "$OUT/arm-err.log"
+  env "$setting" timeout ${ARM_LIMIT:-35} $LAB decode "$@" 2> "/tmp/arm-$name.log" | sed "s/^{/{\"env\": \"$name\", /" |
+    tee -a "$OUT/lab.jsonl"
+  tail -n 2 "/tmp/arm-$name.log"
 }
 arm default-q4 X=0 --arm q4
 arm default-mlx-lm X=0 --arm mlx-lm
@@ -24,3 +27,10 @@ arm nographs-q4 MLX_USE_CUDA_GRAPHS=0 --arm q4
 arm default-kv16 X=0 --arm kv16
 arm devindex-kv16 AGENTKV_GPU_DEVICE_INDEX=1 --arm kv16
 arm nographs-mlx-lm MLX_USE_CUDA_GRAPHS=0 --arm mlx-lm
+if [ "${LAB_TESTS:-0}" != 0 ]; then
+  export AGENTKV_TEST_TOKENIZER=$PWD/.devkit/tokenizer
+  timeout ${GPU_LIMIT:-150} python3 -m pytest -p no:cacheprovider -q -rfE --tb=short tests/gpu \
+    "tests/kernels/test_kernels.py::test_the_same_bodies_compile_as_cuda" > "$OUT/gpu-tests.log" 2>&1
+  echo "tests/gpu: exit $?"
+  tail -c 2500 "$OUT/gpu-tests.log"
+fi

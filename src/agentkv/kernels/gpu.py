@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
+from ..pool.arena import index_array
 from .types import THREADGROUP as PAGED_THREADGROUP
 from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
@@ -104,17 +105,26 @@ def _kernel(backend: str, name: str, sources: int = 0):
 @lru_cache(maxsize=512)
 def _ints(values: tuple[int, ...]) -> mx.array:
     """A small constant argument, made once (data on the host: any thread's graph takes it)."""
-    return mx.array(np.asarray(values, dtype=np.int32))
+    return _constant(np.asarray(values, dtype=np.int32))
 
 
 @lru_cache(maxsize=64)
 def _floats(values: tuple[float, ...]) -> mx.array:
-    return mx.array(np.asarray(values, dtype=np.float32))
+    return _constant(np.asarray(values, dtype=np.float32))
 
 
 @lru_cache(maxsize=64)
 def _zeros(n: int, dtype: mx.Dtype = mx.float32) -> mx.array:
-    return mx.array(np.zeros(n, dtype=np.dtype(str(dtype).split(".")[-1])))
+    return _constant(np.zeros(n, dtype=np.dtype(str(dtype).split(".")[-1])))
+
+
+def _constant(values: np.ndarray) -> mx.array:
+    """``values`` as an evaluated MLX array; in device memory where the step's indices are
+    (``pool.arena.index_array``: an array made from host data lives in managed memory on
+    MLX's CUDA backend)."""
+    a = index_array(values)
+    mx.eval(a)
+    return a
 
 
 def _run(backend, name, inputs, grid, shape, dtype, sources=0):
