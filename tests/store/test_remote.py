@@ -114,6 +114,12 @@ def test_a_damaged_object_is_rejected_and_nothing_installed(machines, s3_server)
         rb.pull("x")
     assert not (b.agent_dir("x") / MANIFEST_NAME).exists()
     assert not list(b.model_dir.rglob("blocks/**/*.safetensors"))
+    bad = bytearray(good)
+    bad[-100] ^= 0x01  # one bit of the block's token ids (the file's last 1 KiB)
+    client.put_object(Bucket=bucket, Key=block_key, Body=bytes(bad))
+    with pytest.raises(RemoteDamaged, match="token ids"):
+        rb.pull("x")
+    assert not list(b.model_dir.rglob("blocks/**/*.safetensors"))
     client.put_object(Bucket=bucket, Key=block_key, Body=good[:-10])  # cut short
     with pytest.raises(RemoteDamaged, match="bytes, expected"):
         rb.pull("x")

@@ -99,10 +99,12 @@ class Fleet:
             local = local_record(self.store.agent_dir(agent_id))
         except CacheFormatError:
             local = None  # the resumer quarantines it; the store's copy replaces it
+        started = time.perf_counter()
         try:
             head = self.remote.head(agent_id)
             if head is None or (local is not None and local.continues(head.version)):
                 return None
+            looked = time.perf_counter()
             fetched = self.remote.fetch(agent_id)
         except StoreUnavailable as exc:
             self._went_down()
@@ -125,8 +127,15 @@ class Fleet:
             self.counts["commit", "conflict"] += 1
             note = "another server ran turns of this agent; this server's own were kept aside"
         self.writer.set_durable(agent_id, DurableState())
+        got = time.perf_counter()
         with self._lock_of(agent_id):  # not while a commit of the agent reads its files
             self.remote.install(fetched)
+        ms = [round((t - started) * 1000) for t in (looked, got, time.perf_counter())]
+        log.debug(
+            "agentkv: agent %r fetched from the store: %d files, %.1f MB; %d ms to look, "
+            "%d ms fetched and checked, %d ms installed", agent_id, len(fetched.files),
+            fetched.nbytes / 1e6, ms[0], ms[1] - ms[0], ms[2] - ms[1],
+        )  # fmt: skip
         self.counts["fetch", "ok"] += 1
         return note
 

@@ -250,6 +250,9 @@ def _client():
         read_timeout=READ_TIMEOUT_S,
         retries={"max_attempts": 2, "mode": "standard"},
         max_pool_connections=32,
+        # every byte fetched is checked against the agent's manifest (remote.check_file):
+        # botocore's CRC-32 of each response on top cost CPU on the turn's path
+        response_checksum_validation="when_required",
         # an S3-compatible server on an address of its own (MinIO, Ceph) takes paths
         s3={"addressing_style": "path" if _custom_endpoint(os.environ) else "auto"},
     )

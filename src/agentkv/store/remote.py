@@ -242,20 +242,27 @@ class RemoteAgents:
         self._install_model_record()
         shared = SharedBlocks.of_manifest(self.model_dir, manifest)
         names = [n for n in fetched.files if is_shared_file(n)]
-        with blocks_writing(self.model_dir):
-            for name in names:
-                path = shared.path(name)
+        segments = [n for n in fetched.files if not is_shared_file(n)]
+
+        def write_all(files: dict[Path, str], label: str) -> None:
+            # on the transfer threads: their fsyncs overlap (one journal commit for many)
+            for path in files:
                 secure_mkdir(path.parent)
-                atomic_write_bytes(path, fetched.files[name], label="block", sync_dir=False)
+            list(self._pool.map(
+                lambda path: atomic_write_bytes(path, fetched.files[files[path]], label=label,
+                                                sync_dir=False),
+                files,
+            ))  # fmt: skip
+
+        with blocks_writing(self.model_dir):
+            write_all({shared.path(name): name for name in names}, "block")
             shared.sync_dirs(names)
             with agent_lock(directory, exclusive=True):
                 manifest_path = directory / MANIFEST_NAME
                 if manifest_path.exists():  # its segments are about to be replaced
                     manifest_path.unlink()
                     fsync_dir(directory)
-                for name, data in fetched.files.items():
-                    if not is_shared_file(name):
-                        atomic_write_bytes(directory / name, data, label="segment", sync_dir=False)
+                write_all({directory / name: name for name in segments}, "segment")
                 fsync_dir(directory)
                 crash_point("fetched-files-installed")
                 atomic_write_bytes(manifest_path, fetched.data, label="manifest")
@@ -429,8 +436,9 @@ def _here(shared: SharedBlocks, manifest: Manifest, name: str, record: SegmentRe
 
 def check_file(manifest: Manifest, name: str, record: SegmentRecord, data: bytes, label) -> None:
     """Check one file a manifest names, as read from anywhere: its size and header CRC as the
-    manifest records them, a block file's header (model, hash, size), and the CRC-32C of every
-    region the manifest reads from it. CacheFormatError names what is wrong."""
+    manifest records them, a block file's header (model, hash, size) and token ids (the
+    agent's), and the CRC-32C of every region the manifest reads from it: every byte of the
+    file. CacheFormatError names what is wrong."""
     if len(data) != record.size:
         raise CacheFormatError(label, f"{len(data)} bytes, expected {record.size}")
     _, data_start = read_header(data[: min(len(data), MAX_HEAD_BYTES)], label)
@@ -440,7 +448,7 @@ def check_file(manifest: Manifest, name: str, record: SegmentRecord, data: bytes
     if is_shared_file(name):
         first = blocks[0]
         end = data_start + first.length
-        decode_block_file(
+        stored = decode_block_file(
             data[:data_start],
             data[end : end + 4 * BLOCK_TOKENS],
             label,
@@ -450,6 +458,10 @@ def check_file(manifest: Manifest, name: str, record: SegmentRecord, data: bytes
             digest=bytes.fromhex(first.hash),
             length=first.length,
         )
+        # its token ids (which other agents' turns match against) are the manifest's own
+        at = manifest.blocks.index(first) * manifest.block_tokens
+        if stored.tokens != tuple(manifest.tokens[at : at + manifest.block_tokens].tolist()):
+            raise CacheFormatError(label, "block file holds other token ids than its agent's")
     view = np.frombuffer(data, np.uint8)
     for b in blocks:
         if _ext.block_checksum(view[b.offset : b.offset + b.length]) != b.checksum:
