@@ -665,6 +665,7 @@ NB_MODULE(_ext, m) {
         "tables"_a, "lengths"_a, "dims"_a, "sinks"_a = nb::none(), "scale"_a = 1.0f,
         "threads"_a = 2, "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "vectors"_a = 4,
         "lanes_per_key"_a = 8, "done"_a = nb::none(), "done_first"_a = nb::none(),
+        "softcap"_a = 0.0f,
         "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
         "threadgroup's lanes as a loop (for tests against the others).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
@@ -723,7 +724,7 @@ NB_MODULE(_ext, m) {
   m.def("quantized_attention", &agentkv::ops::quantized_attention, "queries"_a, "keys"_a,
         "values"_a, "scale"_a, "key_bits"_a, "value_bits"_a, "group"_a, "window"_a = 0,
         "left_padding"_a = nb::none(), "sinks"_a = nb::none(), "channel_tokens"_a = 0,
-        "tail"_a = nb::none(),
+        "tail"_a = nb::none(), "softcap"_a = 0.0f,
         "Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. "
         "channel_tokens > 0: per-channel keys (format 2), each row's group still filling in "
         "tail [B, Hkv, channel_tokens, D].");
@@ -731,7 +732,7 @@ NB_MODULE(_ext, m) {
         "tables"_a, "lengths"_a, "kv_heads"_a, "block_tokens"_a, "scale"_a, "key_bits"_a,
         "value_bits"_a, "group"_a, "window"_a = 0, "sinks"_a = nb::none(), "channel_tokens"_a = 0,
         "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "done"_a = nb::none(),
-        "done_first"_a = nb::none(),
+        "done_first"_a = nb::none(), "softcap"_a = 0.0f,
         "Fused attention over paged block arenas for a jagged batch (CPU); see "
         "csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups "
         "still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the "

@@ -40,6 +40,9 @@ inline float kv_exp(float x) {
 inline float kv_max(float a, float b) {
   return a > b ? a : b;
 }
+inline float kv_tanh(float x) {
+  return std::tanh(x);
+}
 constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
 #define KV_SHARED_ARRAY(type, name, count) type* name = kv_ctx.shared<type>(kv_shared, (count))
 #define KV_BARRIER() \
@@ -200,7 +203,7 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in, int vectors,
                           int lanes_per_key, const std::optional<mx::array>& done_in,
-                          const std::optional<mx::array>& done_first_in) {
+                          const std::optional<mx::array>& done_first_in, float softcap) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
@@ -293,8 +296,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       splits > 1 ? new_array({static_cast<int>(outputs), splits, dim_v}, mx::float32) : out;
   mx::array stats = new_array({static_cast<int>(outputs), splits, 2}, mx::float32);
   // rotate: 1 / sqrt(D) of the queries' rotation folded into their scale, then the output's
-  const float scale[2] = {rotate ? scale_value / std::sqrt(static_cast<float>(dim)) : scale_value,
-                          rotate ? 1.0f / std::sqrt(static_cast<float>(dim_v)) : 1.0f};
+  const float scale[3] = {rotate ? scale_value / std::sqrt(static_cast<float>(dim)) : scale_value,
+                          rotate ? 1.0f / std::sqrt(static_cast<float>(dim_v)) : 1.0f, softcap};
   const PagedArgs args{q.data<float>(),
                        parts[0].data<uint32_t>(),
                        parts[1].data<uint16_t>(),

@@ -26,7 +26,7 @@ mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots, int vectors,
                           int lanes_per_key, const std::optional<mx::array>& done,
-                          const std::optional<mx::array>& done_first);
+                          const std::optional<mx::array>& done_first, float softcap = 0.0f);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

@@ -346,6 +346,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     int block_tokens = 0;
     int channel_tokens = 0;  // > 0: per-channel keys with a float16 tail (paged only)
     bool done = false;       // paged per-channel keys: the groups the step completed, in float16
+    float softcap = 0.0f;    // > 0: the scores' soft cap (AttentionArgs::softcap)
     bool operator==(const Params&) const = default;
   };
 
@@ -427,6 +428,7 @@ class QuantizedAttention : public mx::UnaryPrimitive {
     a.q_heads = q.shape(1);
     a.queries = q.shape(2);
     a.scale = p.scale;
+    a.softcap = p.softcap;
     a.window = p.window;
     if (p.padded) {
       a.left_padding = inputs[next++].data<int32_t>();
@@ -530,7 +532,7 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                               int value_bits, int group, int window,
                               const std::optional<mx::array>& left_padding,
                               const std::optional<mx::array>& sinks, int channel_tokens,
-                              const std::optional<mx::array>& tail) {
+                              const std::optional<mx::array>& tail, float softcap) {
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   if (!supported(key_bits) || !supported(value_bits)) {
     throw std::invalid_argument("fused attention supports 2, 4, 8 and 16 bits");
@@ -599,6 +601,7 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                                     left_padding.has_value(),
                                     sinks.has_value()};
   params.channel_tokens = channel_tokens;
+  params.softcap = softcap;
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }
@@ -611,7 +614,7 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots,
                           const std::optional<mx::array>& done,
-                          const std::optional<mx::array>& done_first) {
+                          const std::optional<mx::array>& done_first, float softcap) {
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   if (!supported(key_bits) || !supported(value_bits)) {
     throw std::invalid_argument("paged attention supports 2, 4, 8 and 16 bits");
@@ -714,6 +717,7 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                                     kv_heads,      block_tokens,
                                     channel_tokens};
   params.done = done.has_value();
+  params.softcap = softcap;
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, params), std::move(inputs));
 }

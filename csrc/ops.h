@@ -42,7 +42,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // Attention of queries [B, Hq, L, D] float32 over stored keys and values (each a
 // tuple: words, scales, biases for 2/4/8 bits, or one float16 array for 16 bits,
 // [B, Hkv, T, ...]) with causal masking from each row's left padding, an optional
-// sliding window and optional attention sinks (see csrc/core/attention.h). CPU only.
+// sliding window, optional attention sinks and an optional soft cap of the scores (Gemma
+// 2's: softcap > 0; see csrc/core/attention.h). CPU only.
 // Per-channel keys (channel_tokens > 0): each row's group still filling is float16 in
 // tail [B, Hkv, channel_tokens, D].
 mx::array quantized_attention(const mx::array& queries, const std::vector<mx::array>& keys,
@@ -50,7 +51,8 @@ mx::array quantized_attention(const mx::array& queries, const std::vector<mx::ar
                               int value_bits, int group, int window,
                               const std::optional<mx::array>& left_padding,
                               const std::optional<mx::array>& sinks, int channel_tokens = 0,
-                              const std::optional<mx::array>& tail = std::nullopt);
+                              const std::optional<mx::array>& tail = std::nullopt,
+                              float softcap = 0.0f);
 
 // The same attention over paged caches: keys and values are arenas of token rows
 // [blocks * kv_heads * block_tokens, width] (see csrc/core/attention.h); row b of the batch
@@ -67,7 +69,8 @@ mx::array paged_attention(const mx::array& queries, const std::vector<mx::array>
                           const std::optional<mx::array>& tail = std::nullopt,
                           const std::optional<mx::array>& tail_slots = std::nullopt,
                           const std::optional<mx::array>& done = std::nullopt,
-                          const std::optional<mx::array>& done_first = std::nullopt);
+                          const std::optional<mx::array>& done_first = std::nullopt,
+                          float softcap = 0.0f);
 
 // x [..., D] * rsqrt(mean(x^2) + eps) * w, float32, each row alone (csrc/core/rows.h):
 // one graph operation where MLX's CPU fallback for mx.fast.rms_norm makes eight. CPU only.

@@ -23,7 +23,9 @@
 //                                group, window (0: none), has_sinks, channel_tokens, splits,
 //                                split_keys, rotate
 //          sinks   float[Hq]     (read only if has_sinks)
-//          scale   float[2]      the queries' scale; rotate: the output's (1 / sqrt(Dv))
+//          scale   float[3]      the queries' scale; rotate: the output's (1 / sqrt(Dv));
+//                                the scores' soft cap c (0: none): a score s becomes
+//                                c * tanh(s / c) before the softmax (Gemma 2)
 //          tail    half[slots * Hkv * channel_tokens * D]   (read only if channel_tokens)
 //          tail_slots int[B]
 //          done    half[entries * channel_tokens * D]  the channel groups this step
@@ -113,6 +115,7 @@ const int channel_tokens = dims[13];
 const int n_splits = dims[14];
 const int split_keys = dims[15];
 const int rotate = dims[16];
+const float softcap = scale[2];
 const int rep = q_heads / kv_heads;
 const int n_vectors = n_queries * rep;
 const int tid = (int)kv_tid;
@@ -298,6 +301,11 @@ for (int base = s0; base < s1; base += n_teams) {
   for (int offset = 1; offset < KL; offset *= 2) {
     for (int j = 0; j < NQ; ++j) {
       s[j] += KV_SHUFFLE_XOR(s[j], offset);
+    }
+  }
+  if (softcap > 0.0f) {
+    for (int j = 0; j < NQ; ++j) {
+      s[j] = softcap * kv_tanh(s[j] / softcap);
     }
   }
   float y[8];

@@ -76,6 +76,7 @@ struct AttentionArgs {
   int window = 0;                         // 0: none
   const int32_t* left_padding = nullptr;  // [B] or null (no padding); contiguous caches only
   const float* sinks = nullptr;           // [Hq] or null
+  float softcap = 0.0f;  // > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2)
   // Paged (jagged) batches: row b holds lengths[b] tokens (its queries are the last L of
   // them) whose blocks are tables[b * table_stride + i]. Null: contiguous caches of `keys`.
   const int32_t* tables = nullptr;

@@ -57,6 +57,38 @@ def install_attention_dispatch() -> None:
         if name.startswith("mlx_lm.models.") and module is not None:
             if getattr(module, "scaled_dot_product_attention", None) is original:
                 module.scaled_dot_product_attention = current
+    gemma2 = sys.modules.get("mlx_lm.models.gemma2")
+    if gemma2 is not None and not hasattr(gemma2.Attention.__call__, _ORIGINAL):
+        gemma2.Attention.__call__ = _softcapped_attention(gemma2.Attention.__call__)
+
+
+def _softcapped_attention(original):
+    """Gemma 2's attention computes its soft-capped scores itself rather than through
+    mlx-lm's ``scaled_dot_product_attention``: over an agentkv cache, the same projections,
+    rotary embeddings and cache update (mlx-lm 0.32's ``gemma2.Attention``), then the cache's
+    attention with the cap (c * tanh(s / c) of each scaled score s, before the mask)."""
+
+    @functools.wraps(original)
+    def __call__(self, x, mask=None, cache=None):
+        attend = getattr(cache, "agentkv_attention", None)
+        if attend is None:
+            return original(self, x, mask, cache)
+        B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = attend(
+            queries, keys, values, scale=self.scale, mask=mask,
+            softcap=float(self.attn_logit_softcapping),
+        )  # fmt: skip
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    setattr(__call__, _ORIGINAL, original)
+    return __call__
 
 
 class InvariantLinear(nn.Linear):

@@ -327,3 +327,36 @@ def test_a_rotating_format_reads_the_same_through_every_entry_point():
     assert not inside.rotates_inside(q, wide)
     with pytest.raises(ValueError, match="bad dims"):
         cpu.paged_attention(q, inside, scale=0.125, launch=wide)
+
+
+@pytest.mark.parametrize("quant", [KVQuant(**V1), KVQuant(8, 4, 32, **V1), "format 2"])
+def test_a_soft_cap_is_taken_by_every_path(quant):
+    """Gemma 2's soft cap (``PagedQuery.softcap``: each score s becomes c * tanh(s / c) before
+    the softmax) on the fused CPU kernel, the GPU body compiled for the CPU (one part and
+    several) and the dense prefill path: each agrees with the reference's cap; the fused
+    kernel gives a row the same bits alone or batched; and the cap
+    moves the output far more than the paths differ."""
+    queries = dense.DENSE_QUERIES + 1
+    if quant == "format 2":
+        _, q, paged = format_2_batch(100, new=queries)
+        atol = 2e-3
+    else:
+        _, _, q, paged = jagged_batch(quant, [700, queries, 260], queries=queries, q_heads=4)
+        atol = attention_atol(quant)
+    q = q * 4.0  # scores of ~+-10: a cap of 3 bites
+    capped = paged._replace(softcap=3.0)
+    want = reference(q, capped)
+    assert float(mx.abs(want - reference(q, paged)).max()) > 50 * atol
+    close(fused(q, capped), want, atol)
+    with kernels.use_backend("cpu"):
+        close(kernels.paged_attention_body(q, capped, scale=0.125), want, atol)
+        parts = capped.launch(q, splits=3)
+        close(cpu.paged_attention(q, capped, scale=0.125, launch=parts), want, atol)
+    assert dense.takes(q, capped)
+    close(dense.paged_attention(q, capped, scale=0.125), want, atol)
+    alone = [fused(q[b : b + 1], capped._replace(
+        tables=capped.tables[b : b + 1], lengths=capped.lengths[b : b + 1],
+        tail_slots=capped.tail_slots[b : b + 1] if capped.tail_slots is not None else None,
+        done_first=capped.done_first[b : b + 1] if capped.done_first is not None else None,
+        host=None)) for b in range(q.shape[0])]  # fmt: skip
+    assert mx.array_equal(mx.concatenate(alone), fused(q, capped))

@@ -50,6 +50,9 @@ ARCHITECTURES = {
         "num_key_value_heads": 2,
         "rope_theta": 1_000_000,  # qwen3's config must name it
     },
+    # attention scores soft-capped at 50 in its own attention code (agentkv's patch of it:
+    # mlx_adapter), final logits at 30; the x3 projections make the caps bite
+    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "tie_word_embeddings": True},
     "gemma3_text": {
         "head_dim": 64,
         "sliding_window": WINDOW,
@@ -72,6 +75,7 @@ EXPECTED = {
     "llama": ([LayerKind.FULL] * 4, False, 64, 64),
     "qwen2": ([LayerKind.FULL] * 4, False, 32, 32),
     "qwen3": ([LayerKind.FULL] * 4, False, 128, 64),
+    "gemma2": ([LayerKind.FULL] * 4, False, 64, 64),
     "gemma3_text": (SLIDING_FULL, False, 64, 64),
     "gpt_oss": (SLIDING_FULL, True, 64, 64),
 }
@@ -521,17 +525,18 @@ def test_the_server_names_the_layer_and_keeps_serving(arch, tmp_path):
         assert served.status_code == 200 and served.json()["model"] == llama.name
 
 
-def test_a_model_that_computes_attention_itself_is_refused_at_load(tmp_path):
-    """gemma2 soft-caps its attention scores in its own code, never calling mlx-lm's
-    scaled_dot_product_attention: it cannot read agentkv's quantized cache."""
-    config = {
-        "model_type": "gemma2",
-        **COMMON,
-        "num_hidden_layers": 2,
-        "head_dim": 64,
-        "query_pre_attn_scalar": 64,
-    }
+def test_a_model_that_computes_attention_itself_is_refused_at_load(tmp_path, monkeypatch):
+    """A model whose attention code computes the scores itself, never calling mlx-lm's
+    scaled_dot_product_attention, cannot read agentkv's quantized cache: here mlx-lm's own
+    gemma2 attention, without the patch that gives it agentkv's (mlx_adapter)."""
+    from mlx_lm.models import gemma2
+
+    config = {"model_type": "gemma2", **COMMON, **ARCHITECTURES["gemma2"], "num_hidden_layers": 2}
     model = build_model_dir(tmp_path / "gemma2", config, gain=1.0)
+    mlx_adapter.install_attention_dispatch()
+    patched = gemma2.Attention.__call__
+    monkeypatch.setattr(gemma2.Attention, "__call__", patched.__agentkv_original__)
+    monkeypatch.setattr(mlx_adapter, "_softcapped_attention", lambda original: original)
     with pytest.raises(ModelImportError, match="model 'gemma2' does not run on agentkv's KV"):
         Engine(model=str(model), cache_dir=tmp_path / "kv", warmup=False)
 
@@ -619,3 +624,38 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
         for arm in ("swapped", "read ahead"):
             for a, b in zip(logits["resident"], logits[arm]):
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_gemma2_over_agentkv_caches_gives_mlx_lm_s_own_soft_capped_attention(
+    path, tmp_path, monkeypatch
+):
+    """mlx-lm's gemma2 computes its soft-capped scores in its own attention code; over an
+    agentkv cache, agentkv's patch of it (mlx_adapter) runs the same projections and the same
+    cap on agentkv's attention (the fused CPU kernels, or the reference path): with float16
+    KV, mlx-lm's logits without a cache, to float16's rounding. The cap matters here: mlx-lm's
+    logits without it lie far further away."""
+    from agentkv.format.quant import KVQuant
+    from agentkv.kernels.attention import paths_used
+    from agentkv.kv.cache import AgentKVCache
+
+    if path == "reference":
+        monkeypatch.setenv("AGENTKV_ATTENTION", "reference")
+    config = {"model_type": "gemma2", **COMMON, **ARCHITECTURES["gemma2"]}
+    config["attn_logit_softcapping"] = 5.0  # the x3 projections' scores reach ~15
+    loaded = load_model(build_model_dir(tmp_path / "g", config), weights="float32")
+    model = loaded.model
+    tokens = mx.array([loaded.tokenizer.encode(log_prompt("cap", 3)[0]["content"])[:64]])
+    want = np.array(model(tokens))
+    caches = [AgentKVCache(KVQuant(16, 16)) for _ in model.layers]
+    before = paths_used()
+    got = np.array(model(tokens, cache=caches))
+    taken = {k: v - before[k] for k, v in paths_used().items() if v > before[k]}
+    assert taken == {"fused_cpu" if path == "fused" else "quantized_matmul": len(model.layers)}
+    spread = want.std()
+    error = np.abs(got - want).max() / spread
+    assert error < 2e-2, error
+    for layer in model.layers:
+        monkeypatch.setattr(layer.self_attn, "attn_logit_softcapping", 1e9)
+    uncapped = np.abs(np.array(model(tokens)) - want).max() / spread
+    assert uncapped > 20 * error, (uncapped, error)  # measured: ~6e-3 against ~6

@@ -63,9 +63,12 @@ class CacheBase:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         raise NotImplementedError
 
-    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None) -> mx.array:
+    def agentkv_attention(
+        self, queries, keys, values, *, scale, mask, sinks=None, softcap: float = 0.0
+    ) -> mx.array:
         """Attention of ``queries`` over this cache (called by mlx-lm's model code through
-        the dispatch ``mlx_adapter`` installs)."""
+        the dispatch ``mlx_adapter`` installs; ``softcap``: Gemma 2's scores' soft cap, 0:
+        none)."""
         raise NotImplementedError
 
     def is_trimmable(self) -> bool:
@@ -111,25 +114,28 @@ def cache_attention(
     sinks=None,
     left_padding: mx.array | None = None,
     tail: mx.array | None = None,
+    softcap: float = 0.0,
 ) -> mx.array:
     """Attention over a contiguous agentkv cache (one agent, or a left-padded batch).
 
     ``mask`` must come from the cache's ``make_mask`` (or be None/"causal") for the fused
     kernel, which recomputes it from the window recorded with it. Format 2 also reads
-    ``tail`` [B, heads, ct, dim], each row's filling group.
+    ``tail`` [B, heads, ct, dim], each row's filling group. ``softcap`` > 0 (Gemma 2): each
+    score s becomes softcap * tanh(s / softcap) before the mask, on every path.
     """
-    if quant.channel_keys and not fused_available(quant, queries, mask):
+    fused = fused_available(quant, queries, mask)
+    if quant.channel_keys and not fused:
         keys, quant = reference.channel_keys_as_float(keys, tail, quant, left_padding)
-    if fused_available(quant, queries, mask):
+    if fused:
         _PATHS[FUSED] += 1
         window = mask_window(mask, queries.shape[-2])
         return cpu.fused_cache_attention(
             queries, keys, values, scale=scale, quant=quant, window=window,
-            left_padding=left_padding, sinks=sinks, tail=tail,
+            left_padding=left_padding, sinks=sinks, tail=tail, softcap=softcap,
         )  # fmt: skip
     _PATHS[REFERENCE] += 1
     return reference.quantized_attention(
-        queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks
+        queries, keys, values, scale=scale, mask=mask, quant=quant, sinks=sinks, softcap=softcap
     )
 
 

@@ -44,6 +44,7 @@ def paged_attention(
         launch.lanes_per_key,
         paged.done,
         paged.done_first,
+        paged.softcap,
     )
 
 
@@ -67,6 +68,7 @@ def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float)
         paged.tail_slots,
         paged.done if paged.done_first is not None else None,
         paged.done_first if paged.done is not None else None,
+        paged.softcap,
     )
 
 
@@ -81,6 +83,7 @@ def fused_cache_attention(
     left_padding: mx.array | None,
     sinks: mx.array | None,
     tail: mx.array | None,
+    softcap: float = 0.0,
 ) -> mx.array:
     return _ext.quantized_attention(
         queries,
@@ -95,6 +98,7 @@ def fused_cache_attention(
         sinks,
         quant.channel_tokens if quant.channel_keys else 0,
         tail,
+        softcap,
     )
 
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format.quant import FLOAT_BITS, dequantize_channels, dequantize_tokens
+from . import reference
 from .types import PagedQuery
 
 DENSE_QUERIES = 16
@@ -57,13 +58,14 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         if first or paged.window or own is not None:
             mask = _mask(paged, b, first, n, L, own, queries.dtype)
         outs.append(
-            mx.fast.scaled_dot_product_attention(
+            reference.float_attention(
                 queries[b : b + 1],
                 keys,
                 values.astype(queries.dtype),
                 scale=scale,
                 mask=mask,
                 sinks=paged.sinks.astype(queries.dtype) if paged.sinks is not None else None,
+                softcap=paged.softcap,
             )
         )
     return outs[0] if B == 1 else mx.concatenate(outs, axis=0)

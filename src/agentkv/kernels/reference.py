@@ -58,6 +58,7 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
             mask=mask,
             quant=row_quant,
             sinks=paged.sinks,
+            softcap=paged.softcap,
         )
         if paged.done is not None and int(paged.done_first[b].item()) >= 0:
             out = _inside_done_groups(queries, paged, b, n, keys, values, mask, out, scale)
@@ -89,6 +90,7 @@ def _inside_done_groups(queries, paged: PagedQuery, b, n, keys, values, mask, ou
             mask=mask[i0:i1],
             quant=replace(paged.quant(), key_bits=FLOAT_BITS, key_scheme="token"),
             sinks=paged.sinks,
+            softcap=paged.softcap,
         )
         parts += [out[:, :, at:i0], inside]
         at = i1
@@ -148,6 +150,19 @@ def _weighted(p: mx.array, values: tuple, bits: int, group_size: int) -> mx.arra
     return mx.quantized_matmul(p, *values, transpose=False, group_size=group_size, bits=bits)
 
 
+def float_attention(queries, keys, values, *, scale, mask, sinks=None, softcap: float = 0.0):
+    """Attention over float keys and values [B, Hkv, n, D]: MLX's fused kernel, or, with a
+    soft cap (which it does not take), ``quantized_attention`` over them as float16 kinds."""
+    if not softcap:
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        )
+    return quantized_attention(
+        queries, (keys,), (values,), scale=scale, mask=mask, quant=KVQuant(FLOAT_BITS, FLOAT_BITS),
+        sinks=sinks, softcap=softcap,
+    )  # fmt: skip
+
+
 def causal_mask(q_len: int, k_len: int) -> mx.array:
     """Boolean [q_len, k_len]: the queries are the last ``q_len`` of ``k_len`` positions."""
     q_idx = mx.arange(k_len - q_len, k_len)
@@ -163,8 +178,10 @@ def quantized_attention(
     mask,
     quant: KVQuant,
     sinks: mx.array | None = None,
+    softcap: float = 0.0,
 ) -> mx.array:
-    """Scaled dot-product attention of ``queries`` [B, Hq, L, D] over stored keys/values."""
+    """Scaled dot-product attention of ``queries`` [B, Hq, L, D] over stored keys/values;
+    ``softcap`` c > 0: each score s becomes c * tanh(s / c) before the mask (Gemma 2)."""
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = keys[0].shape[1]
     repeats = n_q_heads // n_kv_heads
@@ -175,6 +192,8 @@ def quantized_attention(
         values = tuple(mx.expand_dims(x, 2) for x in values)
 
     scores = _scores(q, keys, quant.key_bits, quant.group_size)
+    if softcap:
+        scores = mx.tanh(scores / softcap) * softcap
     if mask is not None:
         if isinstance(mask, str):
             mask = causal_mask(scores.shape[-2], scores.shape[-1])

@@ -58,6 +58,9 @@ class PagedQuery(NamedTuple):
     # queries as they are and takes the output as it is, and the path rotates both (the
     # paged kernel inside itself where the shape allows: ``rotates_inside``)
     rotate: bool = False
+    # the scores' soft cap c (Gemma 2's attn_logit_softcapping; 0: none): each score s
+    # becomes c * tanh(s / c) before the softmax
+    softcap: float = 0.0
 
     def quant(self) -> KVQuant:
         """The KV format these arenas hold."""
@@ -97,12 +100,16 @@ class PagedQuery(NamedTuple):
             return dim == 8 * launch.lanes_per_key
         return dim in (32, 64, 128, 256)  # what ``launch`` gives 8 channels a lane
 
-    def kernel_scales(self, scale: float, queries: mx.array) -> tuple[float, float]:
+    def kernel_scales(self, scale: float, queries: mx.array) -> tuple[float, float, float]:
         """The kernel's ``scale`` input: the queries' (times 1 / sqrt(D) where it rotates
-        them) and the output's rotation (1 / sqrt(Dv))."""
+        them), the output's rotation (1 / sqrt(Dv)) and the scores' soft cap."""
         if not self.rotate:
-            return (scale, 1.0)
-        return (scale / math.sqrt(queries.shape[-1]), 1 / math.sqrt(self.value_dim))
+            return (scale, 1.0, float(self.softcap))
+        return (
+            scale / math.sqrt(queries.shape[-1]),
+            1 / math.sqrt(self.value_dim),
+            float(self.softcap),
+        )
 
     @property
     def value_dim(self) -> int:

@@ -211,7 +211,7 @@ class BatchQuantizedKVCache(CacheBase):
             x[..., :idx, :] for x in self.values
         )
 
-    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
         q = self.quant
         if not q.channel_keys:
             return cache_attention(
@@ -223,18 +223,19 @@ class BatchQuantizedKVCache(CacheBase):
                 quant=q,
                 sinks=sinks,
                 left_padding=self.left_padding,
+                softcap=softcap,
             )
         queries = hadamard(queries) if q.rotate else queries  # q.(H k) == (H q).(H k)
         if self._prompt is None:
             out = cache_attention(
                 queries, keys, values, scale=scale, mask=mask, quant=q, sinks=sinks,
-                left_padding=self.left_padding, tail=self.tails,
+                left_padding=self.left_padding, tail=self.tails, softcap=softcap,
             )  # fmt: skip
         else:
-            out = self._rows_alone(queries, scale=scale, sinks=sinks)
+            out = self._rows_alone(queries, scale=scale, sinks=sinks, softcap=softcap)
         return hadamard(out) if q.rotate else out  # values are stored as H v
 
-    def _rows_alone(self, queries, *, scale, sinks):
+    def _rows_alone(self, queries, *, scale, sinks, softcap=0.0):
         """A right-padded prompt: each row's own queries over its own rows, as its cache
         alone computes them; the padding's queries get zeros (mlx-lm drops them)."""
         from ..mlx_adapter import create_causal_mask
@@ -259,7 +260,7 @@ class BatchQuantizedKVCache(CacheBase):
                     tuple(x[b : b + 1, :, pads[b] : end] for x in self.keys),
                     tuple(x[b : b + 1, :, pads[b] : end] for x in self.values),
                     scale=scale, mask=mask, quant=self.quant, sinks=sinks,
-                    tail=self.tails[b : b + 1],
+                    tail=self.tails[b : b + 1], softcap=softcap,
                 )  # fmt: skip
             if own < n:
                 v0, bits = self.values[0], self.quant.value_bits

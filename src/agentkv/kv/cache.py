@@ -187,7 +187,7 @@ class AgentKVCache(CacheBase):
         v = dequantize_tokens(values, q.value_bits, q.group_size)
         return (hadamard(k), hadamard(v)) if q.rotate else (k, v)
 
-    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
         rotate = self.quant.rotate
         out = cache_attention(
             hadamard(queries) if rotate else queries,  # q.(H k) == (H q).(H k)
@@ -198,6 +198,7 @@ class AgentKVCache(CacheBase):
             quant=self.quant,
             sinks=sinks,
             tail=self.tail,
+            softcap=softcap,
         )
         return hadamard(out) if rotate else out  # values are stored as H v
 

@@ -9,6 +9,12 @@ What differs between them, and why the import cares:
   permutes the Q and K rows for interleaved rotary embeddings, hence ``rope_traditional``.
 - **qwen2**: biases on q, k and v; rotary embeddings over halves (not permuted).
 - **qwen3**: an RMSNorm of each q and k head; the head dim named by ``attention.key_length``.
+- **gemma2**: four norms a block (gemma3's, without the q and k norms), norms stored as
+  ``1 + w`` as gemma3's; its attention scores and final logits soft-capped
+  (``attn_logit_softcapping`` 50, ``final_logit_softcapping`` 30 unless the file says
+  otherwise). Every layer attends globally, as mlx-lm's ``gemma2`` class does: llama.cpp and
+  transformers give every other layer a 4,096-token sliding window, so the two differ on
+  contexts beyond 4,096 tokens (Gemma 2 was trained to 8,192).
 - **gemma3**: four norms a block, q and k norms, sliding-window layers (every sixth layer
   global, as llama.cpp has it) with their own RoPE base; llama.cpp's converter stores each
   norm weight as ``1 + w`` (its RMSNorm multiplies by the weight; mlx-lm's Gemma multiplies
@@ -18,9 +24,8 @@ What differs between them, and why the import cares:
 Rope scaling: none, linear (``rope.scaling.type``/``.factor``, as Gemma 3 4B and up ship),
 or Llama 3's (the ``rope_freqs`` tensor, when it is exactly what Llama 3.1-3.3's
 configs give).
-Not imported, each refused by name with the reason: gemma2 (its attention soft-caps the
-scores in its own code, so it cannot read agentkv's cache: ``load.check_attention``), other
-rope scaling kinds (YaRN, ...), and other rope scaling stored as frequency tensors
+Not imported, each refused by name with the reason: other rope scaling kinds (YaRN, ...),
+and other rope scaling stored as frequency tensors
 (phi3's ``rope_factors_*``, a ``rope_freqs`` no Llama 3 scaling gives).
 """
 
@@ -135,6 +140,20 @@ def _gemma3(m: Metadata) -> dict:
     }
 
 
+def _gemma2(m: Metadata) -> dict:
+    hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", 256))
+    # llama.cpp scales Gemma 2's queries by 1/sqrt(head dim), by 1/sqrt(hidden / heads) for
+    # the 27B model (46 layers), as its config's query_pre_attn_scalar says
+    scalar = hidden // heads if int(m.need("block_count")) == 46 else head_dim
+    return {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": float(m.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(m.get("final_logit_softcapping", 30.0)),
+    }
+
+
 def _qwen3(m: Metadata) -> dict:
     hidden, heads = int(m.need("embedding_length")), int(m.need("attention.head_count"))
     return {"head_dim": int(m.get("attention.key_length", hidden // heads))}
@@ -163,6 +182,19 @@ ARCHITECTURES = {
         Architecture("llama", "llama", _LLAMA_BLOCK, rope_traditional=True, config=_llama),
         Architecture("qwen2", "qwen2", _LLAMA_BLOCK, rope_traditional=False),
         Architecture("qwen3", "qwen3", _LLAMA_BLOCK | _QK_NORMS, False, config=_qwen3),
+        Architecture(
+            "gemma2",
+            "gemma2",
+            {
+                **{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+            },
+            rope_traditional=False,
+            config=_gemma2,
+            norm_offset=1.0,
+        ),
         Architecture(
             "gemma3",
             "gemma3_text",
@@ -193,10 +225,7 @@ ARCHITECTURES = {
         ),
     )
 }
-_REFUSED = {
-    "gemma2": "its attention soft-caps the scores in its own code, so it cannot read "
-    "agentkv's quantized cache",
-}
+_REFUSED: dict[str, str] = {}  # architecture -> why, for one a user may expect
 
 
 def architecture_of(meta: dict, source: str) -> Architecture:

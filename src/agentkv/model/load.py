@@ -293,8 +293,9 @@ def check_attention(model, spec: ModelCacheSpec) -> None:
     """Run two tokens through caches that answer mlx-lm's cache protocol as agentkv's pool
     does: keys and values come back as tuples of stored components, and every layer must
     attend through mlx-lm's ``scaled_dot_product_attention`` (agentkv's dispatch) with a
-    mask its cache made. A model that computes attention itself (gemma2's soft-capped
-    scores) or builds its own masks is refused here, at load, by name."""
+    mask its cache made. A model that computes attention itself (mlx-lm's olmo; gemma2 but
+    for ``mlx_adapter``'s patch of it) or builds its own masks is refused here, at load, by
+    name."""
     from ..format.quant import KVQuant
     from ..kernels.masks import NOT_OURS, mask_window
     from ..kv.cache import AgentKVCache
@@ -302,12 +303,12 @@ def check_attention(model, spec: ModelCacheSpec) -> None:
     class Probe(AgentKVCache):
         calls = 0
 
-        def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+        def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
             if mask_window(mask, queries.shape[-2]) == NOT_OURS:
                 raise ValueError("it passes an attention mask of its own")
             self.calls += 1
             return super().agentkv_attention(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks, softcap=softcap
             )
 
     fp16 = KVQuant(16, 16)  # no group size to fit
@@ -322,6 +323,6 @@ def check_attention(model, spec: ModelCacheSpec) -> None:
         raise ModelImportError(
             f"model {spec.model_type!r} does not run on agentkv's KV cache: agentkv needs "
             "every layer to attend through mlx-lm's scaled_dot_product_attention with the "
-            "cache's masks (gemma2, for one, computes soft-capped attention itself); "
+            "cache's masks (a model that computes attention in its own code cannot); "
             f"{type(exc).__name__}: {lines[0] if lines else ''}"
         ) from exc

@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from ..format.quant import KVQuant, dequantize_channels, quantize_channels
 from ..format.spec import ModelCacheSpec
+from ..kernels.reference import float_attention
 from ..paths import agentkv_home, atomic_write_text, secure_mkdir
 
 log = logging.getLogger(__name__)
@@ -178,14 +179,10 @@ def layer_errors(model, tokenizer, quant: KVQuant) -> list[float]:
             super().__init__()
             self.i = i
 
-        def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
-            exact = mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks
-            )
-            stored = _as_stored(keys, quant)
-            approx = mx.fast.scaled_dot_product_attention(
-                queries, stored, values, scale=scale, mask=mask, sinks=sinks
-            )
+        def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
+            kw = {"scale": scale, "mask": mask, "sinks": sinks, "softcap": softcap}
+            exact = float_attention(queries, keys, values, **kw)
+            approx = float_attention(queries, _as_stored(keys, quant), values, **kw)
             o_proj = projections[self.i]
             diff = o_proj(_heads_to_model(approx[..., first:, :])) - o_proj(
                 _heads_to_model(exact[..., first:, :])

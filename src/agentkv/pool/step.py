@@ -186,7 +186,7 @@ class PagedLayerCache(CacheBase):
             return None if N == 1 else "causal"
         return remember_mask(mx.array(True), window_size or self.window)
 
-    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None):
+    def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
         if mask_window(mask, queries.shape[-2]) == NOT_OURS:
             raise ValueError(
                 "this model builds its own attention mask; agentkv's paged cache masks "
@@ -212,6 +212,7 @@ class PagedLayerCache(CacheBase):
             host=step.host,
             done=step.plan.done.get(self.layer) if channel else None,
             done_first=step.plan.done_first if channel else None,
+            softcap=float(softcap or 0.0),
         )
         if step.stream:
             raise ValueError("a swapped table's prefill runs through the fused layers only")
