@@ -111,7 +111,7 @@ def clear_mappings() -> None:
     Drop every cached segment mapping (the next loads map their files again).
     """
 
-def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None) -> mlx.core.array:
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None, softcap: float = 0.0) -> mlx.core.array:
     """
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """
@@ -175,12 +175,12 @@ def load_tensors(path: str, data_start: int, tensors: Sequence[tuple[int, int, S
     Tensors (offset, nbytes, shape, dtype, capacity rows) of a safetensors file as MLX arrays.
     """
 
-def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, left_padding: mlx.core.array | None = None, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None) -> mlx.core.array:
+def quantized_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, left_padding: mlx.core.array | None = None, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, softcap: float = 0.0) -> mlx.core.array:
     """
     Fused attention over a quantized KV cache (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), each row's group still filling in tail [B, Hkv, channel_tokens, D].
     """
 
-def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None) -> mlx.core.array:
+def paged_attention(queries: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, kv_heads: int, block_tokens: int, scale: float, key_bits: int, value_bits: int, group: int, window: int = 0, sinks: mlx.core.array | None = None, channel_tokens: int = 0, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None, softcap: float = 0.0) -> mlx.core.array:
     """
     Fused attention over paged block arenas for a jagged batch (CPU); see csrc/core/attention.h. channel_tokens > 0: per-channel keys (format 2), the groups still filling in the float16 tail, slot tail_slots[b] per row; done: the groups the step completed, in float16, row b's from entry done_first[b] (-1: none).
     """

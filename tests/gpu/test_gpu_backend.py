@@ -146,6 +146,22 @@ def test_paged_attention_body_with_windows_and_forced_parts(gpu, window, splits)
     close(body, reference(q, paged))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_body_and_the_dense_path_take_a_soft_cap_on_the_gpu(gpu, splits):
+    """Gemma 2's soft cap (``PagedQuery.softcap``) in the kernel (one part, three) and in the
+    dense prefill path, against the reference's cap."""
+    from agentkv.kernels import dense
+
+    queries = dense.DENSE_QUERIES + 1
+    _, _, q, paged = jagged_batch(KVQuant(**V1), [1030, queries], queries=queries, q_heads=4)
+    q, paged = q * 4.0, paged._replace(softcap=3.0)
+    launch = paged.launch(q, splits=splits)
+    body = on(gpu, lambda: gpu_impl(gpu).paged_attention(q, paged, scale=0.125, launch=launch))
+    close(body, reference(q, paged))
+    out = on(gpu, lambda: dense.paged_attention(q, paged, scale=0.125))
+    close(out, reference(q, paged), atol=2e-3)
+
+
 def test_paged_attention_body_gives_a_row_the_same_bits_alone_or_batched(gpu):
     """A row's parts of the keys depend on its own length: on the GPU too, batch == alone."""
     lengths = [8192, 40, 700, 1]

@@ -16,6 +16,7 @@ benchmarks/RESULTS.md, "GPU").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from functools import cache, lru_cache
 from importlib import resources
@@ -24,7 +25,6 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ..pool.arena import index_array
 from .types import THREADGROUP as PAGED_THREADGROUP
 from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
@@ -120,11 +120,36 @@ def _zeros(n: int, dtype: mx.Dtype = mx.float32) -> mx.array:
 
 def _constant(values: np.ndarray) -> mx.array:
     """``values`` as an evaluated MLX array; in device memory where the step's indices are
-    (``pool.arena.index_array``: an array made from host data lives in managed memory on
-    MLX's CUDA backend)."""
-    a = index_array(values)
+    (``device_index``: an array made from host data lives in managed memory on MLX's CUDA
+    backend)."""
+    a = mx.array(values)
+    if a.size and device_index():
+        a = on_device(a)
     mx.eval(a)
     return a
+
+
+# AGENTKV_GPU_DEVICE_INDEX=1: a step's indices (``pool.arena.index_array``) and the kernels'
+# small constants copied into device memory (an experiment, off by default)
+DEVICE_INDEX_ENV = "AGENTKV_GPU_DEVICE_INDEX"
+
+
+@cache
+def device_index() -> bool:
+    """Whether ``AGENTKV_GPU_DEVICE_INDEX=1`` applies (on a GPU only)."""
+    return mx.default_device() != mx.cpu and os.environ.get(DEVICE_INDEX_ENV) == "1"
+
+
+def on_device(a: mx.array) -> mx.array:
+    """``a`` copied into device memory by one addition (an operation's output)."""
+    return a + _zero(a.dtype)
+
+
+@cache
+def _zero(dtype: mx.Dtype) -> mx.array:
+    zero = mx.zeros((), dtype=dtype)  # made by a kernel: in device memory
+    mx.eval(zero)
+    return zero
 
 
 def _run(backend, name, inputs, grid, shape, dtype, sources=0):

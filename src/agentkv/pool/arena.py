@@ -37,9 +37,6 @@ slot*, one per block table that holds tokens::
 
 from __future__ import annotations
 
-import os
-from functools import cache
-
 import mlx.core as mx
 import numpy as np
 
@@ -47,12 +44,11 @@ from .. import _ext
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import KVQuant, native_layout
 from ..format.spec import LayerKind, ModelCacheSpec
+from ..kernels.gpu import device_index, on_device
 from .blocks import PoolExhaustedError
 
 IO_THREADS = 2
 FIRST_TAIL_SLOTS = 16
-# AGENTKV_GPU_DEVICE_INDEX=1: a step's indices copied into device memory (``index_array``)
-DEVICE_INDEX_ENV = "AGENTKV_GPU_DEVICE_INDEX"
 
 
 def index_array(values) -> mx.array:
@@ -62,7 +58,7 @@ def index_array(values) -> mx.array:
     (docs/gpu-attention.md, "Profile"; an experiment, off by default)."""
     a = mx.array(values)
     if a.size and _device_index():
-        a = a + _zero(a.dtype)
+        a = on_device(a)
     return a
 
 
@@ -106,16 +102,8 @@ def host_buffers(shapes: list[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.arra
     return out
 
 
-@cache
 def _device_index() -> bool:
-    return mx.default_device() != mx.cpu and os.environ.get(DEVICE_INDEX_ENV) == "1"
-
-
-@cache
-def _zero(dtype: mx.Dtype) -> mx.array:
-    zero = mx.zeros((), dtype=dtype)  # made by a kernel: in device memory
-    mx.eval(zero)
-    return zero
+    return device_index()
 
 
 class WritePlan:
