@@ -51,6 +51,13 @@ _LLAMA_BLOCK = {
     "ffn_norm": "post_attention_layernorm",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 2 and 3: a norm after attention, one before and one after the MLP
+_GEMMA_BLOCK = {
+    **{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors GGUF files carry for rope scaling that mlx-lm's classes take as config instead.
 _ROPE_TENSORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")
@@ -185,12 +192,7 @@ ARCHITECTURES = {
         Architecture(
             "gemma2",
             "gemma2",
-            {
-                **{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
-                "post_attention_norm": "post_attention_layernorm",
-                "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm",
-            },
+            _GEMMA_BLOCK,
             rope_traditional=False,
             config=_gemma2,
             norm_offset=1.0,
@@ -198,13 +200,7 @@ ARCHITECTURES = {
         Architecture(
             "gemma3",
             "gemma3_text",
-            {
-                **{k: v for k, v in _LLAMA_BLOCK.items() if k != "ffn_norm"},
-                **_QK_NORMS,
-                "post_attention_norm": "post_attention_layernorm",
-                "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm",
-            },
+            _GEMMA_BLOCK | _QK_NORMS,
             rope_traditional=False,
             config=_gemma3,
             norm_offset=1.0,
