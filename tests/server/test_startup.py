@@ -153,3 +153,30 @@ def test_a_served_engine_builds_its_grammar_table_before_the_first_request(tmp_p
         assert engine.grammars._tokenizer is table  # built once, before the turn
     finally:
         engine.close()
+
+
+def test_freezing_the_heap_keeps_no_garbage_of_an_earlier_freeze():
+    """``freeze_heap`` keeps what the process holds out of the collector, yet an object that
+    was frozen and became cyclic garbage since (a swapped-out model) is collected at the next
+    freeze, not kept for good."""
+    import gc
+    import weakref
+
+    from agentkv.cli.serve import freeze_heap
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a reference cycle: only the collector frees it
+    gone = weakref.ref(a)
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+        del a, b
+        gc.collect()
+        assert gone() is not None  # frozen: a collection does not look at it
+        freeze_heap()
+        assert gone() is None
+    finally:
+        gc.unfreeze()

@@ -164,7 +164,10 @@ def freeze_heap() -> None:
     objects) out of Python's collector for good: a full collection walks every tracked object
     and stops every thread meanwhile, 30-100 ms in a served process, which landed on
     whichever request was running (measured: a 102 ms pause inside a turn's fetch from the
-    agent store; docs/server.md). Garbage made later is collected as before."""
+    agent store; docs/server.md). Garbage made later is collected as before; what an earlier
+    call froze is looked at again first, so a model swapped out since (its reference cycles
+    included) is collected, not kept for good."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
