@@ -31,6 +31,7 @@ import mlx.nn as nn
 from . import _ext
 from .errors import ModelImportError
 from .format.spec import LayerKind, LayerSpec, ModelCacheSpec
+from .kernels.masks import NOT_OURS, mask_window
 
 _ORIGINAL = "__agentkv_original__"
 
@@ -66,7 +67,11 @@ def _softcapped_attention(original):
     """Gemma 2's attention computes its soft-capped scores itself rather than through
     mlx-lm's ``scaled_dot_product_attention``: over an agentkv cache, the same projections,
     rotary embeddings and cache update (mlx-lm 0.32's ``gemma2.Attention``), then the cache's
-    attention with the cap (c * tanh(s / c) of each scaled score s, before the mask)."""
+    attention with the cap (c * tanh(s / c) of each scaled score s, before the mask).
+
+    mlx-lm's ``GemmaModel`` makes one mask, from layer 0's cache, for every layer; over
+    agentkv caches every other layer has Gemma 2's sliding window (``cache_spec_of``), so a
+    layer whose window is not that mask's makes its own from its cache."""
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None):
@@ -80,6 +85,9 @@ def _softcapped_attention(original):
         values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
+        window = getattr(cache, "window", None) or 0  # None: mlx-lm's classes (a probe)
+        if isinstance(mask, mx.array) and mask_window(mask, L) not in (NOT_OURS, window):
+            mask = cache.make_mask(L, return_array=True)  # before the update, as the model's
         keys, values = cache.update_and_fetch(keys, values)
         out = attend(
             queries, keys, values, scale=self.scale, mask=mask,
@@ -590,17 +598,39 @@ def cache_class(name: str) -> type:
     return cls
 
 
-def cache_spec_of(model, *, weights_id: str, model_type: str | None = None) -> ModelCacheSpec:
+GEMMA2_WINDOW = 4096  # Gemma 2's sliding window where a config does not name one
+
+
+def sliding_windows_left_out(model_type: str | None, config: dict, layers: int) -> dict[int, int]:
+    """Sliding windows a model has that mlx-lm's class leaves out: {layer: window}. Gemma 2
+    gives every even layer a window (``sliding_window``, 4,096 in every released config), as
+    transformers and llama.cpp run it; mlx-lm 0.32's ``gemma2`` attends globally in every
+    layer, so beyond the window the two differ. agentkv runs the windows."""
+    if model_type != "gemma2":
+        return {}
+    window = int(config.get("sliding_window") or GEMMA2_WINDOW)
+    if window < 1:
+        raise ModelImportError(f"gemma2: sliding_window {window} is not a positive count")
+    return {i: window for i in range(0, layers, 2)}
+
+
+def cache_spec_of(
+    model, *, weights_id: str, model_type: str | None = None, config: dict | None = None
+) -> ModelCacheSpec:
     """The KV geometry of ``model``: its cache classes from mlx-lm's ``make_prompt_cache``
-    (full attention or a sliding window), and one probe token through it (KV heads, head
-    dims)."""
+    (full attention or a sliding window) and the windows its class leaves out
+    (``sliding_windows_left_out``, from its ``config``), and one probe token through it (KV
+    heads, head dims)."""
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
     model_type = model_type or getattr(model, "model_type", type(model).__module__)
     caches = make_prompt_cache(model)
+    windows = sliding_windows_left_out(model_type, config or {}, len(caches))
     layers = []
     for i, cache in enumerate(caches):
-        if isinstance(cache, RotatingKVCache):
+        if i in windows and type(cache) is KVCache:
+            layers.append(LayerSpec(LayerKind.SLIDING, windows[i]))
+        elif isinstance(cache, RotatingKVCache):
             layers.append(LayerSpec(LayerKind.SLIDING, int(cache.max_size)))
         elif isinstance(cache, KVCache):
             layers.append(LayerSpec(LayerKind.FULL))

@@ -52,7 +52,13 @@ ARCHITECTURES = {
     },
     # attention scores soft-capped at 50 in its own attention code (agentkv's patch of it:
     # mlx_adapter), final logits at 30; the x3 projections make the caps bite
-    "gemma2": {"head_dim": 64, "query_pre_attn_scalar": 64, "tie_word_embeddings": True},
+    # and every even layer a sliding window, which mlx-lm's class leaves out (agentkv runs it)
+    "gemma2": {
+        "head_dim": 64,
+        "sliding_window": WINDOW,
+        "query_pre_attn_scalar": 64,
+        "tie_word_embeddings": True,
+    },
     "gemma3_text": {
         "head_dim": 64,
         "sliding_window": WINDOW,
@@ -75,7 +81,7 @@ EXPECTED = {
     "llama": ([LayerKind.FULL] * 4, False, 64, 64),
     "qwen2": ([LayerKind.FULL] * 4, False, 32, 32),
     "qwen3": ([LayerKind.FULL] * 4, False, 128, 64),
-    "gemma2": ([LayerKind.FULL] * 4, False, 64, 64),
+    "gemma2": (SLIDING_FULL, False, 64, 64),
     "gemma3_text": (SLIDING_FULL, False, 64, 64),
     "gpt_oss": (SLIDING_FULL, True, 64, 64),
 }
@@ -624,6 +630,53 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
         for arm in ("swapped", "read ahead"):
             for a, b in zip(logits["resident"], logits[arm]):
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_gemma2_s_even_layers_attend_through_their_sliding_window(path, tmp_path, monkeypatch):
+    """Gemma 2 gives every even layer a sliding window (transformers, llama.cpp); mlx-lm's
+    class leaves it out, agentkv runs it: over agentkv caches, prefilled at once and then a
+    token a step, the logits of mlx-lm's own gemma2 layers given each layer's window mask by
+    hand, to float16 KV's rounding (the same error as with every layer global and no cache),
+    and far from the same layers all global."""
+    from agentkv.format.quant import KVQuant
+    from agentkv.kv.cache import AgentKVCache
+
+    if path == "reference":  # reads the masks, which each layer makes from its own cache
+        monkeypatch.setenv("AGENTKV_ATTENTION", "reference")
+    window = 16
+    config = {"model_type": "gemma2", **COMMON, **ARCHITECTURES["gemma2"]}
+    config["sliding_window"] = window
+    loaded = load_model(build_model_dir(tmp_path / "g", config), weights="float32")
+    assert [layer.window for layer in loaded.spec.layers] == [window, None] * 2
+    model, inner = loaded.model, loaded.model.model
+    ids = loaded.tokenizer.encode(log_prompt("windows", 3)[0]["content"])[:72]
+    tokens = mx.array([ids])
+
+    def by_hand(windows):
+        h = inner.embed_tokens(tokens) * config["hidden_size"] ** 0.5
+        for layer, w in zip(inner.layers, windows):
+            h = layer(h, mlx_adapter.create_causal_mask(len(ids), 0, window_size=w), None)
+        out = inner.embed_tokens.as_linear(inner.norm(h)) / model.final_logit_softcapping
+        return np.array(mx.tanh(out) * model.final_logit_softcapping)[0]
+
+    want, all_global = by_hand([window, None] * 2), by_hand([None] * 4)
+    spread = want.std()
+
+    def fresh():
+        return [AgentKVCache(KVQuant(16, 16), window=layer.window) for layer in loaded.spec.layers]
+
+    at_once = np.array(model(tokens, cache=fresh()))[0]
+    caches, prefix = fresh(), 40
+    stepped = [np.array(model(tokens[:, :prefix], cache=caches))[0]]
+    for i in range(prefix, len(ids)):
+        stepped.append(np.array(model(tokens[:, i : i + 1], cache=caches))[0])
+    stepped = np.concatenate(stepped)
+    errors = [np.abs(got - want).max() / spread for got in (at_once, stepped)]
+    # measured: 0.06 either way, as large as float16 KV against float32 with no windows at
+    # all (mlx-lm's own path); all layers global lie ~5 spreads away
+    assert max(errors) < 0.1, errors
+    assert np.abs(all_global - want).max() / spread > 20 * max(errors)
 
 
 @pytest.mark.parametrize("path", ["fused", "reference"])

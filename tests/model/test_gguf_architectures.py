@@ -57,6 +57,7 @@ CASES = {
             "query_pre_attn_scalar": 32,
             "attn_logit_softcapping": 5.0,  # low enough to bite on random weights
             "final_logit_softcapping": 3.0,
+            "sliding_window": 8,  # every even layer's (mlx-lm's class has none)
             "tie_word_embeddings": True,
         },
     ),
@@ -181,6 +182,8 @@ def test_a_gguf_of_each_architecture_imports_as_its_mlx_lm_model(
     assert {r["type"] for r in read_tensor_report(dest)} == {"F32"}
     loaded = load_model(dest, weights="float32")
     assert type(loaded.model).__module__ == f"mlx_lm.models.{model_type}"
+    windows = {layer.window for layer in loaded.spec.layers} - {None}
+    assert windows == ({config["sliding_window"]} if "sliding_window" in config else set())
     got = np.array(loaded.model(tokens))
     spread = want.std()
     assert np.abs(got - want).max() <= 1e-4 * spread, np.abs(got - want).max() / spread

@@ -12,9 +12,9 @@ What differs between them, and why the import cares:
 - **gemma2**: four norms a block (gemma3's, without the q and k norms), norms stored as
   ``1 + w`` as gemma3's; its attention scores and final logits soft-capped
   (``attn_logit_softcapping`` 50, ``final_logit_softcapping`` 30 unless the file says
-  otherwise). Every layer attends globally, as mlx-lm's ``gemma2`` class does: llama.cpp and
-  transformers give every other layer a 4,096-token sliding window, so the two differ on
-  contexts beyond 4,096 tokens (Gemma 2 was trained to 8,192).
+  otherwise). Every even layer has a sliding window (``attention.sliding_window``, 4,096),
+  as llama.cpp and transformers run it; mlx-lm's ``gemma2`` class leaves the windows out and
+  agentkv runs them (``mlx_adapter.sliding_windows_left_out``).
 - **gemma3**: four norms a block, q and k norms, sliding-window layers (every sixth layer
   global, as llama.cpp has it) with their own RoPE base; llama.cpp's converter stores each
   norm weight as ``1 + w`` (its RMSNorm multiplies by the weight; mlx-lm's Gemma multiplies
@@ -158,6 +158,7 @@ def _gemma2(m: Metadata) -> dict:
         "query_pre_attn_scalar": scalar,
         "attn_logit_softcapping": float(m.get("attn_logit_softcapping", 50.0)),
         "final_logit_softcapping": float(m.get("final_logit_softcapping", 30.0)),
+        "sliding_window": int(m.get("attention.sliding_window", 4096)),
     }
 
 

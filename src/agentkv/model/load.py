@@ -259,7 +259,7 @@ def load_model(
     weights_id += CPU_QMM_ID if cpu_qmm else ""
     config = json.loads((path / "config.json").read_text()) if path.exists() else {}
     spec = mlx_adapter.cache_spec_of(
-        mlx_model, weights_id=weights_id, model_type=config.get("model_type")
+        mlx_model, weights_id=weights_id, model_type=config.get("model_type"), config=config
     )
     check_attention(mlx_model, spec)
     generation = read_generation_defaults(path) if path.exists() else _hub_defaults(target)
