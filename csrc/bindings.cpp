@@ -677,10 +677,17 @@ NB_MODULE(_ext, m) {
         "MLX's affine weights (uint32 [N, K * bits / 32], scales and biases [N, K / group]) "
         "packed for quantized_matmul, losslessly: (codes uint8 [ceil(N / 16), K * 2 * bits], "
         "scales, biases [ceil(N / 16), K / group, 16]); padded columns are zeros.");
+  m.def("pack_super_scales", &agentkv::ops::pack_super_scales, "packed"_a, "super"_a,
+        "Packed float32 scales or biases (pack_quantized, groups of 32: [ceil(N / 16), K / 32, "
+        "16]) and one float16 factor d a row and 256 K (super [N, K / 256]) -> two-level ones "
+        "for quantized_matmul (uint8 [ceil(N / 16), K / 256, 160]: each value d * m, m an "
+        "integer in 0 .. 255, bit for bit the same floats; llama.cpp's K-quant super-blocks). "
+        "Raises ValueError where some value is not.");
   m.def("quantized_matmul", &agentkv::ops::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x @ dequantize(w).T for MLX's affine 4/5/8-bit weights packed by agentkv.mlx_adapter "
-        "(pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer "
+        "(pack_quantized: 16 columns side by side; scales and biases as packed, or two-level "
+        "from pack_super_scales) on CPU: int16 activations per 32, exact integer "
         "dot products "
         "(AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever "
         "the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).");

@@ -81,6 +81,7 @@ struct LayerParams {
 ScaleType scale_type(const mx::array& a) {
   return a.dtype() == mx::float32   ? ScaleType::f32
          : a.dtype() == mx::float16 ? ScaleType::f16
+         : a.dtype() == mx::uint8   ? ScaleType::ksuper
                                     : ScaleType::bf16;
 }
 
@@ -615,13 +616,18 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                 w.shape(1) % (2 * bits[i] * groups[i]) == 0,
             "linears are 4/5/8-bit codes packed by agentkv.mlx_adapter.pack_quantized, groups "
             "32/64/128");
-    const mx::Shape scale_shape = {w.shape(0), w.shape(1) / (2 * bits[i] * groups[i]),
-                                   agentkv::kPackColumns};
     const mx::Dtype sdt = linears[3 * i + 1].dtype();
+    const int K = w.shape(1) / (2 * bits[i]);
+    const bool two_level = sdt == mx::uint8;  // pack_super_scales
+    const mx::Shape scale_shape = two_level
+                                      ? mx::Shape{w.shape(0), K / 256, agentkv::kSuperBytes}
+                                      : mx::Shape{w.shape(0), K / groups[i], agentkv::kPackColumns};
     require(linears[3 * i + 1].shape() == scale_shape &&
                 linears[3 * i + 2].shape() == scale_shape && linears[3 * i + 2].dtype() == sdt &&
-                (sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
-            "scales and biases must be float [N / 16, K / group, 16]");
+                (two_level ? groups[i] == 32 && K % 256 == 0
+                           : sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
+            "scales and biases must be float [N / 16, K / group, 16] or two-level uint8 "
+            "[N / 16, K / 256, 160] (groups of 32)");
   }
   auto outputs = [&](int i) { return linears[3 * i].shape(0) * agentkv::kPackColumns; };
   auto inputs = [&](int i) { return static_cast<int>(linears[3 * i].shape(1) / (2 * bits[i])); };

@@ -307,6 +307,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                                inputs[3].data<void>(),
                                dtype == mx::float32   ? ScaleType::f32
                                : dtype == mx::float16 ? ScaleType::f16
+                               : dtype == mx::uint8   ? ScaleType::ksuper
                                                       : ScaleType::bf16,
                                bits,
                                group,
@@ -892,6 +893,34 @@ std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
   return {codes, s, b};
 }
 
+mx::array pack_super_scales(const mx::array& packed, const mx::array& super) {
+  if (packed.dtype() != mx::float32 || packed.ndim() != 3 ||
+      packed.shape(2) != agentkv::kPackColumns || packed.shape(1) % agentkv::kSuperGroups != 0 ||
+      super.dtype() != mx::float16 || super.ndim() != 2 ||
+      super.shape(1) * agentkv::kSuperGroups != packed.shape(1) ||
+      (super.shape(0) + agentkv::kPackColumns - 1) / agentkv::kPackColumns != packed.shape(0)) {
+    throw std::invalid_argument(
+        "pack_super_scales: packed must be float32 [ceil(N / 16), K / 32, 16] (pack_quantized "
+        "with groups of 32) and super float16 [N, K / 256]");
+  }
+  const mx::Stream stream = mx::to_stream({}, mx::Device::cpu);
+  std::vector<mx::array> in = {mx::contiguous(packed, false, stream),
+                               mx::contiguous(super, false, stream)};
+  mx::eval(in);
+  const mx::Shape shape = {packed.shape(0), super.shape(1), agentkv::kSuperBytes};
+  mx::array out(mx::allocator::malloc(static_cast<size_t>(packed.shape(0)) * super.shape(1) *
+                                      agentkv::kSuperBytes),
+                shape, mx::uint8);
+  if (!agentkv::pack_super_scales(in[0].data<float>(), in[1].data<uint16_t>(), super.shape(0),
+                                  static_cast<int64_t>(packed.shape(1)) * 32,
+                                  out.data<uint8_t>())) {
+    throw std::invalid_argument(
+        "pack_super_scales: some value is not float(d) * m for its row's d and an integer m "
+        "in 0 .. 255");
+  }
+  return out;
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits) {
   check_bits_and_group("quantized_matmul", bits, group_size);
@@ -906,13 +935,23 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matmul: x [..., K] does not match w's K = " +
                                 std::to_string(K));
   }
-  const mx::Shape groups = {w.shape(0), static_cast<int>(K / group_size), agentkv::kPackColumns};
   const mx::Dtype sdt = scales.dtype();
-  if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
-      (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
-    throw std::invalid_argument(
-        "quantized_matmul: scales and biases must be float32/float16/bfloat16 "
-        "[N / 16, K / group, 16]");
+  if (sdt == mx::uint8) {  // two-level scales (pack_super_scales)
+    const mx::Shape supers = {w.shape(0), static_cast<int>(K / 256), agentkv::kSuperBytes};
+    if (group_size != 32 || K % 256 != 0 || scales.shape() != supers || biases.shape() != supers ||
+        biases.dtype() != sdt) {
+      throw std::invalid_argument(
+          "quantized_matmul: two-level scales and biases (pack_super_scales) are uint8 "
+          "[N / 16, K / 256, 160] for groups of 32 and K a multiple of 256");
+    }
+  } else {
+    const mx::Shape groups = {w.shape(0), static_cast<int>(K / group_size), agentkv::kPackColumns};
+    if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
+        (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
+      throw std::invalid_argument(
+          "quantized_matmul: scales and biases must be float32/float16/bfloat16 "
+          "[N / 16, K / group, 16] or uint8 two-level ones");
+    }
   }
   if (!mx::issubdtype(x.dtype(), mx::floating)) {
     throw std::invalid_argument("quantized_matmul: x must be floating point");

@@ -36,6 +36,12 @@ std::tuple<mx::array, mx::array, mx::array> pack_quantized(const mx::array& w,
                                                            const mx::array& biases, int group_size,
                                                            int bits);
 
+// Packed float32 scales or biases (pack_quantized, groups of 32) and a float16 factor d a row
+// and 256 K -> the two-level form quantized_matmul also takes (uint8 [ceil(N / 16), K / 256,
+// 160], csrc/core/qmm.h), bit for bit the same values; throws where a value is not d times
+// an integer in 0 .. 255.
+mx::array pack_super_scales(const mx::array& packed, const mx::array& super);
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits);
 

@@ -1,6 +1,7 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -187,8 +188,20 @@ void quantize(const float* x, int64_t M, int64_t K, int group, Activations& a) {
   ThreadPool::shared().run(static_cast<size_t>((M + kRowsPerJob - 1) / kRowsPerJob), job);
 }
 
+// Entry i = 16 G + n (block-wide group G, column n) of a two-level scale (qmm.h).
+inline float super_scale_at(const void* p, int64_t i) {
+  const int64_t G = i / kPackColumns;
+  const int n = static_cast<int>(i % kPackColumns);
+  const auto* super = static_cast<const uint8_t*>(p) + G / kSuperGroups * kSuperBytes;
+  uint16_t d;
+  std::memcpy(&d, super + 2 * n, 2);
+  return half_to_float(d) * static_cast<float>(super[32 + 16 * (G % kSuperGroups) + n]);
+}
+
 inline float scale_at(const void* p, ScaleType t, int64_t i) {
   switch (t) {
+    case ScaleType::ksuper:
+      return super_scale_at(p, i);
     case ScaleType::f32:
       return static_cast<const float*>(p)[i];
     case ScaleType::f16:
@@ -515,6 +528,41 @@ void pack_weights(const uint32_t* words, const void* scales, const void* biases,
     }
   };
   ThreadPool::shared().run(static_cast<size_t>(blocks), job);
+}
+
+bool pack_super_scales(const float* packed, const uint16_t* super, int64_t N, int64_t K,
+                       uint8_t* out) {
+  const int64_t blocks = (N + kPackColumns - 1) / kPackColumns, groups = K / kBlock;
+  const int64_t supers = groups / kSuperGroups;
+  std::atomic<bool> exact{true};
+  const std::function<void(size_t)> job = [&](size_t nb) {
+    for (int64_t S = 0; S < supers && exact.load(std::memory_order_relaxed); ++S) {
+      uint8_t* to = out + (static_cast<int64_t>(nb) * supers + S) * kSuperBytes;
+      std::memset(to, 0, kSuperBytes);
+      for (int n = 0; n < kPackColumns; ++n) {
+        const int64_t col = static_cast<int64_t>(nb) * kPackColumns + n;
+        if (col >= N) {
+          break;
+        }
+        const uint16_t h = super[col * supers + S];
+        const float d = half_to_float(h);
+        std::memcpy(to + 2 * n, &h, 2);
+        for (int j = 0; j < kSuperGroups; ++j) {
+          const float s =
+              packed[(static_cast<int64_t>(nb) * groups + S * kSuperGroups + j) * kPackColumns + n];
+          const float m = d == 0.0f ? 0.0f : std::nearbyint(s / d);
+          const float back = d * m;
+          if (!(m >= 0.0f && m <= 255.0f) || std::memcmp(&back, &s, 4) != 0) {
+            exact.store(false, std::memory_order_relaxed);
+            return;
+          }
+          to[32 + 16 * j + n] = static_cast<uint8_t>(m);
+        }
+      }
+    }
+  };
+  ThreadPool::shared().run(static_cast<size_t>(blocks), job);
+  return exact.load();
 }
 
 const char* qmm_implementation() {

@@ -15,7 +15,15 @@
 //          fifth bits as a little-endian 64-bit mask (bytes 256 + 8 j ...: bit 4 n + t is
 //          the fifth bit of byte 4 n + t of quad j), so a quad's 64 codes are its nibbles
 //          plus 16 under one AVX-512 byte mask.
-//   scales, biases [N / 16, K / group, 16] (float32/float16/bfloat16, as stored).
+//   scales, biases [N / 16, K / group, 16] (float32/float16/bfloat16, as stored), or in two
+//          levels (ScaleType::ksuper, groups of 32 and K a multiple of 256: llama.cpp's
+//          K-quant super-blocks): uint8 [N / 16, K / 256, 160], per block and 256 K the 16
+//          columns' float16 factors d (bytes 0-31, column n at 2 n) then 8 x 16 uint8
+//          multipliers m (byte 32 + 16 j + n: group j of the 256), s = float(d) * float(m).
+//          The product is exact in float32 (11 by 8 bits), so it is the float32 scale it
+//          stands for bit for bit: the same element as with that float32 array, in 1.25
+//          bytes a group and column instead of 4 (a Q4_K tensor resident at 1.03x its
+//          file's bytes, not 1.33x).
 // N here is a multiple of 16 (the caller pads; padded columns come out as zeros).
 //
 // Activations are quantized per block of 32 to int16 codes (d = max |x| / 32512, x ~ d * xq)
@@ -39,7 +47,10 @@
 
 namespace agentkv {
 
-enum class ScaleType { f32, f16, bf16 };
+enum class ScaleType { f32, f16, bf16, ksuper };
+
+constexpr int kSuperGroups = 8;   // groups of 32 in a two-level scale's super-block
+constexpr int kSuperBytes = 160;  // a super-block's 16 columns: 16 float16 d, 8 x 16 m
 
 constexpr int kPackColumns = 16;  // output columns of a packed block
 constexpr int kPackDepth = 32;    // K of a packed block (and of an activation block)
@@ -71,6 +82,14 @@ void quantized_matmuls(const float* x, const QuantizedWeights* ws, float* const*
 void pack_weights(const uint32_t* words, const void* scales, const void* biases, int scale_bytes,
                   int bits, int group, int64_t N, int64_t K, uint8_t* codes, void* packed_scales,
                   void* packed_biases);
+
+// Packed float32 scales or biases [N' / 16, K / 32, 16] (pack_weights) and one float16
+// factor d a row and 256 K (`super` [N, K / 256]) -> the two-level form (ScaleType::ksuper)
+// in `out` [N' / 16, K / 256, 160], where every value is float(d) * m for an integer m in
+// 0 .. 255, bit for bit (columns past N: d = m = 0). Returns false, with `out` undefined,
+// where some value is not.
+bool pack_super_scales(const float* packed, const uint16_t* super, int64_t N, int64_t K,
+                       uint8_t* out);
 
 // "avx512-vnni", "avx2", "neon" or "portable": which implementation this CPU runs
 // (AGENTKV_QMM=avx2 or =portable caps it).

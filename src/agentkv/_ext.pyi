@@ -127,9 +127,14 @@ def pack_quantized(w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.a
     MLX's affine weights (uint32 [N, K * bits / 32], scales and biases [N, K / group]) packed for quantized_matmul, losslessly: (codes uint8 [ceil(N / 16), K * 2 * bits], scales, biases [ceil(N / 16), K / group, 16]); padded columns are zeros.
     """
 
+def pack_super_scales(packed: mlx.core.array, super: mlx.core.array) -> mlx.core.array:
+    """
+    Packed float32 scales or biases (pack_quantized, groups of 32: [ceil(N / 16), K / 32, 16]) and one float16 factor d a row and 256 K (super [N, K / 256]) -> two-level ones for quantized_matmul (uint8 [ceil(N / 16), K / 256, 160]: each value d * m, m an integer in 0 .. 255, bit for bit the same floats; llama.cpp's K-quant super-blocks). Raises ValueError where some value is not.
+    """
+
 def quantized_matmul(x: mlx.core.array, w: mlx.core.array, scales: mlx.core.array, biases: mlx.core.array, group_size: int, bits: int) -> mlx.core.array:
     """
-    x @ dequantize(w).T for MLX's affine 4/5/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
+    x @ dequantize(w).T for MLX's affine 4/5/8-bit weights packed by agentkv.mlx_adapter (pack_quantized: 16 columns side by side; scales and biases as packed, or two-level from pack_super_scales) on CPU: int16 activations per 32, exact integer dot products (AVX-512 VNNI, AVX2, NEON or portable), every output reduced in one fixed order whatever the batch. Returns [..., N] with N = 16 * w.shape[0] (padded columns come out zero).
     """
 
 def decoder_layer(x: mlx.core.array, norms: Sequence[mlx.core.array], eps: float, linears: Sequence[mlx.core.array], bits: Sequence[int], groups: Sequence[int], *, heads: int, kv_heads: int, attention_scale: float, rope_dims: int, rope_traditional: bool, rope_base: float | None, rope_scale: float, rope_freqs: mlx.core.array | None, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, tables: mlx.core.array, lengths: mlx.core.array, tail_slots: mlx.core.array, rows: mlx.core.array, tail_rows: mlx.core.array | None, key_bits: int, value_bits: int, group: int, channel_tokens: int, block_tokens: int, window: int, rotate: bool, linear_biases: Sequence[mlx.core.array | None], qk_norms: Sequence[mlx.core.array] | None, qk_eps: float, positions: mlx.core.array | None = None, swaps: Sequence[KVSwapSet] = [], swap_rows: Sequence[int] = [], layer: int = -1, predict: Sequence[mlx.core.array | None] = [], predict_bits: int = 0, predict_group: int = 0, key_plan: mlx.core.array | None = None, key_counts: Sequence[int] = [], prevs: mlx.core.array | None = None, swap_stream: bool = False) -> mlx.core.array:

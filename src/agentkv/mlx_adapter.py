@@ -171,9 +171,24 @@ def packed_rows(
         bit = t + 4 * lane[:, None]  # [T, K]: 0 .. 63 within the quad's mask
         fifth = codes.reshape(-1)[(block * width)[:, None] + byte + bit // 8]
         raw = raw.reshape(raw.shape[0], -1) | (((fifth >> (bit % 8).astype(mx.uint8)) & 1) << 4)
+    groups = k // 32 if scales.dtype == mx.uint8 else groups
     q = raw.reshape(-1, groups, k // groups).astype(mx.float32)
-    s, b = (a[block, :, lane].astype(mx.float32)[..., None] for a in (scales, biases))
+    s, b = (_group_values(a, block, lane)[..., None] for a in (scales, biases))
     return (q * s + b).reshape(*ids.shape, k)
+
+
+def _group_values(packed: mx.array, block: mx.array, lane: mx.array) -> mx.array:
+    """The float32 scales or biases [T, K / group] of packed columns (``block``, ``lane``):
+    as stored, or from two-level ones (``_ext.pack_super_scales``: d * m, exact)."""
+    if packed.dtype != mx.uint8:
+        return packed[block, :, lane].astype(mx.float32)
+    rows = packed[block]  # [T, K / 256, 160]
+    d = mx.take_along_axis(
+        mx.contiguous(rows[..., :32]).view(mx.float16), lane[:, None, None], axis=2
+    )  # [T, K / 256, 1]
+    m = rows[..., 32:].reshape(*rows.shape[:2], 8, PACK_COLUMNS)
+    m = mx.take_along_axis(m, lane[:, None, None, None], axis=3)[..., 0]  # [T, K / 256, 8]
+    return (d.astype(mx.float32) * m.astype(mx.float32)).reshape(rows.shape[0], -1)
 
 
 def _packed_matmul(module: nn.Module, x: mx.array, n: int) -> mx.array:
@@ -207,16 +222,30 @@ class CPUQuantizedEmbedding(nn.QuantizedEmbedding):
         return _packed_matmul(self, x, self.num_embeddings)
 
 
-def _pack_module(module: nn.Module) -> None:
+def _pack_module(module: nn.Module, supers: tuple[mx.array, mx.array] | None = None) -> bool:
     """Replace a quantized module's MLX-layout arrays by packed ones (evaluated, so the
-    originals are freed one module at a time)."""
+    originals are freed one module at a time); with ``supers`` (a K-quant's float16
+    super-block factors of its scales and biases, [N, K / 256]) its scales and biases in two
+    levels (``_ext.pack_super_scales``: the same floats in 1.25 bytes a group and column, not
+    4). Returns whether they are; factors that do not give the float32 values bit for bit
+    (a damaged or stale file) leave them float32."""
     n = module["weight"].shape[0]
-    module["weight"], module["scales"], module["biases"] = pack_quantized(
+    packed = pack_quantized(
         module["weight"], module["scales"], module["biases"],
         bits=module.bits, group_size=module.group_size,
     )  # fmt: skip
+    two_level = False
+    if supers is not None and module.group_size == 32 and packed[1].dtype == mx.float32:
+        try:
+            two = [_ext.pack_super_scales(p, f) for p, f in zip(packed[1:], supers)]
+            packed = (packed[0], *two)
+            two_level = True
+        except ValueError:
+            pass
+    module["weight"], module["scales"], module["biases"] = packed
     if isinstance(module, nn.QuantizedLinear):
         module.agentkv_outputs = n
+    return two_level
 
 
 class CPURMSNorm(nn.RMSNorm):
@@ -441,14 +470,19 @@ def use_fused_layers(model: nn.Module) -> int:
 CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 5, 8), (32, 64, 128)
 
 
-def use_cpu_quantized_matmul(model: nn.Module) -> int:
+def use_cpu_quantized_matmul(
+    model: nn.Module, *, super_scales: dict[str, mx.array] | None = None
+) -> int:
     """Route a model's affine 4/5/8-bit layers (groups of 32/64/128) through agentkv's CPU
     quantized matmul, their weights packed for it in place (``pack_quantized``: the same
     bytes, moved). Others stay on ``mx.quantized_matmul``
-    (logged). Returns how many were switched."""
+    (logged). ``super_scales``: a GGUF import's K-quant factors (``{module}.scales`` and
+    ``{module}.biases``, float16 [N, K / 256]), which put those modules' scales in two levels
+    (``_pack_module``). Returns how many were switched."""
     import logging
 
-    switched, left = 0, []
+    super_scales = super_scales or {}
+    switched, left, not_two_level = 0, [], []
     for name, module in model.named_modules():
         kind = {
             nn.QuantizedLinear: CPUQuantizedLinear,
@@ -463,11 +497,20 @@ def use_cpu_quantized_matmul(model: nn.Module) -> int:
             and module.group_size in CPU_QMM_GROUPS
         )
         if fits:
-            _pack_module(module)
+            factors = tuple(super_scales.get(f"{name}.{part}") for part in ("scales", "biases"))
+            supers = factors if all(f is not None for f in factors) else None
+            if not _pack_module(module, supers) and supers is not None:
+                not_two_level.append(name)
             module.__class__ = ours
             switched += 1
         else:
             left.append(name)
+    if not_two_level:
+        logging.getLogger("agentkv.model").warning(
+            "%d K-quant layers keep float32 scales: their super-block factors do not give "
+            "them (a damaged or stale %s?): %s",
+            len(not_two_level), "agentkv_super_scales.safetensors", ", ".join(not_two_level[:4]),
+        )  # fmt: skip
     experts = [
         name
         for name, module in model.named_modules()

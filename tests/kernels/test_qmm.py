@@ -3,7 +3,7 @@
 scale dtype it takes, odd sizes (padded to 16 columns), few and many rows; a row gives the same
 bits alone or batched; AVX-512 VNNI, AVX2 and the portable path agree bit for bit; NaN/Inf
 propagate; bad input is refused with a message. The packing is lossless, and packed rows
-dequantize as MLX does."""
+dequantize as MLX does. K-quant scales in two levels give the float32 scales' bits."""
 
 import os
 import subprocess
@@ -99,6 +99,63 @@ def test_a_row_gives_the_same_bits_alone_or_batched(bits):
         assert mx.array_equal(part, together[start : start + count])
 
 
+def k_quant_weights(n, k, bits, seed=0):
+    """MLX-layout codes with K-quant scales and biases (float32 d * sc and -dmin * m, d and
+    dmin float16 of either sign a row and 256 K, sc and m 6-bit), and the factors d, -dmin."""
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.standard_normal((n, k)).astype(np.float32))
+    q, _, _ = mx.quantize(w, group_size=32, bits=bits)  # any codes
+    signs = rng.choice([-1, 1], (n, k // 256))
+    d, dmin = ((rng.uniform(1e-4, 2e-3, (n, k // 256)) * signs).astype(np.float16) for _ in "ab")
+    sc, m = (rng.integers(0, 64, (n, k // 32)).astype(np.float32) for _ in "ab")
+    scales = np.repeat(d.astype(np.float32), 8, axis=1) * sc
+    biases = -(np.repeat(dmin.astype(np.float32), 8, axis=1) * m)
+    return q, mx.array(scales), mx.array(biases), mx.array(d), mx.array(-dmin)
+
+
+def two_level(q, s, b, fd, fb, bits):
+    codes, ps, pb = mlx_adapter.pack_quantized(q, s, b, bits=bits, group_size=32)
+    return (codes, ps, pb), (codes, _ext.pack_super_scales(ps, fd), _ext.pack_super_scales(pb, fb))
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_two_level_scales_give_the_bits_of_the_float32_ones(bits):
+    """K-quant scales held as a float16 factor a row and 256 K and one byte a group
+    (``_ext.pack_super_scales``): 1.25 bytes a group and column instead of 4, and every
+    output and every dequantized row bit for bit what the float32 scales give."""
+    n, k = 77, 768
+    q, s, b, fd, fb = k_quant_weights(n, k, bits, seed=bits)
+    f32, ours = two_level(q, s, b, fd, fb, bits)
+    assert ours[1].dtype == ours[2].dtype == mx.uint8
+    assert ours[1].shape == ours[2].shape == (5, k // 256, 160)
+    assert ours[1].nbytes * 4 == f32[1].nbytes * 1.25
+    x = rows(37, k, seed=3)
+    want = np.array(_ext.quantized_matmul(x, *f32, 32, bits))
+    for m in (1, 2, 3, 8, 9, 37):  # every tile size, alone and batched
+        got = np.array(_ext.quantized_matmul(x[:m], *ours, 32, bits))
+        np.testing.assert_array_equal(got, want[:m])
+    ids = mx.array([[0, 15, 16], [76, 31, 40]])
+    np.testing.assert_array_equal(
+        np.array(mlx_adapter.packed_rows(ours, ids, bits=bits, group_size=32)),
+        np.array(mlx_adapter.packed_rows(f32, ids, bits=bits, group_size=32)),
+    )
+
+
+def test_two_level_scales_are_refused_where_the_factors_do_not_give_the_floats():
+    q, s, b, fd, fb = k_quant_weights(40, 512, 4, seed=2)
+    codes, ps, pb = mlx_adapter.pack_quantized(q, s, b, bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"not float\(d\) \* m"):
+        _ext.pack_super_scales(ps, fd * 3)  # m = sc / 3: not an integer
+    with pytest.raises(ValueError, match=r"not float\(d\) \* m"):
+        _ext.pack_super_scales(pb, fd)  # the scales' factors for the biases
+    with pytest.raises(ValueError, match="super float16"):
+        _ext.pack_super_scales(ps, fd.astype(mx.float32))
+    with pytest.raises(ValueError, match="super float16"):
+        _ext.pack_super_scales(ps, fd[:20])
+    with pytest.raises(ValueError, match="two-level scales"):
+        _ext.quantized_matmul(rows(2, 512), codes, _ext.pack_super_scales(ps, fd), pb, 32, 4)
+
+
 PORTABLE_CHECK = """
 import sys, numpy as np, mlx.core as mx
 import agentkv
@@ -116,6 +173,18 @@ for bits, group, dt in (
         x = rng.standard_normal((m, 640)).astype(np.float32)
         x[:, 7] *= 50  # an outlier channel
         out.append(np.array(_ext.quantized_matmul(mx.array(x), *packed, group, bits)))
+for bits in (4, 5):  # two-level (K-quant) scales: 1 and 3 super-blocks
+    for k in (256, 768):
+        w = mx.array(rng.standard_normal((45, k)).astype(np.float32))
+        q, _, _ = mx.quantize(w, group_size=32, bits=bits)
+        d = [mx.array(rng.uniform(-2e-3, 2e-3, (45, k // 256)).astype(np.float16)) for _ in "ab"]
+        f = [np.repeat(np.array(v.astype(mx.float32)), 8, 1) for v in d]
+        s, b = (mx.array(v * rng.integers(0, 64, v.shape).astype(np.float32)) for v in f)
+        codes, ps, pb = mlx_adapter.pack_quantized(q, s, b, bits=bits, group_size=32)
+        packed = (codes, _ext.pack_super_scales(ps, d[0]), _ext.pack_super_scales(pb, d[1]))
+        for m in (1, 3, 8, 13):
+            x = mx.array(rng.standard_normal((m, k)).astype(np.float32))
+            out.append(np.array(_ext.quantized_matmul(x, *packed, 32, bits)))
 np.save(sys.argv[1], np.concatenate([o.ravel() for o in out]))
 print(_ext.build_info()["qmm"])
 """

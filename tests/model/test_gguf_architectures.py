@@ -98,11 +98,29 @@ def reference_model(model_type: str, config: dict, seed: int):
     return model
 
 
+def random_k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random Q4_K/Q5_K blocks [rows, bytes a row]: any codes and 6-bit sub-scales, float16
+    d and dmin of either sign, small enough that the weights stay near +-0.1."""
+    per, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
+    for at in (0, 2):
+        d = rng.uniform(1e-5, 1.5e-4, len(blocks)) * rng.choice([-1, 1], len(blocks))
+        blocks[:, at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(
-    path: Path, arch: str, config: dict, model, tok: dict, rope_freqs: np.ndarray | None = None
+    path: Path,
+    arch: str,
+    config: dict,
+    model,
+    tok: dict,
+    rope_freqs: np.ndarray | None = None,
+    k_quants: tuple[str, ...] = (),
 ) -> None:
     """``model`` as llama.cpp's converter writes it (float32 tensors; ``rope_freqs``: its
-    Llama 3 rope factors tensor)."""
+    Llama 3 rope factors tensor); with ``k_quants``, every matrix whose rows are a multiple
+    of 256 as random blocks of those types in turn instead."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", config["hidden_size"] // heads)
@@ -150,6 +168,12 @@ def write_gguf(
             data = data + 1  # llama.cpp's Gemma models: its RMSNorm multiplies by the weight
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
+        if k_quants and data.ndim == 2 and data.shape[1] % 256 == 0:
+            kind = k_quants[len(w.tensors[0]) % len(k_quants)] if w.tensors else k_quants[0]
+            rng = np.random.default_rng(len(gguf_name))
+            blocks = random_k_blocks(kind, *data.shape, rng)
+            w.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+            continue
         w.add_tensor(gguf_name, data)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -249,6 +273,40 @@ def test_gemma_norms_lose_their_offset_before_float16(tmp_path, tokenizer_metada
         assert stored[name].dtype == mx.float16
         want = np.array(params[name]).astype(np.float16)
         assert (np.array(stored[name]) == want).mean() >= 0.99, name
+
+
+def test_k_quant_scales_run_in_two_levels_with_the_bits_of_float32_ones(
+    tmp_path, tokenizer_metadata
+):
+    """A model whose every matrix is Q4_K or Q5_K (rows of 256): the import keeps each
+    super-block's factors, and agentkv's CPU kernel holds those tensors' scales and biases in
+    two levels (1.03x the file's bytes, not 1.33x); the logits are bit for bit those of the
+    same import with float32 scales (its factors file removed), through the linears, the
+    embedding's rows and its output projection."""
+    from agentkv.model.gguf import SUPER_SCALES_FILE
+
+    config = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    model = reference_model("llama", config, seed=8)
+    path = tmp_path / "k.gguf"
+    write_gguf(path, "llama", config, model, tokenizer_metadata, k_quants=("Q4_K", "Q5_K"))
+    dest = import_gguf(path, tmp_path / "k", weight_dtype="quantized").path
+    report = {r["type"]: r for r in read_tensor_report(dest)}
+    assert set(report) >= {"Q4_K", "Q5_K"}
+    for kind in ("Q4_K", "Q5_K"):
+        assert report[kind]["resident_bytes"] <= 1.03 * report[kind]["file_bytes"], report
+
+    tokens = mx.array([TOKENS])
+    two_level = load_model(dest, weights="quantized")
+    inner = two_level.model.model
+    held = [inner.embed_tokens, inner.layers[0].self_attn.q_proj, inner.layers[1].mlp.down_proj]
+    assert all(m["scales"].dtype == m["biases"].dtype == mx.uint8 for m in held)
+    got = np.array(two_level.model(tokens))
+    assert np.isfinite(got).all() and got.std() > 0
+    del two_level
+    (dest / SUPER_SCALES_FILE).unlink()
+    float32 = load_model(dest, weights="quantized")
+    assert float32.model.model.embed_tokens["scales"].dtype == mx.float32
+    np.testing.assert_array_equal(np.array(float32.model(tokens)), got)
 
 
 def test_an_imported_qwen3_gguf_serves_turns_through_agentkv_caches(tmp_path, tokenizer_metadata):

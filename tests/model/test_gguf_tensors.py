@@ -83,6 +83,26 @@ def test_q4_k_is_4_bit_affine_in_groups_of_32_with_float32_scale_and_bias():
     assert a["scales"].dtype == a["biases"].dtype == mx.float32
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quants_keep_their_super_block_factors_for_two_level_scales(kind):
+    """Each super-block's float16 d and -dmin, from which the CPU kernel holds the scales
+    and biases (``_ext.pack_super_scales``: d times an integer, the same floats): resident
+    within 3% of the file's bytes (float32 scales alone: 4.5 -> 6 bits a weight)."""
+    tensor = random_tensor(kind, 32, 512, seed=4)
+    converted = convert_tensor(tensor)
+    supers = converted.supers
+    assert set(supers) == {"scales", "biases"}
+    assert all(f.dtype == mx.float16 and f.shape == (32, 2) for f in supers.values())
+    for part in ("scales", "biases"):
+        values = np.array(converted.arrays[part]).reshape(32, 2, 8)
+        factor = np.array(supers[part]).astype(np.float32)[..., None]
+        m = values / factor
+        assert ((m == np.rint(m)) & (m >= 0) & (m <= 63)).all()
+        np.testing.assert_array_equal(factor * m, values)
+    assert converted.nbytes <= 1.03 * tensor.file_bytes
+    assert convert_tensor(random_tensor("Q8_0", 32, 512)).supers == {}
+
+
 @pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"])
 def test_other_types_are_requantized_to_8_bits_within_half_a_step(kind):
     tensor = random_tensor(kind, 32, 512, seed=7)

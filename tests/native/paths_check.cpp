@@ -76,6 +76,26 @@ void matmuls() {
       }
     }
   }
+  for (int bits : {4, 5}) {  // two-level (K-quant) scales: float16 d, then 8 x 16 bytes m
+    const int64_t N = 48, K = 512, supers = N / agentkv::kPackColumns * K / 256;
+    const auto w = bytes(N * K * bits / 8);
+    std::vector<uint8_t> sb[2];
+    for (auto& part : sb) {
+      part = bytes(supers * agentkv::kSuperBytes);
+      for (int64_t i = 0; i < supers; ++i) {
+        const auto d = halves(agentkv::kPackColumns, 2e-3f);
+        std::memcpy(part.data() + i * agentkv::kSuperBytes, d.data(), 32);
+      }
+    }
+    agentkv::QuantizedWeights q{
+        w.data(), sb[0].data(), sb[1].data(), agentkv::ScaleType::ksuper, bits, 32, N, K};
+    for (int64_t M : {1, 3, 9, 13}) {
+      auto x = normal(M * K);
+      std::vector<float> y(M * N);
+      agentkv::quantized_matmul(x.data(), q, y.data(), M);
+      emit(y);
+    }
+  }
 }
 
 // A contiguous 4-bit cache [1, heads, T, 64] (format 1), and format 2's per-channel keys

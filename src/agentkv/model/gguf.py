@@ -48,6 +48,9 @@ IMPORT_RECIPE_VERSION = 1
 IMPORT_INFO_FILE = "agentkv_import.json"
 # What each tensor became (not part of the weights' identity: the import info is)
 TENSORS_FILE = "agentkv_tensors.json"
+# K-quant tensors' super-block factors ({module}.scales: d, {module}.biases: -dmin; float16
+# [rows, K / 256]), from which the CPU kernel holds their scales in two levels (mlx_adapter)
+SUPER_SCALES_FILE = "agentkv_super_scales.safetensors"
 # The record's note of where the GGUF file was (size, mtime, inode): not part of what was
 # imported, so no identity includes it.
 SOURCE_STAT = "source_stat"
@@ -192,7 +195,7 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     bar.advance()
 
     secure_mkdir(dest)
-    tensors, quant_config, report = _convert_weights(gguf_file, arch, dtype)
+    tensors, supers, quant_config, report = _convert_weights(gguf_file, arch, dtype)
     if quant_config:
         config["quantization"] = quant_config
     bar.advance()
@@ -203,6 +206,12 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
     os.chmod(tmp_weights, FILE_MODE)
     _fsync_path(tmp_weights)
     os.replace(tmp_weights, dest / "model.safetensors")
+    if supers:
+        tmp_supers = dest / f".tmp-{os.getpid()}-supers.safetensors"
+        mx.save_safetensors(str(tmp_supers), supers)
+        os.chmod(tmp_supers, FILE_MODE)
+        _fsync_path(tmp_supers)
+        os.replace(tmp_supers, dest / SUPER_SCALES_FILE)
     tokenizer.save_pretrained(str(dest))
     for written in dest.iterdir():
         os.chmod(written, FILE_MODE)
@@ -263,10 +272,13 @@ def _meta_num(meta: dict, key: str, default=None):
 
 def _convert_weights(
     gguf_file: GGUFFile, arch: Architecture, dtype: WeightDtype
-) -> tuple[dict, dict, ImportReport]:
+) -> tuple[dict, dict, dict, ImportReport]:
     """Rename tensors; keep them quantized as MLX affine triplets (``gguf_tensors``: lossless
-    where MLX's format holds the GGML type) or dequantize them to float32."""
+    where MLX's format holds the GGML type) or dequantize them to float32. Returns the
+    tensors, the K-quants' super-block factors (``SUPER_SCALES_FILE``), the quantization
+    config and the report."""
     out: dict[str, mx.array] = {}
+    supers: dict[str, mx.array] = {}
     per_module: dict[str, dict] = {}
     report = ImportReport()
     for tensor in gguf_file.tensors:
@@ -288,20 +300,22 @@ def _convert_weights(
             module = mlx_name.removesuffix(".weight")
             for part, value in converted.arrays.items():
                 out[f"{module}.{part}"] = value
+            for part, value in converted.supers.items():
+                supers[f"{module}.{part}"] = value
             per_module[module] = {"group_size": GROUP, "bits": converted.bits}
         report.add(tensor, converted)
         mx.eval(list(converted.arrays.values()))
     for line in report.notes():
         log.info("agentkv: %s", line)
     if not per_module:
-        return out, {}, report
+        return out, supers, {}, report
     bits_used = sorted({q["bits"] for q in per_module.values()})
     default = {"group_size": GROUP, "bits": bits_used[0]}
     quant = dict(default)
     for module, q in per_module.items():
         if q != default:
             quant[module] = q
-    return out, quant, report
+    return out, supers, quant, report
 
 
 def _build_tokenizer(meta: dict):

@@ -14,7 +14,10 @@ Q5_0, Q5_1    5-bit affine, groups of 32, float16: **lossless**
 Q8_0          8-bit affine, groups of 32, float16 (codes + 128, bias -128 d): **lossless**
 Q4_K, Q5_K    4/5-bit affine, groups of 32 (the 8 sub-blocks of a 256 super-block), float32
               scales ``d * sc`` and biases ``-dmin * m``: both exact products of a float16
-              and a 6-bit integer, so **lossless**
+              and a 6-bit integer, so **lossless**; with each super-block's ``d`` and
+              ``-dmin`` (``Converted.supers``), from which agentkv's CPU kernel holds the
+              scales in two levels, 1.25 bytes a group and column instead of 4
+              (``_ext.pack_super_scales``, the same floats)
 Q6_K, Q2_K,   groups of 16 (or codebooks) that MLX's groups of 32-128 cannot hold: the exact
 Q3_K, IQ*     float values requantized to 8-bit affine, groups of 32, float16 (the error is
               at most half a step of 8 bits over the group: ``requantize_8bit``)
@@ -43,6 +46,7 @@ GROUP = 32  # every quantized tensor's group along a row
 #: How each quantized GGML type is kept: (bits, "lossless" or "requantized").
 LOSSLESS_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5}
 REQUANTIZED_BITS = 8
+SUPER_GROUPS = 8  # a K-quant super-block's groups of 32
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -75,10 +79,19 @@ class Converted:
     arrays: dict[str, mx.array]
     bits: int | None
     how: str
+    #: K-quants: each super-block's float16 factor of the scales (``d``) and of the biases
+    #: (``-dmin``), [rows, K / 256], for the CPU kernel's two-level scales
+    supers: dict[str, mx.array] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        """The bytes agentkv's CPU kernel holds: with ``supers``, the codes and two-level
+        scales and biases (per row and 256 K: a float16 factor and 8 one-byte multipliers
+        each); else the arrays."""
+        if not self.supers:
+            return sum(a.nbytes for a in self.arrays.values())
+        two_level = sum(a.nbytes + a.size * SUPER_GROUPS for a in self.supers.values())
+        return self.arrays["weight"].nbytes + two_level
 
 
 @dataclass
@@ -172,22 +185,25 @@ def convert_tensor(tensor: GGUFTensor, *, float32: bool = False) -> Converted:
         return Converted({"weight": _float_array(tensor, float32)}, None, "float")
     if float32:
         return Converted({"weight": mx.array(_dequantized(tensor))}, None, "float")
+    rows, supers = tensor.shape[0], {}
     convert = _LOSSLESS.get(kind)
     if convert is not None:
-        q, scales, biases = convert(_blocks(tensor))
+        q, scales, biases, *factors = convert(_blocks(tensor))
         bits = LOSSLESS_BITS[kind]
         how = "lossless"
+        if factors:
+            parts = ("scales", "biases")
+            supers = {k: mx.array(f.reshape(rows, -1)) for k, f in zip(parts, factors)}
     else:
         values = _dequantized(tensor).reshape(tensor.shape[0], -1, GROUP)
         q, scales, biases = requantize_8bit(values)
         bits, how = REQUANTIZED_BITS, "requantized"
-    rows = tensor.shape[0]
     arrays = {
         "weight": mx.array(_pack_codes(q.reshape(rows, -1), bits).view(np.uint32)),
         "scales": mx.array(scales.reshape(rows, -1)),
         "biases": mx.array(biases.reshape(rows, -1)),
     }
-    return Converted(arrays, bits, how)
+    return Converted(arrays, bits, how, supers)
 
 
 def requantize_8bit(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -260,18 +276,18 @@ def _q8_0(b: np.ndarray):
     return codes, d, d * np.float16(-128)
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, ...]:
     """A Q4_K/Q5_K super-block's float32 scales and biases, [blocks, 8]: d * sc and
     -dmin * m, with the 6-bit sc and m unpacked from their 12 bytes (bytes 0-3: sc 0-3 and
     the top bits of sc 4-7; 4-7: m 0-3 and the top bits of m 4-7; 8-11: the low nibbles of
-    sc 4-7 and m 4-7)."""
-    d = _f16(b, 0).astype(np.float32)
-    dmin = _f16(b, 2).astype(np.float32)
+    sc 4-7 and m 4-7); then the float16 factors d and -dmin, [blocks, 1]."""
+    d, dmin = _f16(b, 0), _f16(b, 2)
     s = b[:, 4:16]
     lo, hi, mix = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     m = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    scales = d.astype(np.float32) * sc.astype(np.float32)
+    return scales, -(dmin.astype(np.float32) * m.astype(np.float32)), d, -dmin
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -282,15 +298,13 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _q4_k(b: np.ndarray):
-    scales, biases = _k_scales(b)
-    return _k_nibbles(b[:, 16:144]), scales, biases
+    return _k_nibbles(b[:, 16:144]), *_k_scales(b)
 
 
 def _q5_k(b: np.ndarray):
-    scales, biases = _k_scales(b)
     qh = b[:, 16:48].reshape(-1, 1, 32)  # bit i of byte l: weight l of sub-block i
     high = ((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4
-    return _k_nibbles(b[:, 48:176]) | high, scales, biases
+    return _k_nibbles(b[:, 48:176]) | high, *_k_scales(b)
 
 
 _LOSSLESS = {

@@ -32,7 +32,7 @@ from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
 from .generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_defaults
-from .gguf import SOURCE_STAT, import_gguf, read_import_info
+from .gguf import SOURCE_STAT, SUPER_SCALES_FILE, import_gguf, read_import_info
 
 EMBEDDED_NAME = embedded.NAME
 Weights = Literal["quantized", "float32"]
@@ -219,10 +219,25 @@ def weights_identity(path: Path) -> str:
     return "files:" + digest.hexdigest()
 
 
-def _prepare_for_cpu(model, weights: Weights) -> bool:
+def _super_scales(path: Path) -> dict[str, mx.array]:
+    """A GGUF import's K-quant super-block factors (``SUPER_SCALES_FILE``), or none: a file
+    that does not read is logged and left (the scales then stay float32; nothing else
+    changes, as the kernel checks every two-level value against its float32 one)."""
+    file = path / SUPER_SCALES_FILE
+    if not file.is_file():
+        return {}
+    try:
+        return mx.load(str(file))
+    except Exception as exc:  # whatever MLX's reader raises on a damaged file
+        log.warning("agentkv: %s does not read (%s); K-quant scales stay float32", file, exc)
+        return {}
+
+
+def _prepare_for_cpu(model, weights: Weights, path: Path) -> bool:
     """Ready ``model`` for MLX's CPU backend: float32 activations everywhere, and either
-    agentkv's quantized matmul (``weights="quantized"``) or float32 weights. Returns whether
-    agentkv's kernel runs any layer."""
+    agentkv's quantized matmul (``weights="quantized"``; K-quant scales in two levels where
+    the import left their factors) or float32 weights. Returns whether agentkv's kernel runs
+    any layer."""
     from mlx.utils import tree_flatten
 
     quantized = any(name.endswith(".scales") for name, _ in tree_flatten(model.parameters()))
@@ -230,7 +245,11 @@ def _prepare_for_cpu(model, weights: Weights) -> bool:
         mlx_adapter.dequantize_model(model)
         quantized = False
     mlx_adapter.float32_activations(model)
-    ours = mlx_adapter.use_cpu_quantized_matmul(model) if quantized else 0
+    ours = (
+        mlx_adapter.use_cpu_quantized_matmul(model, super_scales=_super_scales(path))
+        if quantized
+        else 0
+    )
     mlx_adapter.make_batch_invariant(model)
     mlx_adapter.use_cpu_row_ops(model)
     mlx_adapter.use_cpu_swiglu(model)
@@ -249,7 +268,7 @@ def load_model(
         mlx_model, tokenizer = mlx_adapter.load(target)
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
         raise _load_error(model, target, exc) from exc
-    cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights)
+    cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights, Path(target))
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
     # names a stream of the thread that built it, and no other thread can run it.
