@@ -72,7 +72,7 @@ def make_prompt_cache(loaded, quant=None) -> list:
     """One ``AgentKVCache`` per layer of ``loaded`` (``agentkv.model.load.load_model``'s
     result), each with its layer's sliding window. ``quant`` None: the KV format ``Engine()``
     stores for this model (4-bit KV format 2, the group fitted to its head dims, 8-bit keys in
-    its wide layers: measured once per model, about 20 s for the embedded one unless its
+    its wide layers: measured once per model, about 30 s for the embedded one unless its
     result ships with agentkv); a ``KVQuant`` is used as given (``quant.layer(i)`` in layer
     i)."""
     from .format.choice import choose_kv_quant

@@ -9,16 +9,16 @@ model:
 
 1. a float32 pass over a fixed calibration text (``CALIBRATION_TOKENS`` tokens from the
    end of Python's help() topics, a part the quality benchmark does not score);
-2. in every layer, attention is computed twice: over the exact keys (what the pass
-   continues with) and over the keys as the format stores them (rotated, 4-bit per
-   channel over each complete group, rotated back); the difference goes through the
-   layer's output projection and is measured against the layer's input (the residual
-   stream), mean squared, over the second half of the queries;
+2. in every layer, attention is computed over the exact keys (what the pass continues
+   with) and, for the second half of the queries, over the keys as the format stores them
+   (rotated, 4-bit per channel over each complete group, rotated back); the difference
+   goes through the layer's output projection and is measured against the layer's input
+   (the residual stream), mean squared, over those queries;
 3. the ``wide_count(layers)`` layers with the largest error get 8-bit keys.
 
 The result (every layer's error too) is kept in ``$AGENTKV_HOME/calibration/`` per model
-fingerprint and format, so the pass runs once per model (about 20 s for the embedded model
-on 2 CPU cores; its result ships with the package, in ``calibrations/``, and a test
+fingerprint and format, so the pass runs once per model (about 30 s for the embedded model
+on a 2-core VM; its result ships with the package, in ``calibrations/``, and a test
 measures it again). A model whose layers or output projections cannot be found gets no
 wide layers (logged).
 """
@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ..format.quant import KVQuant, dequantize_channels, quantize_channels
 from ..format.spec import ModelCacheSpec
-from ..kernels.reference import float_attention
+from ..kernels.reference import causal_mask, float_attention
 from ..paths import agentkv_home, atomic_write_text, secure_mkdir
 
 log = logging.getLogger(__name__)
@@ -180,13 +180,18 @@ def layer_errors(model, tokenizer, quant: KVQuant) -> list[float]:
             self.i = i
 
         def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
-            kw = {"scale": scale, "mask": mask, "sinks": sinks, "softcap": softcap}
-            exact = float_attention(queries, keys, values, **kw)
-            approx = float_attention(queries, _as_stored(keys, quant), values, **kw)
-            o_proj = projections[self.i]
-            diff = o_proj(_heads_to_model(approx[..., first:, :])) - o_proj(
-                _heads_to_model(exact[..., first:, :])
+            kw = {"scale": scale, "sinks": sinks, "softcap": softcap}
+            exact = float_attention(queries, keys, values, mask=mask, **kw)
+            # only the measured queries over the stored keys: each query's row is its own
+            if isinstance(mask, str):  # "causal"
+                late = causal_mask(len(tokens) - first, len(tokens))
+            else:
+                late = None if mask is None else mask[..., first:, :]
+            approx = float_attention(
+                queries[..., first:, :], _as_stored(keys, quant), values, mask=late, **kw
             )
+            o_proj = projections[self.i]
+            diff = o_proj(_heads_to_model(approx)) - o_proj(_heads_to_model(exact[..., first:, :]))
             errors[self.i] = (diff.astype(mx.float32) ** 2).sum(-1).mean()
             mx.eval(errors[self.i])
             return exact
