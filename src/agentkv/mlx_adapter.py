@@ -31,7 +31,6 @@ import mlx.nn as nn
 from . import _ext
 from .errors import ModelImportError
 from .format.spec import LayerKind, LayerSpec, ModelCacheSpec
-from .kernels.masks import NOT_OURS, mask_window
 
 _ORIGINAL = "__agentkv_original__"
 
@@ -69,9 +68,9 @@ def _softcapped_attention(original):
     rotary embeddings and cache update (mlx-lm 0.32's ``gemma2.Attention``), then the cache's
     attention with the cap (c * tanh(s / c) of each scaled score s, before the mask).
 
-    mlx-lm's ``GemmaModel`` makes one mask, from layer 0's cache, for every layer; over
-    agentkv caches every other layer has Gemma 2's sliding window (``cache_spec_of``), so a
-    layer whose window is not that mask's makes its own from its cache."""
+    mlx-lm's ``GemmaModel`` makes one mask (an array), from layer 0's cache, for every layer;
+    over agentkv caches every other layer has Gemma 2's sliding window (``cache_spec_of``),
+    so each layer makes its own from its cache, as the model would have from that cache."""
 
     @functools.wraps(original)
     def __call__(self, x, mask=None, cache=None):
@@ -85,9 +84,8 @@ def _softcapped_attention(original):
         values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
-        window = getattr(cache, "window", None) or 0  # None: mlx-lm's classes (a probe)
-        if isinstance(mask, mx.array) and mask_window(mask, L) not in (NOT_OURS, window):
-            mask = cache.make_mask(L, return_array=True)  # before the update, as the model's
+        if isinstance(mask, mx.array):  # layer 0's cache's; this layer's, before the update
+            mask = cache.make_mask(L, return_array=True, window_size=None)
         keys, values = cache.update_and_fetch(keys, values)
         out = attend(
             queries, keys, values, scale=self.scale, mask=mask,

@@ -37,6 +37,7 @@ from ..format.quant import KVQuant, dequantize_channels, quantize_channels
 from ..format.spec import ModelCacheSpec
 from ..kernels.reference import causal_mask, float_attention
 from ..paths import agentkv_home, atomic_write_text, secure_mkdir
+from ..progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -194,15 +195,19 @@ def layer_errors(model, tokenizer, quant: KVQuant) -> list[float]:
             diff = o_proj(_heads_to_model(approx)) - o_proj(_heads_to_model(exact[..., first:, :]))
             errors[self.i] = (diff.astype(mx.float32) ** 2).sum(-1).mean()
             mx.eval(errors[self.i])
+            bar.advance()
             return exact
 
     install_attention_dispatch()
     originals = list(layers)
+    log.info("measuring which layers keep 8-bit keys (once per model, %d layers)", len(layers))
+    what = "measuring which layers keep 8-bit keys (once per model)"
     try:
-        for i, layer in enumerate(originals):
-            layers[i] = Recorder(i, layer)
-        caches = [Probe(i) for i in range(len(originals))]
-        mx.eval(model(mx.array(tokens)[None], cache=caches))
+        with ProgressBar(len(layers), what, unit="layer") as bar:
+            for i, layer in enumerate(originals):
+                layers[i] = Recorder(i, layer)
+            caches = [Probe(i) for i in range(len(originals))]
+            mx.eval(model(mx.array(tokens)[None], cache=caches))
     finally:
         layers[:] = originals
     if any(e is None for e in errors) or any(x is None for x in inputs):
