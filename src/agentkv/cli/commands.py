@@ -294,6 +294,6 @@ def _import_gguf(args) -> int:
             ["total", "", sum(r["tensors"] for r in report), human_bytes(file_bytes),
              f"{human_bytes(resident)} ({resident / file_bytes:.2f}x the file's)"]
         )  # fmt: skip
-        table(["GGUF TYPE", "KEPT AS", "TENSORS", "IN FILE", "RESIDENT"], rows)
+        table(["GGUF TYPE", "KEPT AS", "TENSORS", "IN FILE", "RESIDENT (CPU)"], rows)
     print(f"use it with: agentkv chat --model {result.path} --agent ID")
     return 0

@@ -328,8 +328,8 @@ MODEL_ACTIONS.append(Command("ls", "models cached under $AGENTKV_HOME/models", j
 def _models_import_gguf(imp: argparse.ArgumentParser) -> None:
     """Write an mlx-lm model directory for a GGUF file (weights, config.json, tokenizer) and
     print what each GGML type became (kept quantized as shipped, requantized, or floats) and
-    the resident bytes; use it with --model. Architectures: llama (and Mistral-style),
-    qwen2, qwen3, gemma3, phi3; a tensor or type it cannot run is refused by name."""
+    the bytes it holds on CPU; use it with --model. Architectures: llama (and Mistral-style),
+    qwen2, qwen3, gemma2, gemma3, phi3; a tensor or type it cannot run is refused by name."""
     imp.add_argument("path")
     imp.add_argument("--dest", default=None, help="default: $AGENTKV_HOME/models/<name>")
     imp.add_argument(

@@ -8,8 +8,8 @@ GGUF names its sampling (``general.sampling.temp`` and ``.top_p``).
 The tensors are read by agentkv itself (``gguf_tensors``: MLX's reader knows Q4_0, Q4_1 and
 Q8_0 only) and kept quantized as the file ships them, as MLX's affine triplets (agentkv's CPU
 kernel or ``mx.quantized_matmul`` on a GPU runs them), or written dequantized to float32
-for comparison. The architectures (llama, qwen2, qwen3, gemma3, phi3) and their configs are
-in ``gguf_arch``. What each tensor became is written beside the weights
+for comparison. The architectures (llama, qwen2, qwen3, gemma2, gemma3, phi3) and their
+configs are in ``gguf_arch``. What each tensor became is written beside the weights
 (``agentkv_tensors.json``, shown by ``agentkv models import``).
 """
 
