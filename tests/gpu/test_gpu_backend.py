@@ -12,7 +12,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import bits_equal, format_2_batch, jagged_batch, random_components, tiny_llama_dir
+from helpers import (
+    bits_equal,
+    copy_tokenizer,
+    format_2_batch,
+    jagged_batch,
+    random_components,
+    tiny_llama_dir,
+)
 
 from agentkv import Engine, kernels
 from agentkv.format.quant import V1, KVQuant, hadamard
@@ -260,3 +267,45 @@ def test_a_float32_row_in_a_batch_gets_its_products_alone():
     rows, weight = mx.random.normal((3, 1, 64)), mx.random.normal((128, 64))
     alone, batched = (rows[:1] @ weight.T)[0], (rows @ weight.T)[0]
     assert np.abs(np.array(alone) - np.array(batched)).max() < 1e-4
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+def test_k_quant_weights_with_float32_scales_run_on_the_gpu(tmp_path, bits):
+    """What a GGUF's Q4_K and Q5_K tensors become in the model directory (4- and 5-bit codes in
+    groups of 32, float32 scales and biases: docs/models.md; the CPU holds them in two levels,
+    a GPU reads them as stored) runs on the GPU through ``mx.quantized_matmul``: the logits of
+    the same model on MLX's CPU stream, and a turn of the engine."""
+    import json
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from agentkv.model.load import load_model
+
+    root = tiny_llama_dir(tmp_path / "float")
+    model = load_model(root).model
+    nn.quantize(model, group_size=32, bits=bits)
+    wide = (".scales", ".biases")
+    params = {
+        name: value.astype(mx.float32) if name.endswith(wide) else value
+        for name, value in tree_flatten(model.parameters())
+    }
+    dest = tmp_path / "k-quant"
+    dest.mkdir()
+    mx.save_safetensors(str(dest / "model.safetensors"), params)
+    config = json.loads((root / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": bits}
+    (dest / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(dest)
+
+    quantized = load_model(dest).model
+    assert quantized.model.layers[0].self_attn.q_proj.scales.dtype == mx.float32
+    tokens = mx.array([[1, 17, 305, 92, 4000, 12, 77]])
+    got = np.array(quantized(tokens))
+    with mx.stream(mx.cpu):
+        want = np.array(quantized(tokens))
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 1e-2 * want.std()
+    with Engine(model=str(dest), cache_dir=tmp_path / "kv", pool_bytes=16 << 20) as eng:
+        reply = eng.chat("a", [{"role": "user", "content": "Name three colours."}], max_tokens=4)
+    assert len(reply.tokens) == 4
