@@ -649,9 +649,11 @@ def sliding_windows_left_out(model_type: str | None, config: dict, layers: int) 
     layer, so beyond the window the two differ. agentkv runs the windows."""
     if model_type != "gemma2":
         return {}
-    window = int(config.get("sliding_window") or GEMMA2_WINDOW)
-    if window < 1:
-        raise ModelImportError(f"gemma2: sliding_window {window} is not a positive count")
+    window = config.get("sliding_window") or GEMMA2_WINDOW
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelImportError(
+            f"gemma2: the config's sliding_window {window!r} is not a positive token count"
+        )
     return {i: window for i in range(0, layers, 2)}
 
 

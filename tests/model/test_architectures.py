@@ -632,6 +632,16 @@ def test_llama_and_qwen3_blocks_decode_a_swapped_row_with_the_bits_of_a_resident
                 np.testing.assert_array_equal(a, b)
 
 
+def test_gemma2_s_windows_come_from_its_config_and_a_bad_one_is_refused():
+    windows = mlx_adapter.sliding_windows_left_out
+    assert windows("gemma2", {"sliding_window": 64}, 5) == {0: 64, 2: 64, 4: 64}
+    assert windows("gemma2", {}, 2) == {0: 4096}  # every released Gemma 2's
+    assert windows("llama", {"sliding_window": 64}, 4) == {}
+    for bad in ("4096", -1, 2.5, True):
+        with pytest.raises(ModelImportError, match="sliding_window .* not a positive token"):
+            windows("gemma2", {"sliding_window": bad}, 4)
+
+
 @pytest.mark.parametrize("path", ["fused", "reference"])
 def test_gemma2_s_even_layers_attend_through_their_sliding_window(path, tmp_path, monkeypatch):
     """Gemma 2 gives every even layer a sliding window (transformers, llama.cpp); mlx-lm's

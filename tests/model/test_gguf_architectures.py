@@ -276,13 +276,14 @@ def test_gemma_norms_lose_their_offset_before_float16(tmp_path, tokenizer_metada
 
 
 def test_k_quant_scales_run_in_two_levels_with_the_bits_of_float32_ones(
-    tmp_path, tokenizer_metadata
+    tmp_path, tokenizer_metadata, caplog
 ):
     """A model whose every matrix is Q4_K or Q5_K (rows of 256): the import keeps each
     super-block's factors, and agentkv's CPU kernel holds those tensors' scales and biases in
     two levels (1.03x the file's bytes, not 1.33x); the logits are bit for bit those of the
-    same import with float32 scales (its factors file removed), through the linears, the
-    embedding's rows and its output projection."""
+    same import with float32 scales (its factors file removed, as in an import made before
+    it was written: the load says how to import again), through the linears, the embedding's
+    rows and its output projection."""
     from agentkv.model.gguf import SUPER_SCALES_FILE
 
     config = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
@@ -303,8 +304,10 @@ def test_k_quant_scales_run_in_two_levels_with_the_bits_of_float32_ones(
     got = np.array(two_level.model(tokens))
     assert np.isfinite(got).all() and got.std() > 0
     del two_level
-    (dest / SUPER_SCALES_FILE).unlink()
-    float32 = load_model(dest, weights="quantized")
+    (dest / SUPER_SCALES_FILE).unlink()  # as an import made before the file was written
+    with caplog.at_level("WARNING", logger="agentkv.model"):
+        float32 = load_model(dest, weights="quantized")
+    assert "models import --force" in caplog.text
     assert float32.model.model.embed_tokens["scales"].dtype == mx.float32
     np.testing.assert_array_equal(np.array(float32.model(tokens)), got)
 

@@ -212,6 +212,8 @@ def _import(src: Path, dest: Path, dtype: WeightDtype, info: dict, sha: str, bar
         os.chmod(tmp_supers, FILE_MODE)
         _fsync_path(tmp_supers)
         os.replace(tmp_supers, dest / SUPER_SCALES_FILE)
+    else:  # a forced import over one whose file had K-quants
+        (dest / SUPER_SCALES_FILE).unlink(missing_ok=True)
     tokenizer.save_pretrained(str(dest))
     for written in dest.iterdir():
         os.chmod(written, FILE_MODE)

@@ -32,7 +32,13 @@ from ..format.spec import ModelCacheSpec
 from ..paths import FILE_MODE, agentkv_home, atomic_write_text, models_dir, secure_mkdir
 from . import embedded
 from .generation_config import GENERATION_CONFIG, GenerationDefaults, read_generation_defaults
-from .gguf import SOURCE_STAT, SUPER_SCALES_FILE, import_gguf, read_import_info
+from .gguf import (
+    SOURCE_STAT,
+    SUPER_SCALES_FILE,
+    import_gguf,
+    read_import_info,
+    read_tensor_report,
+)
 
 EMBEDDED_NAME = embedded.NAME
 Weights = Literal["quantized", "float32"]
@@ -219,12 +225,23 @@ def weights_identity(path: Path) -> str:
     return "files:" + digest.hexdigest()
 
 
+K_QUANTS = ("Q4_K", "Q5_K")  # the GGML types whose scales the CPU holds in two levels
+
+
 def _super_scales(path: Path) -> dict[str, mx.array]:
     """A GGUF import's K-quant super-block factors (``SUPER_SCALES_FILE``), or none: a file
     that does not read is logged and left (the scales then stay float32; nothing else
     changes, as the kernel checks every two-level value against its float32 one)."""
     file = path / SUPER_SCALES_FILE
     if not file.is_file():
+        report = read_tensor_report(path)
+        if any(isinstance(r, dict) and r.get("type") in K_QUANTS for r in report):
+            log.warning(
+                "agentkv: %s was imported before agentkv kept its K-quants' super-block "
+                "factors: their scales stay float32 (1.33x the file's bytes); `agentkv models "
+                "import --force FILE.gguf` imports it again",
+                path,
+            )
         return {}
     try:
         return mx.load(str(file))
