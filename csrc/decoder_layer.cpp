@@ -78,13 +78,6 @@ struct LayerParams {
   bool operator==(const LayerParams&) const = default;
 };
 
-ScaleType scale_type(const mx::array& a) {
-  return a.dtype() == mx::float32   ? ScaleType::f32
-         : a.dtype() == mx::float16 ? ScaleType::f16
-         : a.dtype() == mx::uint8   ? ScaleType::ksuper
-                                    : ScaleType::bf16;
-}
-
 QuantizedWeights weights(const LayerParams& p, const std::vector<mx::array>& in, int which) {
   const mx::array& w = in[kWeights + 3 * which];
   const int bits = p.bits[which];
@@ -616,16 +609,8 @@ mx::array decoder_layer(const mx::array& x, const std::vector<mx::array>& norms,
                 w.shape(1) % (2 * bits[i] * groups[i]) == 0,
             "linears are 4/5/8-bit codes packed by agentkv.mlx_adapter.pack_quantized, groups "
             "32/64/128");
-    const mx::Dtype sdt = linears[3 * i + 1].dtype();
-    const int K = w.shape(1) / (2 * bits[i]);
-    const bool two_level = sdt == mx::uint8;  // pack_super_scales
-    const mx::Shape scale_shape = two_level
-                                      ? mx::Shape{w.shape(0), K / 256, agentkv::kSuperBytes}
-                                      : mx::Shape{w.shape(0), K / groups[i], agentkv::kPackColumns};
-    require(linears[3 * i + 1].shape() == scale_shape &&
-                linears[3 * i + 2].shape() == scale_shape && linears[3 * i + 2].dtype() == sdt &&
-                (two_level ? groups[i] == 32 && K % 256 == 0
-                           : sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16),
+    require(packed_scales_fit(w, linears[3 * i + 1], linears[3 * i + 2], w.shape(1) / (2 * bits[i]),
+                              groups[i]),
             "scales and biases must be float [N / 16, K / group, 16] or two-level uint8 "
             "[N / 16, K / 256, 160] (groups of 32)");
   }

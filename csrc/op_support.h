@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/attention.h"
+#include "core/qmm.h"
 
 namespace agentkv::ops {
 
@@ -56,6 +57,31 @@ inline bool paged_table_ok(const agentkv::AttentionArgs& a, int b, int64_t block
     }
   }
   return true;
+}
+
+// The scale type of packed scales or biases (csrc/core/qmm.h): uint8 is two-level.
+inline ScaleType scale_type(const mlx::core::array& a) {
+  namespace mx = mlx::core;
+  return a.dtype() == mx::float32   ? ScaleType::f32
+         : a.dtype() == mx::float16 ? ScaleType::f16
+         : a.dtype() == mx::uint8   ? ScaleType::ksuper
+                                    : ScaleType::bf16;
+}
+
+// Whether packed scales and biases fit codes `w` (uint8 [N / 16, K * 2 * bits]) of K weights
+// a row in groups of `group`: float32/float16/bfloat16 [N / 16, K / group, 16], or two-level
+// uint8 [N / 16, K / 256, 160] (groups of 32, K a multiple of 256).
+inline bool packed_scales_fit(const mlx::core::array& w, const mlx::core::array& scales,
+                              const mlx::core::array& biases, int64_t K, int group) {
+  namespace mx = mlx::core;
+  const mx::Dtype sdt = scales.dtype();
+  const bool two_level = sdt == mx::uint8;
+  const mx::Shape shape = two_level
+                              ? mx::Shape{w.shape(0), static_cast<int>(K / 256), kSuperBytes}
+                              : mx::Shape{w.shape(0), static_cast<int>(K / group), kPackColumns};
+  return scales.shape() == shape && biases.shape() == shape && biases.dtype() == sdt &&
+         (two_level ? group == 32 && K % 256 == 0
+                    : sdt == mx::float32 || sdt == mx::float16 || sdt == mx::bfloat16);
 }
 
 }  // namespace agentkv::ops

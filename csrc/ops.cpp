@@ -301,14 +301,10 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     encoder.dispatch([inputs, out, group, bits]() mutable {
       const mx::array& x = inputs[0];
       const mx::array& w = inputs[1];
-      const mx::Dtype dtype = inputs[2].dtype();
       QuantizedWeights weights{w.data<uint8_t>(),
                                inputs[2].data<void>(),
                                inputs[3].data<void>(),
-                               dtype == mx::float32   ? ScaleType::f32
-                               : dtype == mx::float16 ? ScaleType::f16
-                               : dtype == mx::uint8   ? ScaleType::ksuper
-                                                      : ScaleType::bf16,
+                               scale_type(inputs[2]),
                                bits,
                                group,
                                static_cast<int64_t>(w.shape(0)) * agentkv::kPackColumns,
@@ -935,23 +931,11 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
     throw std::invalid_argument("quantized_matmul: x [..., K] does not match w's K = " +
                                 std::to_string(K));
   }
-  const mx::Dtype sdt = scales.dtype();
-  if (sdt == mx::uint8) {  // two-level scales (pack_super_scales)
-    const mx::Shape supers = {w.shape(0), static_cast<int>(K / 256), agentkv::kSuperBytes};
-    if (group_size != 32 || K % 256 != 0 || scales.shape() != supers || biases.shape() != supers ||
-        biases.dtype() != sdt) {
-      throw std::invalid_argument(
-          "quantized_matmul: two-level scales and biases (pack_super_scales) are uint8 "
-          "[N / 16, K / 256, 160] for groups of 32 and K a multiple of 256");
-    }
-  } else {
-    const mx::Shape groups = {w.shape(0), static_cast<int>(K / group_size), agentkv::kPackColumns};
-    if (scales.shape() != groups || biases.shape() != groups || biases.dtype() != sdt ||
-        (sdt != mx::float32 && sdt != mx::float16 && sdt != mx::bfloat16)) {
-      throw std::invalid_argument(
-          "quantized_matmul: scales and biases must be float32/float16/bfloat16 "
-          "[N / 16, K / group, 16] or uint8 two-level ones");
-    }
+  if (!packed_scales_fit(w, scales, biases, K, group_size)) {
+    throw std::invalid_argument(
+        "quantized_matmul: scales and biases must be float32/float16/bfloat16 "
+        "[N / 16, K / group, 16], or two-level uint8 [N / 16, K / 256, 160] "
+        "(pack_super_scales: groups of 32, K a multiple of 256)");
   }
   if (!mx::issubdtype(x.dtype(), mx::floating)) {
     throw std::invalid_argument("quantized_matmul: x must be floating point");
