@@ -57,3 +57,41 @@ def test_the_lab_runs_its_kernel_cases_and_a_decode_arm(python_env):
                  "tiny", "--tokenizer", tokenizer)  # fmt: skip
     row = json.loads(decode.stdout.splitlines()[-1])
     assert row["tokens"] == 128 and row["cache"] == "cold" and row["hot_decode_tps"] > 0
+    build = run(python_env, "tests/scripts/gpu_lab.py", "build", "--shape", "tiny", "--context",
+                "70", "--tokenizer", tokenizer)  # fmt: skip
+    rows = [json.loads(line) for line in build.stdout.splitlines() if '"top"' in line]
+    assert [r["arm"] for r in rows] == ["q4", "kv16", "mlx-lm"]
+    for r in rows:
+        assert r["build_ms"] > 0 and 10 <= len(r["top"]) <= 25
+    # agentkv's own step is in the profile (the paged cache's write and attention)
+    names = " ".join(t["function"] for t in rows[0]["top"])
+    assert "step.py" in names and "llama.py" in names
+
+
+def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env):
+    """tests/scripts/gpu_host_cost.py: a decode step's graph as a GPU builds it, counted on
+    the CPU. The counts are what docs/gpu-attention.md states a layer costs: a change that
+    adds kernels to the GPU step shows here."""
+    done = run(python_env, "tests/scripts/gpu_host_cost.py", "--shape", "tiny", "--context",
+               "70", "--steps", "3", "--json", "--tokenizer", str(tokenizer_dir()))  # fmt: skip
+    rows = {r["arm"]: r for r in json.loads(done.stdout)}
+    layers = 2
+    q4, kv16, mlx_lm = rows["agentkv-q4"], rows["agentkv-kv16"], rows["mlx-lm-fp16"]
+    # 70 keys are two parts of 64: each layer's kernel and its merge pass
+    for row in (q4, kv16):
+        assert row["stand_ins"]["paged_attention"] == layers
+        assert row["stand_ins"]["paged_attention_merge"] == layers
+        assert "sdpa" not in row["stand_ins"]
+    assert mlx_lm["stand_ins"]["sdpa"] == layers and "paged_attention" not in mlx_lm["stand_ins"]
+    # the 4-bit write: keys and values rotated, values quantized, their words, scales and
+    # biases scattered, keys into their float16 tails
+    # (MLX's transform; agentkv's own operation for float32 on the CPU, as here)
+    rotations = q4["nodes"].get("Hadamard", 0) + q4["nodes"].get("AgentKVHadamard", 0)
+    assert rotations == 2 * layers
+    assert q4["nodes"]["Quantize"] == layers
+    assert q4["nodes"]["Scatter"] == 4 * layers
+    assert kv16["nodes"]["Scatter"] == 2 * layers
+    assert not {"Hadamard", "AgentKVHadamard", "Quantize"} & set(kv16["nodes"])
+    assert q4["kernels"] - mlx_lm["kernels"] == 6 * layers
+    assert kv16["kernels"] - mlx_lm["kernels"] == 1 * layers
+    assert all(r["build_ms"] > 0 for r in rows.values())

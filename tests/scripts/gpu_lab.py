@@ -10,6 +10,11 @@ small inputs (tables, lengths, tail slots, dims, scale) copied into device memor
 ``decode``: one engine (or mlx-lm) decoding 128 tokens after a 1K prompt, in this process,
 for an A/B of environment settings run as separate processes by the caller.
 
+``build``: where the host's time building one decode step's graph goes (``bench gpu``'s step
+anatomy measured 4.6 ms for 4-bit KV, 2.6 for float16 KV, 1.3 for mlx-lm on an H200, where
+tests/scripts/gpu_host_cost.py finds agentkv's Python within 1.15x of mlx-lm's on the CPU):
+each arm's build timed, then the same builds under cProfile, the functions that take most.
+
     python tests/scripts/gpu_lab.py kernel --tokenizer .devkit/tokenizer
     MLX_USE_CUDA_GRAPHS=0 python tests/scripts/gpu_lab.py decode --arm q4 --tokenizer ...
 
@@ -231,9 +236,108 @@ def decode(args) -> dict:
     return {"arm": args.arm, "shape": args.shape, "context": args.context, **row}
 
 
+BUILD_STEPS = 40
+
+
+def build_profile(args) -> list[dict]:
+    """The ``build`` experiment (module docstring): per arm, the median build of a decode
+    step at ``--context`` tokens unprofiled, then under cProfile the functions taking most."""
+    import cProfile
+    import pstats
+
+    from benchmarks import gpu
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gpu.build_model(args.shape, Path(tmp) / "m", Path(args.tokenizer))
+        for arm in ("q4", "kv16", "mlx-lm"):
+            step, finish = _step_builder(arm, path, Path(tmp) / arm, args.context)
+            try:
+                plain = [_built(step, None) for _ in range(BUILD_STEPS)]
+                profile = cProfile.Profile()
+                profiled = [_built(step, profile) for _ in range(BUILD_STEPS)]
+            finally:
+                finish()
+            stats = pstats.Stats(profile)
+            top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+            rows.append({
+                "arm": arm, "shape": args.shape, "context": args.context,
+                "build_ms": round(float(np.median(plain)) * 1e3, 3),
+                "profiled_build_ms": round(float(np.median(profiled)) * 1e3, 3),
+                "top": [
+                    {"function": f"{Path(f).name}:{line}({name})", "calls": nc,
+                     "own_ms_a_step": round(tt * 1e3 / BUILD_STEPS, 3),
+                     "total_ms_a_step": round(ct * 1e3 / BUILD_STEPS, 3)}
+                    for (f, line, name), (_, nc, tt, ct, _) in top
+                ],
+            })  # fmt: skip
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "top"}), flush=True)
+    return rows
+
+
+def _built(step, profile) -> float:
+    """One step: its graph built (timed, under ``profile`` if given), then evaluated."""
+    start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    out = step()
+    if profile is not None:
+        profile.disable()
+    took = time.perf_counter() - start
+    out()
+    return took
+
+
+def _step_builder(arm: str, path: Path, kv: Path, context: int):
+    """(step, finish): ``step()`` builds one decode step of ``arm`` and returns what evaluates
+    it (``bench gpu``'s anatomy: agentkv's runner one operation at a time, or mlx-lm's model
+    over its float16 cache); ``finish()`` lets go."""
+    if arm == "mlx-lm":
+        import mlx_lm
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model, _ = mlx_lm.load(str(path))
+        cache = make_prompt_cache(model)
+        mx.eval(model.model(mx.array([[7] * context]), cache=cache), [c.state for c in cache])
+
+        def mlx_lm_step():
+            logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
+            return lambda: mx.eval(logits, [c.state for c in cache])
+
+        return mlx_lm_step, lambda: None
+    from agentkv import Engine, mlx_adapter
+    from agentkv.pool.step import PagedStep
+
+    options = {"kv_bits": 16} if arm == "kv16" else {}
+    engine = Engine(model=str(path), cache_dir=kv, pool_bytes=1 << 30, draft_tokens=0, **options)
+    runner, pool = engine.runner, engine.pool
+    table = pool.new_table(pool.seed("lab/build"))
+    reservation = pool.reserve(-(-(context + 2 * BUILD_STEPS + 2) // 256) + 1)
+    runner.forward([table], [[7] * context], reservations=[reservation])
+
+    def agentkv_step():
+        table.grow(1, pool.arena.copy_rows, reservation)
+        paged = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
+        logits = mlx_adapter.last_logits(runner.model, mx.array([[7]]), paged.caches)
+
+        def evaluate():
+            mx.eval(logits)
+            pool.arena.settle()
+            table.written([7])
+
+        return evaluate
+
+    def finish():
+        reservation.close()
+        table.release()
+        engine.close()
+
+    return agentkv_step, finish
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["kernel", "decode"])
+    parser.add_argument("what", choices=["kernel", "decode", "build"])
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--arm", default="q4", choices=["q4", "kv16", "mlx-lm"])
@@ -244,6 +348,9 @@ def main() -> int:
     REPEATS[0] = args.repeats
     if args.what == "kernel":
         kernel_lab(args)
+    elif args.what == "build":
+        for row in build_profile(args):
+            print(json.dumps(row), flush=True)
     else:
         print(json.dumps(decode(args)), flush=True)
     return 0

@@ -2,13 +2,16 @@
 # One lent-GPU call of experiments (tests/scripts/gpu_lab.py): installs as gpu_check.sh does
 # (carry .devkit), then the kernel's variants alone, then decode A/Bs of MLX's CUDA graph
 # settings, each arm a process of its own, one after another (ARMS: which, by name), then
-# (LAB_TESTS=1) tests/gpu. Results: $OUT/lab.jsonl.
+# (LAB_TESTS=1) tests/gpu. Results: $OUT/lab.jsonl; where a step's build goes: $OUT/build.jsonl.
 OUT=${OUT:-/tmp/gpu-lab}
 mkdir -p "$OUT"
 TESTS=0 BENCH=0 bash tests/scripts/gpu_check.sh > "$OUT/install.log" 2>&1 || exit 1
 export MLX_PTX_CACHE_DIR=/tmp/mlx-ptx PYTHONUNBUFFERED=1
 LAB="python3 tests/scripts/gpu_lab.py --tokenizer .devkit/tokenizer"
 timeout ${KERNEL_LIMIT:-90} $LAB kernel --contexts 1024,8192,32768 | tee -a "$OUT/lab.jsonl"
+# where building a decode step's graph goes, per arm (cProfile; rows with "top" are long)
+timeout ${BUILD_LIMIT:-60} $LAB build > "$OUT/build.jsonl" 2> /tmp/build.log
+cut -c1-400 "$OUT/build.jsonl"; tail -n 2 /tmp/build.log
 arm() {  # name, one VAR=value, then the lab's arguments
   local name=$1 setting=$2
   shift 2

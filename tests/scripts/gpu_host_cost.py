@@ -1,0 +1,214 @@
+"""The host's share of a GPU decode step, measured on the CPU.
+
+The profile of decode on an H200 (docs/gpu-attention.md, "Profile") found the 135M shape
+host-bound: Python building a step's graph (4.6 ms for 4-bit KV, 2.6 ms for float16 KV, 1.3
+ms for mlx-lm) and MLX encoding its kernels (~800 / ~550 / ~500 a step). Both are the same
+Python and the same graph on any machine, so this script measures them here: it loads a
+model as a GPU does (mlx-lm's own layers, no CPU preparation; float32, as float16 matmuls
+crawl on a CPU: where the GPU's float16 skips a cast, ``AsType`` counts one), sends every
+attention call down the GPU kernel path with the kernels themselves replaced by stand-ins
+of their output shapes (the CPU has no GPU kernel to run), and for each arm reports
+
+* ``build_ms``: the median time to build one decode step (``PagedStep`` and the model's
+  forward pass, not evaluated), as ``bench gpu``'s step anatomy times it on a GPU;
+* ``nodes``: the operations in that step's graph (logits and the arenas' writes), by kind;
+  ``kernels`` leaves out those that launch nothing on a GPU (views, broadcasts, reshapes)
+  and counts each stand-in as the kernel it replaces.
+
+mlx-lm's own step (its float16 cache) is measured the same way. Run:
+``python tests/scripts/gpu_host_cost.py --context 320 --steps 40 [--json]`` (a context of
+more than one part of the keys, so the merge pass runs; longer ones only take the CPU
+longer to prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks import gpu as bench_gpu  # noqa: E402
+
+# operations that launch no kernel on MLX's GPU backends (a view of their input, or folded
+# into the operation that reads them)
+NO_KERNEL = {
+    "Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
+    "StopGradient", "Depends", "View", "Full",
+}  # fmt: skip
+CALLS: collections.Counter = collections.Counter()  # the stand-ins' calls, by kernel
+
+
+def emulate_gpu() -> None:
+    """Route everything as a GPU would, with stand-ins for the kernels (module docstring)."""
+    from agentkv.kernels import attention, gpu
+    from agentkv.model import load
+    from agentkv.pool import step
+
+    def prepare(model, *_):  # mlx-lm's own layers, float32 (float16 matmuls crawl on a CPU)
+        model.set_dtype(mx.float32)
+        return False
+
+    load._prepare_for_cpu = prepare
+    step.fuses = lambda arena: False
+    attention.fused_takes = lambda quant, queries: False
+    attention.backend = lambda: "cuda"
+
+    def kernel(backend, name, sources=0):
+        def run(*, inputs, output_shapes, output_dtypes, **_):
+            CALLS[name] += 1
+            # one operation over every input, as the kernel is (``Depends``: no kernel)
+            return [
+                mx.depends(mx.zeros(shape, dtype), list(inputs))
+                for shape, dtype in zip(output_shapes, output_dtypes)
+            ]
+
+        return run
+
+    gpu._kernel = kernel
+    fast_stand_ins()
+
+
+def fast_stand_ins() -> None:
+    """MLX's fused operations as stand-ins too: on a GPU each is one kernel, on the CPU
+    MLX builds it from a dozen basic operations (every arm, mlx-lm's included)."""
+
+    def stand_in(name, shape_of):
+        def run(*args, **kwargs):
+            CALLS[name] += 1
+            out = mx.zeros(shape_of(*args, **kwargs), args[0].dtype)
+            return mx.depends(out, [a for a in args if isinstance(a, mx.array)])
+
+        return run
+
+    mx.fast.rms_norm = stand_in("rms_norm", lambda x, *a, **k: x.shape)
+    mx.fast.rope = stand_in("rope", lambda x, *a, **k: x.shape)
+    mx.fast.scaled_dot_product_attention = stand_in(
+        "sdpa", lambda q, k, v, **_: (*q.shape[:-1], v.shape[-1])
+    )
+
+
+def count_nodes(outputs: list[mx.array]) -> collections.Counter:
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        text = Path(f.name).read_text()
+    return collections.Counter(re.findall(r'label ="(\w+)"', text))
+
+
+def kernels_of(nodes: collections.Counter, stand_ins: int) -> int:
+    return sum(n for kind, n in nodes.items() if kind not in NO_KERNEL | {"AsType"}) + stand_ins
+
+
+def agentkv_arm(path: Path, kv: Path, name: str, options: dict, context: int, steps: int):
+    from agentkv import Engine, mlx_adapter
+    from agentkv.pool.step import PagedStep
+
+    engine = Engine(model=str(path), cache_dir=kv / name, draft_tokens=0, **options)
+    try:
+        runner, pool = engine.runner, engine.pool
+        table = pool.new_table(pool.seed("agentkv/host-cost"))
+        reservation = pool.reserve(-(-(context + steps + 2) // 256) + 1)
+        runner.forward([table], [[7] * context], reservations=[reservation])
+        token, builds, nodes, stand_ins = 7, [], None, {}
+        for i in range(steps):
+            before = dict(CALLS)
+            t0 = time.perf_counter()
+            table.grow(1, pool.arena.copy_rows, reservation)
+            step = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
+            logits = mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
+            builds.append(time.perf_counter() - t0)
+            if i == 0:
+                arena = pool.arena
+                nodes = count_nodes([logits, *arena._flat(), *arena.tails, *arena.prevs])
+                stand_ins = _since(before)
+            mx.eval(logits)
+            pool.arena.settle()
+            table.written([token])
+        reservation.close()
+        table.release()
+    finally:
+        engine.close()
+    return _row(name, context, builds, nodes, stand_ins)
+
+
+def mlx_lm_arm(path: Path, context: int, steps: int):
+    import mlx_lm
+
+    fast_stand_ins()
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = mlx_lm.load(str(path))
+    model.set_dtype(mx.float32)
+    cache = make_prompt_cache(model)
+    mx.eval(model.model(mx.array([[7] * context]), cache=cache), [c.state for c in cache])
+    builds, nodes, stand_ins = [], None, {}
+    for i in range(steps):
+        before = dict(CALLS)
+        t0 = time.perf_counter()
+        logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
+        builds.append(time.perf_counter() - t0)
+        if i == 0:
+            nodes = count_nodes([logits, *[a for c in cache for a in (c.keys, c.values)]])
+            stand_ins = {k: v - before.get(k, 0) for k, v in CALLS.items() if v > before.get(k, 0)}
+        mx.eval(logits, [c.state for c in cache])
+    return _row("mlx-lm-fp16", context, builds, nodes, stand_ins)
+
+
+def _since(before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in CALLS.items() if v > before.get(k, 0)}
+
+
+def _row(name, context, builds, nodes, stand_ins: dict) -> dict:
+    return {
+        "arm": name,
+        "context": context,
+        "build_ms": round(statistics.median(builds) * 1e3, 3),
+        "kernels": kernels_of(nodes, sum(stand_ins.values())),
+        "casts": nodes.get("AsType", 0),
+        "stand_ins": stand_ins,
+        "nodes": dict(sorted(nodes.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_gpu.SHAPES))
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--arms", default="agentkv-q4,agentkv-kv16,mlx-lm-fp16")
+    parser.add_argument("--tokenizer", help="tokenizer files (default: the embedded model's)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    emulate_gpu()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        path = bench_gpu.build_model(args.shape, root, bench_gpu.tokenizer_dir(args.tokenizer))
+        for arm in args.arms.split(","):
+            if arm == "mlx-lm-fp16":
+                rows.append(mlx_lm_arm(path, args.context, args.steps))
+            else:
+                # two wide layers, as the calibration gives a 30-layer model (named here:
+                # measuring them takes minutes of float16 on the CPU)
+                options = {"kv_bits": 16} if arm == "agentkv-kv16" else {"kv_wide_layers": (0,)}
+                rows.append(agentkv_arm(path, root / "kv", arm, options, args.context, args.steps))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        top = ", ".join(f"{k} {v}" for k, v in list(r["nodes"].items())[:12])
+        head = f"{r['arm']:>14}  build {r['build_ms']:7.3f} ms  kernels {r['kernels']:5d}"
+        print(f"{head} + casts {r['casts']:4d}  ({top})")
+
+
+if __name__ == "__main__":
+    main()
