@@ -197,8 +197,8 @@ def main() -> None:
             if arm == "mlx-lm-fp16":
                 rows.append(mlx_lm_arm(path, args.context, args.steps))
             else:
-                # two wide layers, as the calibration gives a 30-layer model (named here:
-                # measuring them takes minutes of float16 on the CPU)
+                # a wide layer named (the calibration would measure them for minutes on the
+                # CPU); which layers are wide changes their bits, not the step's operations
                 options = {"kv_bits": 16} if arm == "agentkv-kv16" else {"kv_wide_layers": (0,)}
                 rows.append(agentkv_arm(path, root / "kv", arm, options, args.context, args.steps))
     if args.json:
