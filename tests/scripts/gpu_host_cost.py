@@ -2,18 +2,21 @@
 
 The profile of decode on an H200 (docs/gpu-attention.md, "Profile") found the 135M shape
 host-bound: Python building a step's graph (4.6 ms for 4-bit KV, 2.6 ms for float16 KV, 1.3
-ms for mlx-lm) and MLX encoding its kernels (~800 / ~550 / ~500 a step). Both are the same
-Python and the same graph on any machine, so this script measures them here: it loads a
+ms for mlx-lm) and MLX encoding its kernels (~800 / ~550 / ~500 a step). The Python and the
+graph are the same on any machine, so this script measures them here: it loads a
 model as a GPU does (mlx-lm's own layers, no CPU preparation; float32, as float16 matmuls
 crawl on a CPU: where the GPU's float16 skips a cast, ``AsType`` counts one), sends every
-attention call down the GPU kernel path with the kernels themselves replaced by stand-ins
-of their output shapes (the CPU has no GPU kernel to run), and for each arm reports
+attention call down the GPU kernel path with the kernels themselves, and MLX's fused
+operations (which MLX builds from a dozen basic ones on a CPU), replaced by stand-ins of
+their output shapes, and for each arm reports
 
 * ``build_ms``: the median time to build one decode step (``PagedStep`` and the model's
   forward pass, not evaluated), as ``bench gpu``'s step anatomy times it on a GPU;
 * ``nodes``: the operations in that step's graph (logits and the arenas' writes), by kind;
   ``kernels`` leaves out those that launch nothing on a GPU (views, broadcasts, reshapes)
-  and counts each stand-in as the kernel it replaces.
+  and the casts (``casts``), and counts each stand-in as the kernel it replaces;
+* ``host_arrays``: the arrays the build makes from host data (``mx.array``), each a buffer
+  in managed memory on MLX's CUDA backend.
 
 mlx-lm's own step (its float16 cache) is measured the same way. Run:
 ``python tests/scripts/gpu_host_cost.py --context 320 --steps 40 [--json]`` (a context of
@@ -97,6 +100,36 @@ def fast_stand_ins() -> None:
     )
 
 
+class _ArrayType(type):
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _REAL_ARRAY)
+
+
+_REAL_ARRAY = mx.array
+
+
+class _CountedArray(metaclass=_ArrayType):
+    """``mx.array`` counting the arrays made from host data (``HOST_ARRAYS``): on MLX's
+    CUDA backend each is a buffer in managed memory (docs/gpu-attention.md, "Profile")."""
+
+    made = 0
+
+    def __new__(cls, *args, **kwargs):
+        _CountedArray.made += 1
+        return _REAL_ARRAY(*args, **kwargs)
+
+
+def counting_host_arrays(build):
+    """``build()``'s result and how many arrays it made from host data."""
+    before = _CountedArray.made
+    mx.array = _CountedArray
+    try:
+        out = build()
+    finally:
+        mx.array = _REAL_ARRAY
+    return out, _CountedArray.made - before
+
+
 def count_nodes(outputs: list[mx.array]) -> collections.Counter:
     with tempfile.NamedTemporaryFile(suffix=".dot") as f:
         mx.export_to_dot(f.name, *outputs)
@@ -118,7 +151,7 @@ def agentkv_arm(path: Path, kv: Path, name: str, options: dict, context: int, st
         table = pool.new_table(pool.seed("agentkv/host-cost"))
         reservation = pool.reserve(-(-(context + steps + 2) // 256) + 1)
         runner.forward([table], [[7] * context], reservations=[reservation])
-        token, builds, nodes, stand_ins = 7, [], None, {}
+        token, builds, nodes, stand_ins, host_arrays = 7, [], None, {}, 0
         for i in range(steps):
             before = dict(CALLS)
             t0 = time.perf_counter()
@@ -126,6 +159,13 @@ def agentkv_arm(path: Path, kv: Path, name: str, options: dict, context: int, st
             step = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
             logits = mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
             builds.append(time.perf_counter() - t0)
+            if i == 1:  # the same step's build again, counting its arrays from host data
+
+                def again():
+                    step = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
+                    return mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
+
+                _, host_arrays = counting_host_arrays(again)
             if i == 0:
                 arena = pool.arena
                 nodes = count_nodes([logits, *arena._flat(), *arena.tails, *arena.prevs])
@@ -137,7 +177,7 @@ def agentkv_arm(path: Path, kv: Path, name: str, options: dict, context: int, st
         table.release()
     finally:
         engine.close()
-    return _row(name, context, builds, nodes, stand_ins)
+    return _row(name, context, builds, nodes, stand_ins, host_arrays)
 
 
 def mlx_lm_arm(path: Path, context: int, steps: int):
@@ -157,23 +197,25 @@ def mlx_lm_arm(path: Path, context: int, steps: int):
         logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
         builds.append(time.perf_counter() - t0)
         if i == 0:
+            host_arrays = 1  # its token (the cache's arrays are made by operations)
             nodes = count_nodes([logits, *[a for c in cache for a in (c.keys, c.values)]])
             stand_ins = {k: v - before.get(k, 0) for k, v in CALLS.items() if v > before.get(k, 0)}
         mx.eval(logits, [c.state for c in cache])
-    return _row("mlx-lm-fp16", context, builds, nodes, stand_ins)
+    return _row("mlx-lm-fp16", context, builds, nodes, stand_ins, host_arrays)
 
 
 def _since(before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in CALLS.items() if v > before.get(k, 0)}
 
 
-def _row(name, context, builds, nodes, stand_ins: dict) -> dict:
+def _row(name, context, builds, nodes, stand_ins: dict, host_arrays: int) -> dict:
     return {
         "arm": name,
         "context": context,
         "build_ms": round(statistics.median(builds) * 1e3, 3),
         "kernels": kernels_of(nodes, sum(stand_ins.values())),
         "casts": nodes.get("AsType", 0),
+        "host_arrays": host_arrays,
         "stand_ins": stand_ins,
         "nodes": dict(sorted(nodes.items(), key=lambda kv: -kv[1])),
     }
@@ -207,7 +249,7 @@ def main() -> None:
     for r in rows:
         top = ", ".join(f"{k} {v}" for k, v in list(r["nodes"].items())[:12])
         head = f"{r['arm']:>14}  build {r['build_ms']:7.3f} ms  kernels {r['kernels']:5d}"
-        print(f"{head} + casts {r['casts']:4d}  ({top})")
+        print(f"{head} + casts {r['casts']:4d}  host arrays {r['host_arrays']:3d}  ({top})")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ for an A/B of environment settings run as separate processes by the caller.
 
 ``build``: where the host's time building one decode step's graph goes (``bench gpu``'s step
 anatomy measured 4.6 ms for 4-bit KV, 2.6 for float16 KV, 1.3 for mlx-lm on an H200, where
-tests/scripts/gpu_host_cost.py finds agentkv's Python within 1.15x of mlx-lm's on the CPU):
+tests/scripts/gpu_host_cost.py finds agentkv's within 1.01-1.28x of mlx-lm's on the CPU):
 each arm's build timed, then the same builds under cProfile, the functions that take most.
 
     python tests/scripts/gpu_lab.py kernel --tokenizer .devkit/tokenizer
