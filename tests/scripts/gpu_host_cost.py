@@ -39,6 +39,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_lab  # noqa: E402
 
 from benchmarks import gpu as bench_gpu  # noqa: E402
 
@@ -48,6 +51,7 @@ NO_KERNEL = {
     "Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
     "StopGradient", "Depends", "View", "Full",
 }  # fmt: skip
+ARMS = {"agentkv-q4": "q4", "agentkv-kv16": "kv16", "mlx-lm-fp16": "mlx-lm"}  # gpu_lab's names
 CALLS: collections.Counter = collections.Counter()  # the stand-ins' calls, by kernel
 
 
@@ -109,7 +113,7 @@ _REAL_ARRAY = mx.array
 
 
 class _CountedArray(metaclass=_ArrayType):
-    """``mx.array`` counting the arrays made from host data (``HOST_ARRAYS``): on MLX's
+    """``mx.array`` counting the arrays made from host data (``made``): on MLX's
     CUDA backend each is a buffer in managed memory (docs/gpu-attention.md, "Profile")."""
 
     made = 0
@@ -141,67 +145,30 @@ def kernels_of(nodes: collections.Counter, stand_ins: int) -> int:
     return sum(n for kind, n in nodes.items() if kind not in NO_KERNEL | {"AsType"}) + stand_ins
 
 
-def agentkv_arm(path: Path, kv: Path, name: str, options: dict, context: int, steps: int):
-    from agentkv import Engine, mlx_adapter
-    from agentkv.pool.step import PagedStep
-
-    engine = Engine(model=str(path), cache_dir=kv / name, draft_tokens=0, **options)
+def measure(arm: str, name: str, path: Path, kv: Path, context: int, steps: int) -> dict:
+    """One arm's row (module docstring): its first step's graph counted, the arrays its
+    second makes from host data (the first also makes the kernels' constants, once), every
+    later one timed."""
+    # a wide layer named (the calibration would measure them for minutes on the CPU);
+    # which layers are wide changes their bits, not the step's operations
+    options = {"kv_wide_layers": (0,)} if arm == "q4" else {}
+    step, finish = gpu_lab.step_builder(arm, path, kv / name, context, steps + 2, options)
     try:
-        runner, pool = engine.runner, engine.pool
-        table = pool.new_table(pool.seed("agentkv/host-cost"))
-        reservation = pool.reserve(-(-(context + steps + 2) // 256) + 1)
-        runner.forward([table], [[7] * context], reservations=[reservation])
-        token, builds, nodes, stand_ins, host_arrays = 7, [], None, {}, 0
-        for i in range(steps):
-            before = dict(CALLS)
-            t0 = time.perf_counter()
-            table.grow(1, pool.arena.copy_rows, reservation)
-            step = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
-            logits = mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
-            builds.append(time.perf_counter() - t0)
-            if i == 1:  # the same step's build again, counting its arrays from host data
-
-                def again():
-                    step = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
-                    return mlx_adapter.last_logits(runner.model, mx.array([[token]]), step.caches)
-
-                _, host_arrays = counting_host_arrays(again)
-            if i == 0:
-                arena = pool.arena
-                nodes = count_nodes([logits, *arena._flat(), *arena.tails, *arena.prevs])
-                stand_ins = _since(before)
-            mx.eval(logits)
-            pool.arena.settle()
-            table.written([token])
-        reservation.close()
-        table.release()
-    finally:
-        engine.close()
-    return _row(name, context, builds, nodes, stand_ins, host_arrays)
-
-
-def mlx_lm_arm(path: Path, context: int, steps: int):
-    import mlx_lm
-
-    fast_stand_ins()
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model, _ = mlx_lm.load(str(path))
-    model.set_dtype(mx.float32)
-    cache = make_prompt_cache(model)
-    mx.eval(model.model(mx.array([[7] * context]), cache=cache), [c.state for c in cache])
-    builds, nodes, stand_ins = [], None, {}
-    for i in range(steps):
         before = dict(CALLS)
-        t0 = time.perf_counter()
-        logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
-        builds.append(time.perf_counter() - t0)
-        if i == 0:
-            host_arrays = 1  # its token (the cache's arrays are made by operations)
-            nodes = count_nodes([logits, *[a for c in cache for a in (c.keys, c.values)]])
-            stand_ins = {k: v - before.get(k, 0) for k, v in CALLS.items() if v > before.get(k, 0)}
-        mx.eval(logits, [c.state for c in cache])
-    return _row("mlx-lm-fp16", context, builds, nodes, stand_ins, host_arrays)
+        evaluate, outputs = step()
+        nodes, stand_ins = count_nodes(outputs), _since(before)
+        evaluate()
+        (evaluate, _), host_arrays = counting_host_arrays(step)
+        evaluate()
+        builds = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            evaluate, _ = step()
+            builds.append(time.perf_counter() - t0)
+            evaluate()
+    finally:
+        finish()
+    return _row(name, context, builds, nodes, stand_ins, host_arrays)
 
 
 def _since(before: dict) -> dict:
@@ -230,19 +197,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer files (default: the embedded model's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if unknown := set(args.arms.split(",")) - set(ARMS):
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {sorted(ARMS)}")
     emulate_gpu()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         path = bench_gpu.build_model(args.shape, root, bench_gpu.tokenizer_dir(args.tokenizer))
-        for arm in args.arms.split(","):
-            if arm == "mlx-lm-fp16":
-                rows.append(mlx_lm_arm(path, args.context, args.steps))
-            else:
-                # a wide layer named (the calibration would measure them for minutes on the
-                # CPU); which layers are wide changes their bits, not the step's operations
-                options = {"kv_bits": 16} if arm == "agentkv-kv16" else {"kv_wide_layers": (0,)}
-                rows.append(agentkv_arm(path, root / "kv", arm, options, args.context, args.steps))
+        for name in args.arms.split(","):
+            rows.append(measure(ARMS[name], name, path, root / "kv", args.context, args.steps))
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -251,7 +251,7 @@ def build_profile(args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = gpu.build_model(args.shape, Path(tmp) / "m", Path(args.tokenizer))
         for arm in ("q4", "kv16", "mlx-lm"):
-            step, finish = _step_builder(arm, path, Path(tmp) / arm, args.context)
+            step, finish = step_builder(arm, path, Path(tmp) / arm, args.context)
             try:
                 plain = [_built(step, None) for _ in range(BUILD_STEPS)]
                 profile = cProfile.Profile()
@@ -280,39 +280,46 @@ def _built(step, profile) -> float:
     start = time.perf_counter()
     if profile is not None:
         profile.enable()
-    out = step()
+    evaluate, _ = step()
     if profile is not None:
         profile.disable()
     took = time.perf_counter() - start
-    out()
+    evaluate()
     return took
 
 
-def _step_builder(arm: str, path: Path, kv: Path, context: int):
-    """(step, finish): ``step()`` builds one decode step of ``arm`` and returns what evaluates
-    it (``bench gpu``'s anatomy: agentkv's runner one operation at a time, or mlx-lm's model
-    over its float16 cache); ``finish()`` lets go."""
+def step_builder(arm: str, path: Path, kv: Path, context: int, steps: int = 2 * BUILD_STEPS,
+                 options: dict | None = None):  # fmt: skip
+    """(step, finish) for up to ``steps`` decode steps after ``context`` tokens: ``step()``
+    builds one step of ``arm`` ("q4", "kv16" or "mlx-lm"; ``bench gpu``'s anatomy: agentkv's
+    runner one operation at a time, or mlx-lm's model over its float16 cache) and returns
+    (what evaluates it, the arrays its graph ends in: the logits and the arenas' or the
+    cache's arrays); ``finish()`` lets go. ``options``: the agentkv engine's, besides
+    ``kv_bits``. (tests/scripts/gpu_host_cost.py builds its steps here too.)"""
     if arm == "mlx-lm":
         import mlx_lm
         from mlx_lm.models.cache import make_prompt_cache
 
         model, _ = mlx_lm.load(str(path))
+        if mx.default_device() == mx.cpu:
+            model.set_dtype(mx.float32)  # float16 matmuls crawl on a CPU
         cache = make_prompt_cache(model)
         mx.eval(model.model(mx.array([[7] * context]), cache=cache), [c.state for c in cache])
 
         def mlx_lm_step():
             logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
-            return lambda: mx.eval(logits, [c.state for c in cache])
+            arrays = [a for c in cache for a in (c.keys, c.values)]
+            return lambda: mx.eval(logits, arrays), [logits, *arrays]
 
         return mlx_lm_step, lambda: None
     from agentkv import Engine, mlx_adapter
     from agentkv.pool.step import PagedStep
 
-    options = {"kv_bits": 16} if arm == "kv16" else {}
+    options = {**(options or {}), **({"kv_bits": 16} if arm == "kv16" else {})}
     engine = Engine(model=str(path), cache_dir=kv, pool_bytes=1 << 30, draft_tokens=0, **options)
     runner, pool = engine.runner, engine.pool
     table = pool.new_table(pool.seed("lab/build"))
-    reservation = pool.reserve(-(-(context + 2 * BUILD_STEPS + 2) // 256) + 1)
+    reservation = pool.reserve(-(-(context + steps + 2) // 256) + 1)
     runner.forward([table], [[7] * context], reservations=[reservation])
 
     def agentkv_step():
@@ -325,7 +332,8 @@ def _step_builder(arm: str, path: Path, kv: Path, context: int):
             pool.arena.settle()
             table.written([7])
 
-        return evaluate
+        arena = pool.arena
+        return evaluate, [logits, *arena._flat(), *arena.tails, *arena.prevs]
 
     def finish():
         reservation.close()
