@@ -1,6 +1,7 @@
 """The developer's scripts for a lent GPU (tests/scripts/gpu_profile.py, gpu_lab.py) run
 their whole course here on the CPU, a tiny shape, so a GPU call is not spent on a script
-that breaks before it measures (the profiler and the CUDA-only variants left out)."""
+that breaks before it measures (the profiler and the CUDA-only variants left out); and
+gpu_host_cost.py, which counts a GPU decode step's kernels on the CPU."""
 
 from __future__ import annotations
 
