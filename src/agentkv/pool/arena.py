@@ -37,6 +37,9 @@ slot*, one per block table that holds tokens::
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import mlx.core as mx
 import numpy as np
 
@@ -51,15 +54,23 @@ IO_THREADS = 2
 FIRST_TAIL_SLOTS = 16
 
 
-def index_array(values) -> mx.array:
-    """A step's indices (host data) as an MLX array. On a GPU with ``AGENTKV_GPU_DEVICE_INDEX=1``
-    they are copied into device memory by one addition: MLX's CUDA backend keeps an array
-    made from host data in managed memory, which the kernels reading it may fault on
-    (docs/gpu-attention.md, "Profile"; an experiment, off by default)."""
-    a = mx.array(values)
-    if a.size and _device_index():
-        a = on_device(a)
-    return a
+def index_arrays(*values) -> list[mx.array]:
+    """Host indices (int32, any shapes) as MLX arrays, views of one array made from host data.
+
+    On MLX's CUDA backend an array made from host data is a buffer in managed memory, and
+    making one may first copy a cached device buffer into managed memory, synchronously
+    (docs/gpu-attention.md, "Profile"): a step makes one, not one an index. On a GPU with
+    ``AGENTKV_GPU_DEVICE_INDEX=1`` the one array is copied into device memory by one addition,
+    which the kernels reading it then do not fault on (an experiment, off by default)."""
+    arrays = [np.asarray(v, dtype=np.int32) for v in values]
+    whole = mx.array(np.concatenate([a.reshape(-1) for a in arrays]))
+    if whole.size and _device_index():
+        whole = on_device(whole)
+    out, at = [], 0
+    for a in arrays:
+        out.append(whole[at : at + a.size].reshape(a.shape))
+        at += a.size
+    return out
 
 
 def one_buffer(parts: list[mx.array]) -> list[mx.array]:
@@ -120,16 +131,21 @@ class WritePlan:
     group, head by head: row b's first is entry ``done_first[b]`` (-1: it completes none), and
     ``done[layer]`` holds them in float16 once ``KVArena.append`` has run: attention reads a
     query's own group there until the query is its last token (csrc/core/attention.h).
+
+    Every index is a view of one array made from host data (``index_arrays``), and so are
+    ``also``: the caller's own host indices sent with them (``PagedStep``'s table, lengths).
     """
 
-    def __init__(self, arena: KVArena, tables: list, starts: list[int], count: int):
-        self.rows = index_array(arena.write_rows([t.blocks for t in tables], starts, count))
+    def __init__(
+        self, arena: KVArena, tables: list, starts: list[int], count: int, also: Sequence = ()
+    ):
+        written = arena.write_rows([t.blocks for t in tables], starts, count)
         self.count = count
         self.done_first_host: np.ndarray | None = None  # done_first on the host (GPU paths)
         if not arena.quant.channel_keys:
+            self.rows, *self.also = index_arrays(written, *also)
             return
         ct, heads = arena.ct, arena.heads
-        self.tail_slots = index_array(np.asarray([t.tail for t in tables], dtype=np.int32))
         direct, direct_src, gather = [], [], []
         group_src, group_rows, rest_src, rest_rows = [], [], [], []
         prev_src, prev_rows = [], []
@@ -146,8 +162,6 @@ class WritePlan:
                     direct_src.extend(range((b * heads + h) * count, (b * heads + h + 1) * count))
             else:
                 completing.append((b, t, start, r))
-        self.direct = _index(direct)
-        self.direct_src = _index(direct_src)
         # every new key joins a tail, in order (no row completes a group): no gather needed
         self.direct_in_order = direct_src == list(range(len(tables) * heads * count))
         if completing:
@@ -181,12 +195,22 @@ class WritePlan:
                 entries += full // ct * heads
                 self.prev_groups[b] = start - r + full - ct
                 gathered += r
+        # the fused layer's form (csrc/ops.h, decoder_layer), of which each list is a view
+        parts = [direct, direct_src, gather, group_src, group_rows, rest_src, rest_rows]
+        parts += [prev_src, prev_rows, done_first if completing else []]
+        slots = [t.tail for t in tables]
+        plan = np.fromiter(itertools.chain.from_iterable(parts), np.int32)
+        self.rows, self.tail_slots, key_plan, *self.also = index_arrays(written, slots, plan, *also)
+        views, at = [], 0
+        for part in parts:
+            views.append(key_plan[at : at + len(part)] if part else None)
+            at += len(part)
+        (self.direct, self.direct_src, self._gather, self.group_src, self.group_rows) = views[:5]
+        (self.rest_src, self.rest_rows, self.prev_src, self.prev_rows) = views[5:9]
+        self.done_first = views[9]
         self.key_plan, self.key_counts = None, None
-        self.done_first = None
-        if completing:  # the fused layer's form (csrc/ops.h, decoder_layer)
-            parts = [direct, direct_src, gather, group_src, group_rows, rest_src, rest_rows]
-            parts += [prev_src, prev_rows, done_first]
-            self.key_plan = index_array(np.asarray(sum(parts, []), np.int32))
+        if completing:
+            self.key_plan = key_plan
             self.key_counts = [
                 len(direct),
                 len(gather),
@@ -196,16 +220,8 @@ class WritePlan:
                 len(done_first),
             ]
             self.done_first_host = np.asarray(done_first, np.int32)
-            self.done_first = index_array(self.done_first_host)
         self._arena = arena
-        self._gather = _index(gather)
         self._gathered: list[mx.array] | None = None
-        self.group_src = _index(group_src)
-        self.group_rows = _index(group_rows)
-        self.rest_src = _index(rest_src)
-        self.rest_rows = _index(rest_rows)
-        self.prev_src = _index(prev_src)
-        self.prev_rows = _index(prev_rows)
         for table, group in zip(tables, self.prev_groups):
             table.prev_group = group  # what its previous-group rows hold after this step
 
@@ -218,10 +234,6 @@ class WritePlan:
             self._gathered = [tails[self._gather] for tails in self._arena.tails]
             mx.eval(self._gathered)
         return self._gathered
-
-
-def _index(values: list[int]) -> mx.array | None:
-    return index_array(np.asarray(values, dtype=np.int32)) if values else None
 
 
 class KVArena:

@@ -37,7 +37,7 @@ from ..kernels.attention import CacheBase, count_fused_attention, paged_attentio
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
 from ..kernels.types import HostIndex
 from ..mlx_adapter import FusedLayer
-from .arena import KVArena, WritePlan, index_array
+from .arena import KVArena, WritePlan
 from .swap import SwapState
 from .tables import BlockTable
 
@@ -84,25 +84,28 @@ class PagedStep:
         self.quant: KVQuant = arena.quant
         self.count = count
         ends = np.asarray(starts, dtype=np.int32) + count
-        self.tables = index_array(table)
         # What attention reads; a swapped row reads its staging blocks, then its resident
         # ones (pool/swap.py), and RoPE takes its true positions (`positions`).
         lengths = np.asarray(
             [e if s is None or stream else s.attention_length(int(e)) for s, e in zip(swaps, ends)],
             dtype=np.int32,
         )
-        self.lengths = index_array(lengths)
         self.swapped = [(b, s) for b, s in enumerate(swaps) if s is not None]
         self.stream = stream
         # KVSwap's reading ahead, while some swapped row's reads go to disk (the fused layers
         # then take the next one's query weights, to predict its query)
         self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
-        self.positions = mx.array(ends) if self.swapped else None
-        self.plan = WritePlan(arena, list(tables), starts, count)
+        # the step's indices, the plan's with them: one array made from host data a step
+        also = [table, lengths]
+        also += [starts] if len(tables) > 1 else []  # RoPE's offsets
+        also += [ends] if self.swapped else []
+        self.plan = WritePlan(arena, list(tables), starts, count, also)
+        self.tables, self.lengths, *rest = self.plan.also
+        self.offset = starts[0] if len(tables) == 1 else rest.pop(0)
+        self.positions = rest.pop(0) if self.swapped else None
         # the same on the host: the GPU paths plan by them without reading the device
         slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
         self.host = HostIndex(table, lengths, slots, {}, self.plan.done_first_host)
-        self.offset = starts[0] if len(tables) == 1 else mx.array(starts)
         self.fused = fused and self._fusable()
         self.caches = [
             PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
