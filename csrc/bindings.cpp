@@ -665,7 +665,7 @@ NB_MODULE(_ext, m) {
         "tables"_a, "lengths"_a, "dims"_a, "sinks"_a = nb::none(), "scale"_a = 1.0f,
         "threads"_a = 2, "tail"_a = nb::none(), "tail_slots"_a = nb::none(), "vectors"_a = 4,
         "lanes_per_key"_a = 8, "done"_a = nb::none(), "done_first"_a = nb::none(),
-        "softcap"_a = 0.0f,
+        "softcap"_a = 0.0f, "keys_in_flight"_a = 1,
         "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
         "threadgroup's lanes as a loop (for tests against the others).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,

@@ -49,9 +49,10 @@ constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
   co_await simt::Barrier {}
 #define KV_SHUFFLE_XOR(x, mask) (co_await simt::Shuffle<float>{(x), (mask)})
 #define KV_RETURN co_return
+#define KV_UNROLL
 
 // One thread of pass 1 (kernels/paged_attention.metal), as a coroutine.
-template <int NQ, int KL, int TG>
+template <int NQ, int KL, int TG, int KU>
 simt::Thread paged_attention_thread(simt::Group& kv_ctx, unsigned int kv_tid, uint3 kv_group,
                                     const float* q_in, const uint32_t* kw, const uint16_t* ks,
                                     const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
@@ -76,6 +77,7 @@ void paged_attention_merge_point(const float* parts, const float* stats, const f
 #undef KV_BARRIER
 #undef KV_SHUFFLE_XOR
 #undef KV_RETURN
+#undef KV_UNROLL
 
 template <typename T>
 void merge_point(const T* const* srcs, const int* rows, const int* dims, T* out,
@@ -152,41 +154,54 @@ struct PagedArgs {
 
 constexpr int kThreadgroup = 128;  // kernels/gpu.py's THREADGROUP for paged attention
 
-template <int NQ, int KL>
+template <int NQ, int KL, int KU>
 void run_paged_group(const PagedArgs& a, uint3 group) {
   simt::Group g;
   g.run(kThreadgroup, [&](int t) {
-    return paged_attention_thread<NQ, KL, kThreadgroup>(
+    return paged_attention_thread<NQ, KL, kThreadgroup, KU>(
         g, static_cast<unsigned>(t), group, a.q, a.kw, a.ks, a.kb, a.vw, a.vs, a.vb, a.tables,
         a.lengths, a.dims, a.sinks, a.scale, a.tail, a.tail_slots, a.done, a.done_first, a.out,
         a.stats);
   });
 }
 
-template <int NQ>
-void run_paged_group(const PagedArgs& a, uint3 group, int lanes_per_key) {
-  switch (lanes_per_key) {
-    case 4:
-      return run_paged_group<NQ, 4>(a, group);
-    case 8:
-      return run_paged_group<NQ, 8>(a, group);
-    case 16:
-      return run_paged_group<NQ, 16>(a, group);
+template <int NQ, int KL>
+void run_paged_group(const PagedArgs& a, uint3 group, int keys_in_flight) {
+  switch (keys_in_flight) {
+    case 1:
+      return run_paged_group<NQ, KL, 1>(a, group);
+    case 2:
+      return run_paged_group<NQ, KL, 2>(a, group);
     default:
-      return run_paged_group<NQ, 32>(a, group);
+      return run_paged_group<NQ, KL, 4>(a, group);
   }
 }
 
-void run_paged_group(const PagedArgs& a, uint3 group, int vectors, int lanes_per_key) {
+template <int NQ>
+void run_paged_group(const PagedArgs& a, uint3 group, int lanes_per_key, int keys_in_flight) {
+  switch (lanes_per_key) {
+    case 4:
+      return run_paged_group<NQ, 4>(a, group, keys_in_flight);
+    case 8:
+      return run_paged_group<NQ, 8>(a, group, keys_in_flight);
+    case 16:
+      return run_paged_group<NQ, 16>(a, group, keys_in_flight);
+    default:
+      return run_paged_group<NQ, 32>(a, group, keys_in_flight);
+  }
+}
+
+void run_paged_group(const PagedArgs& a, uint3 group, int vectors, int lanes_per_key,
+                     int keys_in_flight) {
   switch (vectors) {
     case 1:
-      return run_paged_group<1>(a, group, lanes_per_key);
+      return run_paged_group<1>(a, group, lanes_per_key, keys_in_flight);
     case 2:
-      return run_paged_group<2>(a, group, lanes_per_key);
+      return run_paged_group<2>(a, group, lanes_per_key, keys_in_flight);
     case 4:
-      return run_paged_group<4>(a, group, lanes_per_key);
+      return run_paged_group<4>(a, group, lanes_per_key, keys_in_flight);
     default:
-      return run_paged_group<8>(a, group, lanes_per_key);
+      return run_paged_group<8>(a, group, lanes_per_key, keys_in_flight);
   }
 }
 
@@ -203,7 +218,8 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
                           const std::optional<mx::array>& tail_in,
                           const std::optional<mx::array>& tail_slots_in, int vectors,
                           int lanes_per_key, const std::optional<mx::array>& done_in,
-                          const std::optional<mx::array>& done_first_in, float softcap) {
+                          const std::optional<mx::array>& done_first_in, float softcap,
+                          int keys_in_flight) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("paged attention: keys and values are words, scales, biases");
   }
@@ -216,7 +232,7 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
       !grouped(kbits, dim) || !grouped(vbits, dim_v) || dim * kbits % 32 || dim_v * vbits % 32 ||
       window < 0 || has_sinks != (sinks_in ? 1 : 0) || splits < 1 || split_keys < 1 ||
       !power_of_two_in(vectors, 1, 8) || !power_of_two_in(lanes_per_key, 4, 32) ||
-      (dim + lanes_per_key - 1) / lanes_per_key > 8 ||
+      !power_of_two_in(keys_in_flight, 1, 4) || (dim + lanes_per_key - 1) / lanes_per_key > 8 ||
       (dim_v + lanes_per_key - 1) / lanes_per_key > 8 || (rotate != 0 && rotate != 1) ||
       (rotate && (dim != dim_v || dim != 8 * lanes_per_key)) ||
       (channel_tokens != 0 && (channel_tokens < 8 || kbits == 16 || dim % channel_tokens ||
@@ -321,7 +337,7 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     const uint3 group{static_cast<unsigned>(k % across),
                       static_cast<unsigned>(k / across % kv_heads),
                       static_cast<unsigned>(k / across / kv_heads)};
-    run_paged_group(args, group, vectors, lanes_per_key);
+    run_paged_group(args, group, vectors, lanes_per_key, keys_in_flight);
   });
   if (splits > 1) {
     const int merge_dims[6] = {n_rows, q_heads, n_queries, dim_v, splits, has_sinks};

@@ -16,8 +16,8 @@ namespace mx = mlx::core;
 
 // kernels/paged_attention.metal over its grid (each threadgroup's lanes as a loop: simt.h),
 // then kernels/paged_attention_merge.metal where dims[14] (splits) > 1: dims as the body
-// documents them; `vectors` and `lanes_per_key` are its NQ and KL. Keys and values are
-// (words, scales, biases); 16-bit kinds pass their float16 rows as words and any scales.
+// documents them; `vectors`, `lanes_per_key` and `keys_in_flight` are its NQ, KL and KU. Keys and
+// values are (words, scales, biases); 16-bit kinds pass their float16 rows as words and any scales.
 // Format 2: `done` and `done_first`, the groups the step completes (none where absent).
 mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys,
                           const std::vector<mx::array>& values, const mx::array& tables,
@@ -26,7 +26,8 @@ mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys
                           const std::optional<mx::array>& tail,
                           const std::optional<mx::array>& tail_slots, int vectors,
                           int lanes_per_key, const std::optional<mx::array>& done,
-                          const std::optional<mx::array>& done_first, float softcap = 0.0f);
+                          const std::optional<mx::array>& done_first, float softcap = 0.0f,
+                          int keys_in_flight = 1);
 
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)

@@ -16,3 +16,4 @@ __device__ inline float kv_tanh(float x) { return tanhf(x); }
 #define KV_BARRIER() __syncthreads()
 #define KV_SHUFFLE_XOR(x, mask) __shfl_xor_sync(0xffffffffu, (x), (mask))
 #define KV_RETURN return
+#define KV_UNROLL _Pragma("unroll")

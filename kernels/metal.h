@@ -12,3 +12,4 @@ constant float KV_NEG_INF = -INFINITY;
 #define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define KV_SHUFFLE_XOR(x, mask) metal::simd_shuffle_xor((x), (ushort)(mask))
 #define KV_RETURN return
+#define KV_UNROLL _Pragma("clang loop unroll(full)")

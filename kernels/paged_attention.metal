@@ -8,9 +8,10 @@
 // element -> float), kv_exp, kv_max, KV_NEG_INF, kv_tid (the thread's index in its
 // threadgroup), kv_group (the threadgroup's position), KV_SHARED_ARRAY(type, name, count),
 // KV_BARRIER(), KV_SHUFFLE_XOR(x, mask) (a float from lane ^ mask of the SIMD group of 32),
-// KV_RETURN. Compile-time constants: NQ (query vectors a threadgroup holds), KL (lanes per
-// key: a power of two, at most 32), TG (threads per threadgroup, a multiple of 32), T (the
-// output's type).
+// KV_RETURN, KV_UNROLL (unroll the loop that follows, so that its arrays stay in registers).
+// Compile-time constants: NQ (query vectors a threadgroup holds), KL (lanes per key: a power
+// of two, at most 32), TG (threads per threadgroup, a multiple of 32), KU (keys a team loads
+// at once: 1, 2 or 4), T (the output's type).
 //
 // inputs:  q_in    [B * Hq * L * D]                row b's L queries are its last L tokens
 //          kw      uint32[rows * D * kbits / 32]   key words (16 bits: two float16 a word);
@@ -52,8 +53,9 @@
 //          the L * Hq / Hkv query vectors of its (row, KV head) (tile), and one part of the
 //          keys they see: the row's keys in ceil(keys / split_keys) equal parts (at most
 //          `splits`; the threadgroups past them write empty parts), so a row's result does
-//          not depend on the other rows of its batch. Its KL-lane teams each take one key at a time:
-//          a lane dequantizes its ceil(D / KL) key channels and its ceil(Dv / KL) value
+//          not depend on the other rows of its batch. Its KL-lane teams each take KU keys a
+//          step (loaded together, then scored in order: KU changes no bit): a lane
+//          dequantizes its ceil(D / KL) key channels and its ceil(Dv / KL) value
 //          channels once for all NQ queries, the team sums the dot products by shuffles,
 //          and each team keeps its own online softmax; teams, then SIMD groups, merge at
 //          the end.
@@ -122,7 +124,7 @@ const int tid = (int)kv_tid;
 const int lane = tid % 32;
 const int warp = tid / 32;
 const int team_lane = lane % KL;  // this lane's part of a key
-const int team = tid / KL;        // one key at a time per team
+const int team = tid / KL;        // KU keys a step per team
 const int n_teams = TG / KL;
 const int split = (int)kv_group.x % n_splits;
 const int tile = (int)kv_group.x / n_splits;
@@ -231,107 +233,124 @@ for (int j = 0; j < NQ; ++j) {
   }
 }
 // Every thread runs the same number of steps (the shuffles need all 32 lanes); a team past
-// the end reads the split's first key and keeps nothing of it.
-for (int base = s0; base < s1; base += n_teams) {
-  const int t_want = base + team;
-  const bool in = t_want < s1;
-  const int t = in ? t_want : s0;
-  const int block = tables[b * table_width + t / block_tokens];
-  const unsigned int row =
-      ((unsigned int)block * (unsigned int)kv_heads + (unsigned int)kvh) *
-          (unsigned int)block_tokens +
-      (unsigned int)(t % block_tokens);
-  unsigned int raw[8];
-  float x[8];
-  if (t >= complete) {
-    for (int e = 0; e < 8; ++e) {
-      const int d = e < key_count ? d0 + e : 0;
-      x[e] = kv_half(tail[(tail0 + (unsigned int)(t - complete)) * (unsigned int)dim +
-                          (unsigned int)d]);
-    }
-  } else if (kbits == 16) {
-    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, 16);
-    for (int e = 0; e < 8; ++e) {
-      x[e] = kv_half_bits(raw[e]);
-    }
-  } else if (channel_tokens > 0) {  // a scale and a bias per channel of the group's rows
-    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
-    const unsigned int g0 = (row - (unsigned int)(t % channel_tokens)) * k_groups + d0;
-    for (int e = 0; e < 8; ++e) {
-      const unsigned int g = e < key_count ? g0 + (unsigned int)e : g0;
-      x[e] = (float)raw[e] * kv_half(ks[g]) + kv_half(kb[g]);
-    }
-  } else {
-    KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
-    KV_LANE_AFFINE(x, raw, ks, kb, row * k_groups, d0, key_count);
-  }
-  for (int e = 0; e < 8; ++e) {
-    x[e] = e < key_count ? x[e] : 0.0f;
-  }
-  // the key's group read in float16 too, where a query of the tile reads it so
-  const int key_group = channel_tokens > 0 && t < complete ? t / channel_tokens * channel_tokens : -2;
-  bool wanted = false;
-  for (int j = 0; j < NQ; ++j) {
-    wanted = wanted || own[j] == key_group;
-  }
-  float xf[8];
-  for (int e = 0; e < 8; ++e) {
-    xf[e] = 0.0f;
-  }
-  if (wanted) {
-    const unsigned int entry = done0 +
-                               (unsigned int)((key_group - done_from) / channel_tokens) *
-                                   (unsigned int)kv_heads +
-                               (unsigned int)kvh;
-    const unsigned int at = (entry * (unsigned int)channel_tokens + (unsigned int)(t - key_group)) *
-                            (unsigned int)dim;
-    for (int e = 0; e < 8; ++e) {
-      xf[e] = e < key_count ? kv_half(done[at + (unsigned int)(d0 + e)]) : 0.0f;
-    }
-  }
-  float s[NQ];
-  for (int j = 0; j < NQ; ++j) {
-    const bool f = wanted && own[j] == key_group;
-    float dot = 0.0f;
-    for (int e = 0; e < 8; ++e) {
-      dot += q[j][e] * (f ? xf[e] : x[e]);
-    }
-    s[j] = dot;
-  }
-  for (int offset = 1; offset < KL; offset *= 2) {
-    for (int j = 0; j < NQ; ++j) {
-      s[j] += KV_SHUFFLE_XOR(s[j], offset);
-    }
-  }
-  if (softcap > 0.0f) {
-    for (int j = 0; j < NQ; ++j) {
-      s[j] = softcap * kv_tanh(s[j] / softcap);
-    }
-  }
-  float y[8];
-  if (vbits == 16) {
-    KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, 16);
-    for (int e = 0; e < 8; ++e) {
-      y[e] = e < value_count ? kv_half_bits(raw[e]) : 0.0f;
-    }
-  } else {
-    KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, vbits);
-    KV_LANE_AFFINE(y, raw, vs, vb, row * v_groups, dv0, value_count);
-  }
-  for (int j = 0; j < NQ; ++j) {
-    if (in && t >= first_key[j] && t <= last_key[j]) {
-      if (s[j] > m[j]) {
-        const float c = kv_exp(m[j] - s[j]);
-        l[j] *= c;
-        for (int e = 0; e < 8; ++e) {
-          acc[j][e] *= c;
-        }
-        m[j] = s[j];
-      }
-      const float p = kv_exp(s[j] - m[j]);
-      l[j] += p;
+// the end reads the split's first key and keeps nothing of it. A team takes KU keys a step
+// (keys base + team + u * n_teams: the same keys in the same order as KU = 1), loading all
+// of them before it scores the first, so their loads are in flight together.
+for (int base = s0; base < s1; base += n_teams * KU) {
+  bool in[KU];
+  int tk[KU];
+  bool wanted[KU];
+  float x[KU][8];   // the key's channels
+  float xf[KU][8];  // its own group's float16 copy, where a query of the tile reads that
+  float y[KU][8];   // the value's channels
+  KV_UNROLL
+  for (int u = 0; u < KU; ++u) {
+    const int t_want = base + u * n_teams + team;
+    in[u] = t_want < s1;
+    const int t = in[u] ? t_want : s0;
+    tk[u] = t;
+    const int block = tables[b * table_width + t / block_tokens];
+    const unsigned int row =
+        ((unsigned int)block * (unsigned int)kv_heads + (unsigned int)kvh) *
+            (unsigned int)block_tokens +
+        (unsigned int)(t % block_tokens);
+    unsigned int raw[8];
+    if (t >= complete) {
       for (int e = 0; e < 8; ++e) {
-        acc[j][e] += p * y[e];
+        const int d = e < key_count ? d0 + e : 0;
+        x[u][e] = kv_half(tail[(tail0 + (unsigned int)(t - complete)) * (unsigned int)dim +
+                               (unsigned int)d]);
+      }
+    } else if (kbits == 16) {
+      KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, 16);
+      for (int e = 0; e < 8; ++e) {
+        x[u][e] = kv_half_bits(raw[e]);
+      }
+    } else if (channel_tokens > 0) {  // a scale and a bias per channel of the group's rows
+      KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
+      const unsigned int g0 = (row - (unsigned int)(t % channel_tokens)) * k_groups + d0;
+      for (int e = 0; e < 8; ++e) {
+        const unsigned int g = e < key_count ? g0 + (unsigned int)e : g0;
+        x[u][e] = (float)raw[e] * kv_half(ks[g]) + kv_half(kb[g]);
+      }
+    } else {
+      KV_LANE_BITS(raw, kw, k_words, row, d0, key_count, kbits);
+      KV_LANE_AFFINE(x[u], raw, ks, kb, row * k_groups, d0, key_count);
+    }
+    for (int e = 0; e < 8; ++e) {
+      x[u][e] = e < key_count ? x[u][e] : 0.0f;
+    }
+    // the key's group read in float16 too, where a query of the tile reads it so
+    const int key_group =
+        channel_tokens > 0 && t < complete ? t / channel_tokens * channel_tokens : -2;
+    wanted[u] = false;
+    for (int j = 0; j < NQ; ++j) {
+      wanted[u] = wanted[u] || own[j] == key_group;
+    }
+    for (int e = 0; e < 8; ++e) {
+      xf[u][e] = 0.0f;
+    }
+    if (wanted[u]) {
+      const unsigned int entry = done0 +
+                                 (unsigned int)((key_group - done_from) / channel_tokens) *
+                                     (unsigned int)kv_heads +
+                                 (unsigned int)kvh;
+      const unsigned int at =
+          (entry * (unsigned int)channel_tokens + (unsigned int)(t - key_group)) *
+          (unsigned int)dim;
+      for (int e = 0; e < 8; ++e) {
+        xf[u][e] = e < key_count ? kv_half(done[at + (unsigned int)(d0 + e)]) : 0.0f;
+      }
+    }
+    if (vbits == 16) {
+      KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, 16);
+      for (int e = 0; e < 8; ++e) {
+        y[u][e] = e < value_count ? kv_half_bits(raw[e]) : 0.0f;
+      }
+    } else {
+      KV_LANE_BITS(raw, vw, v_words, row, dv0, value_count, vbits);
+      KV_LANE_AFFINE(y[u], raw, vs, vb, row * v_groups, dv0, value_count);
+    }
+  }
+  KV_UNROLL
+  for (int u = 0; u < KU; ++u) {
+    const int t = tk[u];
+    const int key_group =
+        channel_tokens > 0 && t < complete ? t / channel_tokens * channel_tokens : -2;
+    float s[NQ];
+    for (int j = 0; j < NQ; ++j) {
+      const bool f = wanted[u] && own[j] == key_group;
+      float dot = 0.0f;
+      for (int e = 0; e < 8; ++e) {
+        dot += q[j][e] * (f ? xf[u][e] : x[u][e]);
+      }
+      s[j] = dot;
+    }
+    for (int offset = 1; offset < KL; offset *= 2) {
+      for (int j = 0; j < NQ; ++j) {
+        s[j] += KV_SHUFFLE_XOR(s[j], offset);
+      }
+    }
+    if (softcap > 0.0f) {
+      for (int j = 0; j < NQ; ++j) {
+        s[j] = softcap * kv_tanh(s[j] / softcap);
+      }
+    }
+    for (int j = 0; j < NQ; ++j) {
+      if (in[u] && t >= first_key[j] && t <= last_key[j]) {
+        if (s[j] > m[j]) {
+          const float c = kv_exp(m[j] - s[j]);
+          l[j] *= c;
+          for (int e = 0; e < 8; ++e) {
+            acc[j][e] *= c;
+          }
+          m[j] = s[j];
+        }
+        const float p = kv_exp(s[j] - m[j]);
+        l[j] += p;
+        for (int e = 0; e < 8; ++e) {
+          acc[j][e] += p * y[u][e];
+        }
       }
     }
   }

@@ -111,7 +111,7 @@ def clear_mappings() -> None:
     Drop every cached segment mapping (the next loads map their files again).
     """
 
-def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None, softcap: float = 0.0) -> mlx.core.array:
+def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tables: mlx.core.array, lengths: mlx.core.array, dims: Sequence[int], sinks: mlx.core.array | None = None, scale: float = 1.0, threads: int = 2, tail: mlx.core.array | None = None, tail_slots: mlx.core.array | None = None, vectors: int = 4, lanes_per_key: int = 8, done: mlx.core.array | None = None, done_first: mlx.core.array | None = None, softcap: float = 0.0, keys_in_flight: int = 1) -> mlx.core.array:
     """
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """

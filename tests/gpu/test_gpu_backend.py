@@ -153,6 +153,24 @@ def test_paged_attention_body_with_windows_and_forced_parts(gpu, window, splits)
     close(body, reference(q, paged))
 
 
+@pytest.mark.parametrize("ku", [1, 2, 4])
+def test_paged_attention_body_with_every_count_of_keys_in_flight(gpu, ku):
+    """KU (keys a team loads at once) on the GPU: each agrees with the reference over the
+    issue's contexts, one part and many, and with KU = 1 within float rounding (the same
+    operations in the same order; the compiler may contract them differently)."""
+    _, _, q, paged = jagged_batch(KVQuant(**V1), CONTEXTS, q_heads=6, heads=2, dim=128)
+    paged = paged._replace(sinks=mx.array(np.linspace(-1, 1, 6).astype(np.float32)))
+
+    def run(launch):
+        return on(gpu, lambda: gpu_impl(gpu).paged_attention(q, paged, scale=0.125, launch=launch))
+
+    for splits in (1, 0):
+        launch = paged.launch(q, splits=splits, keys_in_flight=ku)
+        body = run(launch)
+        close(body, reference(q, paged))
+        close(body, run(launch._replace(keys_in_flight=1)), atol=1e-5)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_the_body_and_the_dense_path_take_a_soft_cap_on_the_gpu(gpu, splits):
     """Gemma 2's soft cap (``PagedQuery.softcap``) in the kernel (one part, three) and in the

@@ -126,6 +126,7 @@ __global__ void paged_attention_{n}(const {q}* q_in, const uint32_t* kw, const _
   constexpr int NQ = {nq};
   constexpr int KL = {kl};
   constexpr int TG = 128;
+  constexpr int KU = {ku};
 {group_ids}{body}
 }}
 __global__ void paged_attention_merge_{n}(const float* parts, const float* stats,
@@ -134,12 +135,12 @@ __global__ void paged_attention_merge_{n}(const float* parts, const float* stats
 {preamble}{merge}
 }}
 """
-# (query dtype, output dtype, NQ, KL): the shapes the engine launches, and the extremes
+# (query dtype, output dtype, NQ, KL, KU): the shapes the engine launches, and the extremes
 CUDA_SHAPES = [
-    ("__half", "__half", 4, 8),
-    ("float", "float", 8, 32),
-    ("__nv_bfloat16", "__nv_bfloat16", 1, 16),
-    ("__half", "float", 2, 4),
+    ("__half", "__half", 4, 8, 2),
+    ("float", "float", 8, 32, 1),
+    ("__nv_bfloat16", "__nv_bfloat16", 1, 16, 4),
+    ("__half", "float", 2, 4, 2),
 ]
 
 
@@ -153,9 +154,9 @@ def test_the_same_bodies_compile_as_cuda(tmp_path):
         merge=gpu.body("merge"),
         extract=gpu.body("extract"),
     )
-    for n, (q, t, nq, kl) in enumerate(CUDA_SHAPES):
+    for n, (q, t, nq, kl, ku) in enumerate(CUDA_SHAPES):
         source += CUDA_PAGED.format(
-            n=n, q=q, t=t, nq=nq, kl=kl,
+            n=n, q=q, t=t, nq=nq, kl=kl, ku=ku,
             group_ids=gpu.GROUP_IDS["cuda"],
             body=gpu.body("paged_attention"),
             preamble=gpu.CUDA_THREAD_ID,

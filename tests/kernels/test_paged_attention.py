@@ -141,6 +141,32 @@ def test_the_body_agrees_with_the_reference_however_the_keys_are_split(
     close(body, kernels.reference.paged_attention(q, paged, scale=0.125))
 
 
+@pytest.mark.parametrize("fmt,dim,q_heads,queries", [*SHAPES, ((16, 16, 64), 64, 6, 1)])
+def test_keys_in_flight_change_no_bit(fmt, dim, q_heads, queries):
+    """KU (``Launch.keys_in_flight``: keys a team loads before it scores the first, so their
+    loads overlap on a GPU) takes each team's keys in the same order: 1, 2 and 4 give the same
+    bits, with sinks and a window, in one part and through the merge pass, and with format 2's
+    tails and its rotation inside the kernel."""
+    lengths = [1030, queries, 257]
+    _, _, q, paged = jagged_batch(
+        KVQuant(*fmt, **V1), lengths, queries=queries, q_heads=q_heads, dim=dim
+    )
+    sinks = mx.array(np.linspace(-1, 1, q_heads).astype(np.float32))
+    cases = [paged._replace(sinks=sinks, window=300), paged]
+    _, q2, paged2 = format_2_batch(100)
+    for p, x in [*((c, q) for c in cases), (paged2, q2), (paged2._replace(rotate=True), q2)]:
+        for splits in (1, 3):
+            base = p.launch(x, splits=splits, keys_in_flight=1)
+            want = cpu.paged_attention(x, p, scale=0.125, launch=base)
+            for ku in (2, 4):
+                launch = base._replace(keys_in_flight=ku)
+                assert mx.array_equal(cpu.paged_attention(x, p, scale=0.125, launch=launch), want)
+    # decode shapes (at most 4 query vectors a threadgroup) load 2 keys at once, wider ones 1
+    assert paged.launch(q[:, :, :1]).keys_in_flight == (2 if q_heads <= 4 * 2 else 1)
+    with pytest.raises(ValueError, match="bad dims"):
+        cpu.paged_attention(q, paged, scale=0.125, launch=base._replace(keys_in_flight=3))
+
+
 def test_the_launch_parts_each_row_by_its_own_keys():
     """SPLIT_KEYS keys a part, MAX_SPLITS at most, from the host's lengths (no device read)."""
     _, _, q, paged = jagged_batch(KVQuant(**V1), [40], q_heads=4)

@@ -5,7 +5,8 @@ the default format 2), at several contexts and two head shapes (SmolLM2-135M's 3
 of 64, Llama-3-8B's 8 of 128), in variants made here by text substitution: as shipped; its
 small inputs (tables, lengths, tail slots, dims, scale) copied into device memory first
 (MLX's CUDA backend keeps arrays made from host data in managed memory); ``__expf`` for
-``expf``; other part sizes. Against MLX's fused attention over float16 keys and values.
+``expf``; other part sizes; 1 and 4 keys a team loads at once (KU; as shipped: 2).
+Against MLX's fused attention over float16 keys and values.
 
 ``decode``: one engine (or mlx-lm) decoding 128 tokens after a 1K prompt, in this process,
 for an A/B of environment settings run as separate processes by the caller.
@@ -166,6 +167,10 @@ def kernel_lab(args) -> list[dict]:
                         splits = max(1, min(128, math.ceil(longest / keys_a_part)))
                         launch = plain.launch(queries[0], splits=splits)
                         cases.append((f"{splits} parts", "", [], on_device, launch))
+                    for ku in (1, 4) if cuda else ():  # keys a team loads at once (KU)
+                        launch = plain.launch(queries[0], keys_in_flight=ku)
+                        cases.append((f"{ku} keys in flight + device inputs", "", [], on_device,
+                                      launch))  # fmt: skip
                     if spec.key_head_dim == spec.value_head_dim and dim in (64, 128):
                         cases.append(("rotated inside + device inputs", "", [],
                                       on_device._replace(rotate=True), None))  # fmt: skip

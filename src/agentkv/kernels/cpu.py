@@ -45,6 +45,7 @@ def paged_attention(
         paged.done,
         paged.done_first,
         paged.softcap,
+        launch.keys_in_flight,
     )
 
 

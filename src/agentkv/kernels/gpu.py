@@ -129,7 +129,7 @@ def _constant(values: np.ndarray) -> mx.array:
     return a
 
 
-# AGENTKV_GPU_DEVICE_INDEX=1: a step's indices (``pool.arena.index_array``) and the kernels'
+# AGENTKV_GPU_DEVICE_INDEX=1: a step's indices (``pool.arena.index_arrays``) and the kernels'
 # small constants copied into device memory (an experiment, off by default)
 DEVICE_INDEX_ENV = "AGENTKV_GPU_DEVICE_INDEX"
 
@@ -197,6 +197,7 @@ def for_backend(backend: str) -> SimpleNamespace:
                 ("NQ", launch.vectors),
                 ("KL", launch.lanes_per_key),
                 ("TG", PAGED_THREADGROUP),
+                ("KU", launch.keys_in_flight),
             ],
             grid=(splits * tiles * PAGED_THREADGROUP, paged.kv_heads, B),
             threadgroup=(PAGED_THREADGROUP, 1, 1),

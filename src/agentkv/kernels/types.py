@@ -116,12 +116,14 @@ class PagedQuery(NamedTuple):
         words = self.values[0].shape[-1]
         return words if self.value_bits == FLOAT_BITS else words * 32 // self.value_bits
 
-    def launch(self, queries: mx.array, *, splits: int = 0) -> Launch:
+    def launch(self, queries: mx.array, *, splits: int = 0, keys_in_flight: int = 0) -> Launch:
         """How paged_attention.metal covers these queries (docs/gpu-attention.md): NQ query
-        vectors a threadgroup, KL lanes a key, each row's keys in parts of about
-        ``SPLIT_KEYS`` (at most ``MAX_SPLITS``: a row's parts depend on it alone, so it gives
-        the same bits alone or batched). ``splits`` > 0 cuts the longest row into that many
-        parts instead (tests)."""
+        vectors a threadgroup, KL lanes a key, KU keys a team loads at once
+        (``KEYS_IN_FLIGHT`` where NQ <= 4, else 1: registers), each row's keys in parts of
+        about ``SPLIT_KEYS`` (at most ``MAX_SPLITS``: a row's parts depend on it alone, so it
+        gives the same bits alone or batched). ``splits`` > 0 cuts the longest row into that
+        many parts instead, ``keys_in_flight`` > 0 sets KU (tests, experiments); KU never
+        changes the bits."""
         B, q_heads, L, dim = queries.shape
         vectors = L * (q_heads // self.kv_heads)
         nq = min(MAX_VECTORS, 1 << max(0, vectors - 1).bit_length())
@@ -130,9 +132,11 @@ class PagedQuery(NamedTuple):
         longest = self.longest()
         if self.window:  # what a tile's queries see at most
             longest = min(longest, self.window + L - 1)
+        ku = keys_in_flight or (KEYS_IN_FLIGHT if nq <= 4 else 1)
         if splits:
-            return Launch(nq, kl, splits, max(1, -(-longest // splits)))
-        return Launch(nq, kl, max(1, min(MAX_SPLITS, -(-longest // SPLIT_KEYS))), SPLIT_KEYS)
+            return Launch(nq, kl, splits, max(1, -(-longest // splits)), ku)
+        parts = max(1, min(MAX_SPLITS, -(-longest // SPLIT_KEYS)))
+        return Launch(nq, kl, parts, SPLIT_KEYS, ku)
 
     def longest(self) -> int:
         """The longest row's length (from the host's copy where there is one)."""
@@ -148,11 +152,14 @@ class PagedQuery(NamedTuple):
 
 # The GPU kernel's grid (docs/gpu-attention.md): threadgroups of THREADGROUP threads holding
 # up to MAX_VECTORS query vectors, each over a part of a row's keys: SPLIT_KEYS keys a part,
-# at most MAX_SPLITS parts (a 32K-token context: 128 parts of 256 keys a KV head).
+# at most MAX_SPLITS parts (a 32K-token context: 128 parts of 256 keys a KV head); a team of
+# lanes loads KEYS_IN_FLIGHT keys at once where a threadgroup holds at most 4 query vectors
+# (decode), so that their loads overlap (not measured on a GPU yet: tests/scripts/gpu_lab.py).
 THREADGROUP = 128
 MAX_VECTORS = 8
 SPLIT_KEYS = 64
 MAX_SPLITS = 128
+KEYS_IN_FLIGHT = 2
 
 
 class Launch(NamedTuple):
@@ -162,6 +169,7 @@ class Launch(NamedTuple):
     lanes_per_key: int  # KL
     splits: int  # threadgroups a (tile, KV head, row) has: the most parts a row takes
     split_keys: int  # keys a part holds (about): a row takes ceil(its keys / this) parts
+    keys_in_flight: int = 1  # KU: keys a team loads before it scores the first (1, 2 or 4)
 
 
 _PLACEHOLDER: dict[str, mx.array] = {}
