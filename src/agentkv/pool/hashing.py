@@ -30,8 +30,10 @@ PRIVATE_DOMAIN = b"agentkv/private/v1"
 # backend's with any change to its kernels that changes the bytes stored for the same tokens
 # (or how a step reads what it stores), so blocks computed before the change are never
 # shared with blocks computed after it. Metal and CUDA 2: a prefill query reads its own
-# completed channel group in float16 there too (kernels/paged_attention.metal, dense.py).
-BITS_VERSIONS = {"cpu": 1, "metal": 2, "cuda": 2}
+# completed channel group in float16 there too (kernels/paged_attention.metal, dense.py);
+# 3: the merge pass adds its parts in 4 running sums (paged_attention_merge.metal), and a
+# team loads 2 keys at once at decode (the same order, but compiled anew).
+BITS_VERSIONS = {"cpu": 1, "metal": 3, "cuda": 3}
 BACKENDS = tuple(BITS_VERSIONS)
 
 
