@@ -668,6 +668,10 @@ NB_MODULE(_ext, m) {
         "softcap"_a = 0.0f, "keys_in_flight"_a = 1,
         "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
         "threadgroup's lanes as a loop (for tests against the others).");
+  m.def("kernel_store_rows", &agentkv::kernels::store_rows, "keys"_a, "values"_a, "value_bits"_a,
+        "group"_a, "threads"_a = 2,
+        "kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, "
+        "H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,

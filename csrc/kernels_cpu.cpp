@@ -43,6 +43,9 @@ inline float kv_max(float a, float b) {
 inline float kv_tanh(float x) {
   return std::tanh(x);
 }
+inline float kv_round(float x) {
+  return std::round(x);
+}
 constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
 #define KV_SHARED_ARRAY(type, name, count) type* name = kv_ctx.shared<type>(kv_shared, (count))
 #define KV_BARRIER() \
@@ -64,6 +67,18 @@ simt::Thread paged_attention_thread(simt::Group& kv_ctx, unsigned int kv_tid, ui
   using T = float;
   int kv_shared = 0;
 #include "kernels/paged_attention.metal"
+}
+
+// One thread of kernels/store_rows.metal, as a coroutine: T (the inputs) and H (its float16
+// outputs) are float here; the caller rounds the float16 ones after.
+template <int KL, int TG>
+simt::Thread store_rows_thread(unsigned int kv_tid, uint3 kv_group, const float* k_in,
+                               const float* v_in, const int* dims, const float* scale, float* k_out,
+                               uint32_t* vw, float* vs, float* vb) {
+  using T = float;
+  using H = float;
+#include "kernels/store_rows.metal"
+  co_return;
 }
 
 // One grid point of pass 2 (kernels/paged_attention_merge.metal).
@@ -203,6 +218,16 @@ void run_paged_group(const PagedArgs& a, uint3 group, int vectors, int lanes_per
     default:
       return run_paged_group<8>(a, group, lanes_per_key, keys_in_flight);
   }
+}
+
+template <int KL>
+void run_store_group(const float* k, const float* v, const int* dims, const float* scale,
+                     float* k_out, uint32_t* vw, float* vs, float* vb, unsigned int group) {
+  simt::Group g;
+  g.run(kThreadgroup, [&](int t) {
+    return store_rows_thread<KL, kThreadgroup>(static_cast<unsigned>(t), uint3{group, 0, 0}, k, v,
+                                               dims, scale, k_out, vw, vs, vb);
+  });
 }
 
 bool power_of_two_in(int x, int lo, int hi) {
@@ -352,6 +377,53 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
     });
   }
   return out;
+}
+
+std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& values_in,
+                                  int value_bits, int group, int threads) {
+  if (keys_in.ndim() < 1 || keys_in.shape() != values_in.shape()) {
+    throw std::invalid_argument("store rows: keys and values must have one shape");
+  }
+  const int dim = keys_in.shape(-1);
+  const int kl = dim / 8;
+  if (dim % 8 || !power_of_two_in(kl, 4, 32) ||
+      (value_bits != 2 && value_bits != 4 && value_bits != 8) || group < 8 || group % 8 ||
+      dim % group) {
+    throw std::invalid_argument("store rows: bad dims");
+  }
+  const int n = static_cast<int>(keys_in.size() / dim);
+  mx::array k = mx::contiguous(mx::astype(keys_in, mx::float32));
+  mx::array v = mx::contiguous(mx::astype(values_in, mx::float32));
+  mx::eval({k, v});
+  mx::array k_out = new_array({n, dim}, mx::float32);
+  mx::array vw = new_array({n, dim * value_bits / 32}, mx::uint32);
+  mx::array vs = new_array({n, dim / group}, mx::float32);
+  mx::array vb = new_array({n, dim / group}, mx::float32);
+  const int dims[4] = {n, dim, value_bits, group};
+  const float scale[1] = {1.0f / std::sqrt(static_cast<float>(dim))};
+  const int rows_a_group = kThreadgroup / kl;
+  const size_t groups = static_cast<size_t>((n + rows_a_group - 1) / rows_a_group);
+  run_columns(groups, threads, [&](size_t i) {
+    const float* kp = k.data<float>();
+    const float* vp = v.data<float>();
+    float* ko = k_out.data<float>();
+    uint32_t* w = vw.data<uint32_t>();
+    float* sp = vs.data<float>();
+    float* bp = vb.data<float>();
+    const auto g = static_cast<unsigned>(i);
+    switch (kl) {
+      case 4:
+        return run_store_group<4>(kp, vp, dims, scale, ko, w, sp, bp, g);
+      case 8:
+        return run_store_group<8>(kp, vp, dims, scale, ko, w, sp, bp, g);
+      case 16:
+        return run_store_group<16>(kp, vp, dims, scale, ko, w, sp, bp, g);
+      default:
+        return run_store_group<32>(kp, vp, dims, scale, ko, w, sp, bp, g);
+    }
+  });
+  return {mx::astype(k_out, mx::float16), vw, mx::astype(vs, mx::float16),
+          mx::astype(vb, mx::float16)};
 }
 
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources_in,

@@ -29,6 +29,13 @@ mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys
                           const std::optional<mx::array>& done_first, float softcap = 0.0f,
                           int keys_in_flight = 1);
 
+// kernels/store_rows.metal over its grid (each threadgroup's lanes as a loop): new keys and
+// values [..., D] (D = 8 * KL, KL 4 to 32) -> (H k as float16 [N, D], H v quantized as
+// mx.quantize does: words uint32 [N, D * value_bits / 32], scales and biases float16
+// [N, D / group]), N the rows. KV format 2's store of a step on a GPU, for tests.
+std::vector<mx::array> store_rows(const mx::array& keys, const mx::array& values, int value_bits,
+                                  int group, int threads);
+
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources,

@@ -84,16 +84,15 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
         assert row["stand_ins"]["paged_attention_merge"] == layers
         assert "sdpa" not in row["stand_ins"]
     assert mlx_lm["stand_ins"]["sdpa"] == layers and "paged_attention" not in mlx_lm["stand_ins"]
-    # the 4-bit write: keys and values rotated, values quantized, their words, scales and
-    # biases scattered, keys into their float16 tails
-    # (MLX's transform; agentkv's own operation for float32 on the CPU, as here)
-    rotations = q4["nodes"].get("Hadamard", 0) + q4["nodes"].get("AgentKVHadamard", 0)
-    assert rotations == 2 * layers
-    assert q4["nodes"]["Quantize"] == layers
+    # the 4-bit write: keys and values rotated and values quantized by one kernel
+    # (kernels/store_rows.metal), then the values' words, scales and biases scattered, and
+    # the keys into their float16 tails; no transform or quantization of MLX's is left
+    assert q4["stand_ins"]["store_rows"] == layers
+    assert not {"Hadamard", "AgentKVHadamard", "Quantize"} & set(q4["nodes"])
     assert q4["nodes"]["Scatter"] == 4 * layers
     assert kv16["nodes"]["Scatter"] == 2 * layers
-    assert not {"Hadamard", "AgentKVHadamard", "Quantize"} & set(kv16["nodes"])
-    assert q4["kernels"] - mlx_lm["kernels"] == 6 * layers
+    assert "store_rows" not in kv16["stand_ins"]
+    assert q4["kernels"] - mlx_lm["kernels"] == 4 * layers
     assert kv16["kernels"] - mlx_lm["kernels"] == 1 * layers
     # each arm's build timed, and the arrays each step makes from host data counted: the
     # token (every arm) and, for agentkv, one array holding all of the step's indices

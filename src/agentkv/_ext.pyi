@@ -116,6 +116,11 @@ def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], va
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """
 
+def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, value_bits: int, group: int, threads: int = 2) -> list[mlx.core.array]:
+    """
+    kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).
+    """
+
 def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/merge.metal on CPU, for many outputs at once."""
 

@@ -227,6 +227,30 @@ def gpu_impl(backend):
     return gpu_module.for_backend(backend)
 
 
+@pytest.mark.parametrize("dim,bits,group", [(64, 4, 64), (128, 4, 64), (128, 8, 32), (32, 2, 32)])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_store_rows_stores_what_the_transform_and_mx_quantize_store(gpu, dim, bits, group, dtype):
+    """kernels/store_rows.metal on the GPU (format 2's store of a step in one pass) against
+    MLX's own transform and quantization on the same GPU: the keys within a float16 step,
+    the values' codes the same but where a value lies on a rounding edge (the transforms may
+    add in another order), their scales and biases within float16 rounding."""
+    from agentkv.format.quant import V2
+
+    rng = np.random.default_rng(dim + bits)
+    keys, values = (mx.array(rng.standard_normal((3, 2, 37, dim)).astype(np.float32)).astype(dtype)
+                    for _ in "kv")  # fmt: skip
+    quant = KVQuant(4, bits, group, **V2)
+    with kernels.use_backend("reference"):
+        want = [np.array(a.astype(mx.float32) if a.dtype != mx.uint32 else a)
+                for a in kernels.store_rows(keys, values, quant)]  # fmt: skip
+    got = on(gpu, lambda: gpu_impl(gpu).store_rows(keys, values, bits, group))
+    got = [np.array(a.astype(mx.float32) if a.dtype != mx.uint32 else a) for a in got]
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-3, atol=1e-3)
+    assert (got[1] == want[1]).mean() > 0.99
+    np.testing.assert_allclose(got[2], want[2], rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(got[3], want[3], rtol=2e-3, atol=1e-6)
+
+
 def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
     """A cold turn, a hot one, a batch of two agents and a sampled turn on the GPU, the engine
     as a user makes it (its warm-up included): attention goes through the shared body (never

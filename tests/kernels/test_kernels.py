@@ -135,6 +135,18 @@ __global__ void paged_attention_merge_{n}(const float* parts, const float* stats
 {preamble}{merge}
 }}
 """
+CUDA_STORE = """
+__global__ void store_rows_{n}(const {t}* k_in, const {t}* v_in, const int32_t* dims,
+    const float* scale, __half* k_out, uint32_t* vw, __half* vs, __half* vb) {{
+  using T = {t};
+  using H = __half;
+  constexpr int KL = {kl};
+  constexpr int TG = 128;
+{group_ids}{body}
+}}
+"""
+# (input dtype, KL): the head dims 64 and 128 in float16, 32 and 256 in the other types
+CUDA_STORE_SHAPES = [("__half", 8), ("__half", 16), ("float", 4), ("__nv_bfloat16", 32)]
 # (query dtype, output dtype, NQ, KL, KU): the shapes the engine launches, and the extremes
 CUDA_SHAPES = [
     ("__half", "__half", 4, 8, 2),
@@ -162,6 +174,9 @@ def test_the_same_bodies_compile_as_cuda(tmp_path):
             preamble=gpu.CUDA_THREAD_ID,
             merge=gpu.body("paged_attention_merge"),
         )  # fmt: skip
+    for n, (t, kl) in enumerate(CUDA_STORE_SHAPES):
+        source += CUDA_STORE.format(n=n, t=t, kl=kl, group_ids=gpu.GROUP_IDS["cuda"],
+                                    body=gpu.body("store_rows"))  # fmt: skip
     source += "}  // namespace mlx::core::cu\n"
     path = tmp_path / "kernels.cu"
     path.write_text(source)

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from ..errors import InvalidRequestError
-from ..format.quant import hadamard
+from ..format.quant import KVQuant, hadamard
 from . import cpu, gpu, reference
 from .types import ExtractRow, PagedQuery, RowSource
 
@@ -44,6 +44,7 @@ __all__ = [
     "merge",
     "paged_attention_body",
     "set_backend",
+    "store_rows",
     "use_backend",
 ]
 
@@ -126,6 +127,21 @@ def paged_attention_body(queries: mx.array, paged: PagedQuery, *, scale: float) 
         out = _impl().paged_attention(hadamard(queries), paged._replace(rotate=False), scale=scale)
         return hadamard(out)  # the body rotates inside itself where it can (PagedQuery.rotate)
     return _impl().paged_attention(queries, paged, scale=scale)
+
+
+def store_rows(keys: mx.array, values: mx.array, quant: KVQuant) -> tuple[mx.array, ...]:
+    """New keys and values [..., D] as KV format 2 stores them, on the selected backend:
+    (H k in float16 [N, D], H v quantized: words, scales, biases [N, ...]), N the rows. The
+    shared body kernels/store_rows.metal (``gpu.stores_rows`` says which formats and shapes);
+    the reference: MLX's transform and ``mx.quantize``."""
+    if not gpu.stores_rows(quant, keys, values):
+        raise InvalidRequestError("store_rows: not a format and shape the kernel stores")
+    if backend() == "reference":
+        dim = keys.shape[-1]
+        parts = quant.quantize(hadamard(values), quant.value_bits)
+        return (hadamard(keys).astype(mx.float16).reshape(-1, dim),
+                *(p.reshape(-1, p.shape[-1]) for p in parts))  # fmt: skip
+    return _impl().store_rows(keys, values, quant.value_bits, quant.group_size)
 
 
 def merge(sources: Sequence[RowSource], *, used: int, capacity: int) -> tuple[mx.array, ...]:

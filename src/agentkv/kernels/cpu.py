@@ -49,6 +49,13 @@ def paged_attention(
     )
 
 
+def store_rows(
+    keys: mx.array, values: mx.array, value_bits: int, group: int
+) -> tuple[mx.array, ...]:
+    """kernels/store_rows.metal on the host (csrc/simt.h), as a GPU runs it."""
+    return tuple(_ext.kernel_store_rows(keys, values, value_bits, group, THREADS))
+
+
 def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
     return _ext.paged_attention(
         queries,

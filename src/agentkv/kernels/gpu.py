@@ -16,15 +16,17 @@ benchmarks/RESULTS.md, "GPU").
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from importlib import resources
 from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 
+from ..format.quant import KVQuant
 from .types import THREADGROUP as PAGED_THREADGROUP
 from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
@@ -78,15 +80,17 @@ INPUTS = {
     ],
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
+    "store_rows": ["k_in", "v_in", "dims", "scale"],
 }  # fmt: skip
-OUTPUTS = {"paged_attention": ["out", "stats"]}
+OUTPUTS = {"paged_attention": ["out", "stats"], "store_rows": ["k_out", "vw", "vs", "vb"]}
+THREAD_GROUPS = ("paged_attention", "store_rows")  # bodies that work by threadgroups
 
 
 @cache
 def _kernel(backend: str, name: str, sources: int = 0):
     inputs = [f"src{i}" for i in range(sources)] + ["rows", "dims"]
     inputs = INPUTS.get(name, inputs)
-    if name == "paged_attention":
+    if name in THREAD_GROUPS:
         preamble = GROUP_IDS[backend]
     else:
         preamble = CUDA_THREAD_ID if backend == "cuda" else ""
@@ -98,7 +102,23 @@ def _kernel(backend: str, name: str, sources: int = 0):
         input_names=inputs,
         output_names=OUTPUTS.get(name, ["out"]),
         source=preamble + body(name),
-        header=helpers(backend) if name.startswith("paged_attention") else "",
+        header=helpers(backend) if name.startswith(THREAD_GROUPS) else "",
+    )
+
+
+def stores_rows(quant: KVQuant, keys: mx.array, values: mx.array) -> bool:
+    """Whether ``store_rows`` stores these new keys and values: KV format 2 (rotating,
+    per-channel keys) with 2/4/8-bit values, keys and values of one head dim with 8
+    channels a lane (32 to 256), value groups of a multiple of 8 dividing it."""
+    dim = keys.shape[-1]
+    return (
+        quant.rotate
+        and quant.channel_keys
+        and quant.value_bits in (2, 4, 8)
+        and values.shape == keys.shape
+        and dim in (32, 64, 128, 256)
+        and quant.group_size % 8 == 0
+        and dim % quant.group_size == 0
     )
 
 
@@ -163,6 +183,42 @@ def _run(backend, name, inputs, grid, shape, dtype, sources=0):
         output_shapes=[shape],
         output_dtypes=[dtype],
     )[0]
+
+
+def store_rows(
+    backend: str, keys: mx.array, values: mx.array, value_bits: int, group: int
+) -> tuple[mx.array, ...]:
+    """KV format 2's store of new keys and values [..., D] in one pass (store_rows.metal):
+    (H k float16 [N, D], H v's words, scales and biases [N, ...]), N the rows."""
+    dim = keys.shape[-1]
+    n = keys.size // dim
+    lanes = dim // 8
+    rows_a_group = PAGED_THREADGROUP // lanes
+    return tuple(
+        _kernel(backend, "store_rows")(
+            inputs=[
+                keys.reshape(-1),
+                values.reshape(-1),
+                _ints((n, dim, value_bits, group)),
+                _floats((1 / math.sqrt(dim),)),
+            ],
+            template=[
+                ("T", keys.dtype),
+                ("H", mx.float16),
+                ("KL", lanes),
+                ("TG", PAGED_THREADGROUP),
+            ],
+            grid=(-(-n // rows_a_group) * PAGED_THREADGROUP, 1, 1),
+            threadgroup=(PAGED_THREADGROUP, 1, 1),
+            output_shapes=[
+                (n, dim),
+                (n, dim * value_bits // 32),
+                (n, dim // group),
+                (n, dim // group),
+            ],
+            output_dtypes=[mx.float16, mx.uint32, mx.float16, mx.float16],
+        )
+    )
 
 
 def for_backend(backend: str) -> SimpleNamespace:
@@ -270,4 +326,7 @@ def for_backend(backend: str) -> SimpleNamespace:
             results.append(tuple(outputs))
         return results
 
-    return SimpleNamespace(paged_attention=paged_attention, merge=merge, extract_rows=extract_rows)
+    return SimpleNamespace(
+        paged_attention=paged_attention, merge=merge, extract_rows=extract_rows,
+        store_rows=partial(store_rows, backend),
+    )  # fmt: skip

@@ -47,6 +47,8 @@ from .. import _ext
 from ..format.geometry import BLOCK_TOKENS
 from ..format.quant import KVQuant, native_layout
 from ..format.spec import LayerKind, ModelCacheSpec
+from ..kernels import attention as dispatch
+from ..kernels import gpu as gpu_kernels
 from ..kernels.gpu import device_index, on_device
 from .blocks import PoolExhaustedError
 
@@ -418,24 +420,31 @@ class KVArena:
 
     def append(self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan) -> None:
         """Store one step's new keys and values [B, heads, L, dim] (model space: rotated
-        and quantized here) as ``plan`` says."""
+        and quantized here) as ``plan`` says. On a GPU, format 2's rotations and the values'
+        quantization are one kernel (``store_rows``: the same bits as the operations)."""
         q = self.layer_quants[layer]
-        keys, values = q.rotated(keys), q.rotated(values)
-        value_parts = q.quantize(values, q.value_bits)
-        if not self.ct:
-            self.write(layer, (*q.quantize(keys, q.key_bits), *value_parts), plan.rows)
-            return
+        backend = dispatch.backend()
+        if self.ct and backend in ("metal", "cuda") and gpu_kernels.stores_rows(q, keys, values):
+            store = gpu_kernels.for_backend(backend).store_rows
+            new, *value_parts = store(keys, values, q.value_bits, q.group_size)
+        else:
+            keys, values = q.rotated(keys), q.rotated(values)
+            value_parts = q.quantize(values, q.value_bits)
+            if not self.ct:
+                self.write(layer, (*q.quantize(keys, q.key_bits), *value_parts), plan.rows)
+                return
+            new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
         arrays = self.arrays[layer]
         for target, part in zip(arrays[self.key_parts :], value_parts):
             target[plan.rows] = part.reshape(-1, part.shape[-1])
-        new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
+        dim = new.shape[-1]
         tails = self.tails[layer]
         if plan.direct is not None:
             tails[plan.direct] = new if plan.direct_in_order else new[plan.direct_src]
         if plan.group_src is not None:
             source = new if plan.gathered is None else mx.concatenate([plan.gathered[layer], new])
-            groups = source[plan.group_src].reshape(-1, self.ct, keys.shape[-1])
-            plan.done[layer] = groups.reshape(-1, keys.shape[-1])
+            groups = source[plan.group_src].reshape(-1, self.ct, dim)
+            plan.done[layer] = groups.reshape(-1, dim)
             for target, part in zip(arrays[: self.key_parts], q.quantize_channels(groups)):
                 target[plan.group_rows] = part.reshape(-1, part.shape[-1])
             if plan.rest_src is not None:

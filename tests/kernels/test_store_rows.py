@@ -1,0 +1,108 @@
+"""kernels/store_rows.metal: KV format 2's store of a step's new keys and values in one pass
+(the keys' and values' Walsh-Hadamard transforms and the values' quantization, three MLX
+operations a layer on a GPU). The body compiled for the CPU (csrc/simt.h runs its lanes as a
+loop) gives the bits of MLX's transform and ``mx.quantize``; the arena's GPU branch, run here
+with that build, stores the bytes the operations store."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import fill_table, pool_for, synthetic_spec
+
+from agentkv import _ext, kernels
+from agentkv.errors import InvalidRequestError
+from agentkv.format.quant import V1, V2, KVQuant, hadamard
+from agentkv.kernels import cpu
+from agentkv.kernels import gpu as gpu_kernels
+from agentkv.pool import arena as arena_module
+from agentkv.pool.step import PagedStep
+
+
+def by_operations(keys, values, bits, group):
+    dim = keys.shape[-1]
+    w, s, b = mx.quantize(hadamard(values), group_size=group, bits=bits)
+    flat = [a.reshape(-1, a.shape[-1]) for a in (w, s.astype(mx.float16), b.astype(mx.float16))]
+    return [hadamard(keys).astype(mx.float16).reshape(-1, dim), *flat]
+
+
+@pytest.mark.parametrize(
+    "dim,bits,group,rows",
+    [(64, 4, 64, 37), (64, 4, 32, 5), (128, 8, 64, 9), (32, 2, 32, 13), (256, 4, 64, 3),
+     (64, 2, 64, 130), (128, 4, 128, 1)],
+)  # fmt: skip
+def test_the_body_gives_the_bits_of_the_transform_and_mx_quantize(dim, bits, group, rows):
+    """Every head dim the lanes cover (8 channels a lane, 4 to 32 lanes), 2/4/8-bit values,
+    groups spanning 4 to 16 lanes, row counts that leave a threadgroup's last teams idle; the
+    values scaled so that groups straddle zero, sit above it and below it."""
+    rng = np.random.default_rng(dim + bits + rows)
+    keys = mx.array(rng.standard_normal((1, 2, rows, dim)).astype(np.float32))
+    values = rng.standard_normal((1, 2, rows, dim)).astype(np.float32) * 3
+    values[0, 0] += 4.0  # a head's values mostly positive, the other's around zero
+    values[0, 1, :1] -= 9.0
+    values = mx.array(values)
+    got = cpu.store_rows(keys, values, bits, group)
+    want = by_operations(keys, values, bits, group)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert mx.array_equal(g, w)
+    quant = KVQuant(4, bits, group, **V2)
+    with kernels.use_backend("reference"):
+        for g, w in zip(kernels.store_rows(keys, values, quant), want):
+            assert mx.array_equal(g, w)
+    with kernels.use_backend("cpu"):
+        for g, w in zip(kernels.store_rows(keys, values, quant), want):
+            assert mx.array_equal(g, w)
+
+
+def test_what_the_kernel_cannot_store_is_refused():
+    keys = mx.zeros((1, 2, 3, 64))
+    with pytest.raises(InvalidRequestError, match="not a format"):
+        kernels.store_rows(keys, keys, KVQuant(**V1))  # format 1: keys quantized per token
+    with pytest.raises(InvalidRequestError, match="not a format"):
+        kernels.store_rows(keys[..., :48], keys[..., :48], KVQuant(**V2))  # 6 channels a lane
+    assert not gpu_kernels.stores_rows(KVQuant(4, 16, 64, **V2), keys, keys)  # float values
+    with pytest.raises(ValueError, match="bad dims"):
+        _ext.kernel_store_rows(keys, keys, 3, 64)
+
+
+@pytest.mark.parametrize("count", [1, 70])
+def test_the_arena_stores_the_same_bytes_through_the_kernel(monkeypatch, count):
+    """``KVArena.append`` on a GPU stores through the kernel (here its CPU build standing in
+    for Metal's or CUDA's): a decode step and a step completing a channel group store the
+    same arena rows, tails and completed groups as the operations do."""
+
+    def stored(fused: bool):
+        spec = synthetic_spec(layers=1, heads=2)
+        pool = pool_for(spec, KVQuant(**V2))
+        tables = [fill_table(pool, n, seed=i) for i, n in enumerate([100, 5])]
+        for t in tables:
+            t.grow(count, pool.arena.copy_rows)
+        rng = np.random.default_rng(5)
+        k, v = (mx.array(rng.standard_normal((2, 2, count, 64)).astype(np.float32)) for _ in "kv")
+        step = PagedStep(pool.arena, spec, tables, count, fused=False)
+        if fused:
+            monkeypatch.setattr(arena_module.dispatch, "backend", lambda: "cuda")
+            monkeypatch.setattr(arena_module.gpu_kernels, "for_backend",
+                                lambda name: cpu)  # fmt: skip
+        try:
+            step.caches[0].update_and_fetch(k, v)
+        finally:
+            monkeypatch.undo()
+        pool.arena.settle()
+        arena, out = pool.arena, []
+        for t in tables:  # what each table holds: its complete groups' keys, every value
+            n = t.length + count
+            full = n // arena.ct * arena.ct
+            keys = mx.array(arena.write_rows([t.blocks], [0], full))
+            values = mx.array(arena.write_rows([t.blocks], [0], n))
+            out += [a[keys] for a in arena.keys(0)] + [a[values] for a in arena.values(0)]
+            out.append(mx.array(arena.read_tail(t.tail, n - full)))
+        done = step.plan.done.get(0)
+        return out + ([] if done is None else [done])
+
+    ops, fused = stored(False), stored(True)
+    assert len(ops) == len(fused) == (15 if count == 70 else 14)
+    assert all(a.shape == b.shape for a, b in zip(ops, fused))
+    assert sum(a.size for a in ops[-1 if count == 70 else 0 :]) > 0  # the step's groups
+    for a, b in zip(ops, fused):
+        assert mx.array_equal(a, b)
