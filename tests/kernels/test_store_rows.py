@@ -54,8 +54,12 @@ def test_the_body_gives_the_bits_of_the_transform_and_mx_quantize(dim, bits, gro
             assert mx.array_equal(g, w)
 
 
-def test_what_the_kernel_cannot_store_is_refused():
+def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     keys = mx.zeros((1, 2, 3, 64))
+    assert gpu_kernels.stores_rows(KVQuant(**V2), keys, keys)
+    monkeypatch.setenv(gpu_kernels.STORE_ENV, "0")  # MLX's operations instead
+    assert not gpu_kernels.stores_rows(KVQuant(**V2), keys, keys)
+    monkeypatch.delenv(gpu_kernels.STORE_ENV)
     with pytest.raises(InvalidRequestError, match="not a format"):
         kernels.store_rows(keys, keys, KVQuant(**V1))  # format 1: keys quantized per token
     with pytest.raises(InvalidRequestError, match="not a format"):

@@ -106,13 +106,20 @@ def _kernel(backend: str, name: str, sources: int = 0):
     )
 
 
+# AGENTKV_GPU_STORE=0: format 2 stores a step by MLX's operations (its transform and
+# mx.quantize), not by kernels/store_rows.metal (the lab's A/B; a way around the kernel)
+STORE_ENV = "AGENTKV_GPU_STORE"
+
+
 def stores_rows(quant: KVQuant, keys: mx.array, values: mx.array) -> bool:
     """Whether ``store_rows`` stores these new keys and values: KV format 2 (rotating,
     per-channel keys) with 2/4/8-bit values, keys and values of one head dim with 8
-    channels a lane (32 to 256), value groups of a multiple of 8 dividing it."""
+    channels a lane (32 to 256), value groups of a multiple of 8 dividing it; not with
+    ``AGENTKV_GPU_STORE=0``."""
     dim = keys.shape[-1]
     return (
-        quant.rotate
+        os.environ.get(STORE_ENV) != "0"
+        and quant.rotate
         and quant.channel_keys
         and quant.value_bits in (2, 4, 8)
         and values.shape == keys.shape
