@@ -306,6 +306,41 @@ def test_the_dense_prefill_path_agrees_with_the_reference(fmt, window, sinks):
 
 
 @pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("new", [20, 70, 130])
+def test_the_dense_paths_mask_is_made_on_the_device_and_says_the_rule(monkeypatch, window, new):
+    """The dense prefill path's mask (causal, the window, format 2's own-group rule), made by
+    MLX operations from no host data (an L x keys array from the host is ~140 MB for a chunk
+    of 2048 at 32K), is what the rule says, stated here in NumPy, for chunks that complete no
+    group, one and two, in float16 and float32."""
+    _, q, paged = format_2_batch(window, new=new)
+    paged = paged._replace(host=paged.host._replace(memo=None))
+    L, ct = q.shape[2], paged.channel_tokens
+    made = []
+    real = mx.array
+    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
+    for b in range(q.shape[0]):
+        n = int(paged.host.lengths[b])
+        first = (max(0, n - L - window + 1) if window else 0) // ct * ct
+        own = dense._own_groups(paged, b, n, L)
+        p = np.arange(n - L, n)[:, None]
+        t = np.arange(first, n)[None, :]
+        pick = True
+        if own is not None:
+            done_from, complete, _ = own
+            t = np.concatenate([t, np.arange(done_from, complete)[None, :]], axis=1)
+            group = p // ct * ct
+            inside = (group >= done_from) & (group < complete) & (p < group + ct - 1)
+            copy = np.arange(t.shape[1])[None, :] >= n - first
+            pick = np.where((t // ct * ct == group) & inside, copy, ~copy)
+        visible = (t <= p) & pick & ((p - t < window) if window else True)
+        for dtype in (mx.float16, mx.float32):
+            mask = dense._mask(paged, b, first, n, L, own, dtype)
+            assert mask.dtype == dtype
+            np.testing.assert_array_equal(np.array(mask), np.where(visible, 0.0, -np.inf))
+    assert not made
+
+
+@pytest.mark.parametrize("window", [0, 100])
 def test_the_dense_prefill_path_reads_format_2_tails(window):
     _, q, paged = format_2_batch(window, new=dense.DENSE_QUERIES + 2)
     assert dense.takes(q, paged)

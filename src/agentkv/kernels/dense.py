@@ -12,6 +12,7 @@ reading the KV once more per chunk, for the matrix units' speed on the ``L`` rea
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
@@ -99,29 +100,31 @@ def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own, dtype) -> 
     a query inside a group the chunk completes, before its last token, sees that group's
     float16 copy (after the keys) in place of its quantized keys. Additive, in the queries'
     dtype (what MLX's CUDA attention takes; it would convert a boolean mask at every call),
-    and the same for every layer of the step: made once."""
+    and the same for every layer of the step: made once, by MLX operations on the device
+    (an ``L`` x keys mask from the host would be ~140 MB for a 2048-token chunk at 32K)."""
     memo = paged.host.memo
     key = ("mask", b, first, n, L, dtype)
     if memo is not None and key in memo:
         return memo[key]
-    p = np.arange(n - L, n)[:, None]
-    t = np.arange(first, n)[None, :]
+    p = mx.arange(n - L, n)[:, None]
+    t = mx.arange(first, n)[None, :]
+    pick = None
     if own is not None:
         ct, (done_from, complete, _) = paged.channel_tokens, own
-        t = np.concatenate([t, np.arange(done_from, complete)[None, :]], axis=1)
+        t = mx.concatenate([t, mx.arange(done_from, complete)[None, :]], axis=1)
         group = p // ct * ct
         inside = (group >= done_from) & (group < complete) & (p < group + ct - 1)
-        copy = np.arange(t.shape[1])[None, :] >= n - first  # the float16 copies
+        copy = mx.arange(t.shape[1])[None, :] >= n - first  # the float16 copies
         in_own = (t // ct * ct == group) & inside
         # a query inside one reads its own group's copies alone; every other query, and
         # every other group, the stored keys
-        pick = np.where(in_own, copy, ~copy)
-    else:
-        pick = True
-    visible = (t <= p) & pick
+        pick = mx.where(in_own, copy, mx.logical_not(copy))
+    visible = t <= p
+    if pick is not None:
+        visible = visible & pick
     if paged.window:
-        visible &= p - t < paged.window
-    mask = mx.array(np.where(visible, 0.0, -np.inf).astype(np.float32)).astype(dtype)
+        visible = visible & (p - t < paged.window)
+    mask = mx.where(visible, 0.0, -math.inf).astype(dtype)
     if memo is not None:
         memo[key] = mask
     return mask
