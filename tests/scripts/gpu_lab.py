@@ -5,8 +5,8 @@ the default format 2), at several contexts and two head shapes (SmolLM2-135M's 3
 of 64, Llama-3-8B's 8 of 128), in variants made here by text substitution: as shipped; its
 small inputs (tables, lengths, tail slots, dims, scale) copied into device memory first
 (MLX's CUDA backend keeps arrays made from host data in managed memory); ``__expf`` for
-``expf``; other part sizes; 1 and 4 keys a team loads at once (KU; as shipped: 2).
-Against MLX's fused attention over float16 keys and values.
+``expf``; other part sizes (32, 256, 1024 keys; as shipped: 64); 1 and 4 keys a team loads at
+once (KU; as shipped: 2). Against MLX's fused attention over float16 keys and values.
 
 ``decode``: one engine (or mlx-lm) decoding 128 tokens after a 1K prompt, in this process,
 for an A/B of environment settings run as separate processes by the caller.
@@ -163,8 +163,8 @@ def kernel_lab(args) -> list[dict]:
                              ("__expf", "_fastexp", [("expf(x)", "__expf(x)")], plain, None),
                              ("__expf + device inputs", "_fastexp", [("expf(x)", "__expf(x)")],
                               on_device, None)]  # fmt: skip
-                    for keys_a_part in (256, 1024) if cuda else ():
-                        splits = max(1, min(128, math.ceil(longest / keys_a_part)))
+                    for keys_a_part in (32, 256, 1024) if cuda else ():  # shipped: 64
+                        splits = max(1, min(1024, math.ceil(longest / keys_a_part)))
                         launch = plain.launch(queries[0], splits=splits)
                         cases.append((f"{splits} parts", "", [], on_device, launch))
                     for ku in (1, 4) if cuda else ():  # keys a team loads at once (KU)
