@@ -73,11 +73,10 @@ def emulate_gpu() -> None:
     def kernel(backend, name, sources=0):
         def run(*, inputs, output_shapes, output_dtypes, **_):
             CALLS[name] += 1
-            # one operation over every input, as the kernel is (``Depends``: no kernel)
-            return [
-                mx.depends(mx.zeros(shape, dtype), list(inputs))
-                for shape, dtype in zip(output_shapes, output_dtypes)
-            ]
+            # one operation over every input and every output, as the kernel is (``Depends``:
+            # no kernel; ``Full``, the outputs' zeros, none either)
+            outputs = [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+            return mx.depends(outputs, list(inputs))
 
         return run
 
