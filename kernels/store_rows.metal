@@ -24,7 +24,8 @@
 // scale of max((w_max - w_min) / (2^bits - 1), 1e-7) signed towards the larger edge, the
 // edge's own code q0 = round(edge / scale), then scale = edge / q0 and bias = edge unless q0
 // is 0 (then bias 0); each code min(round((v - bias) / scale), 2^bits - 1), packed from bit
-// 0 of word 0 upward, with the float scale and bias, stored rounded to H.
+// 0 of word 0 upward, with the float scale and bias, stored rounded to T and then to H (as
+// mx.quantize's T scales cast to float16).
 const int n_rows = dims[0];
 const int dim = dims[1];
 const int vbits = dims[2];
@@ -94,8 +95,8 @@ const float bias = at_zero ? 0.0f : edge;
 const int d0 = 8 * team_lane;
 if (real && d0 % group == 0) {
   const unsigned int g = (unsigned int)r * (unsigned int)(dim / group) + (unsigned int)(d0 / group);
-  vs[g] = (H)q_scale;
-  vb[g] = (H)bias;
+  vs[g] = (H)kv_float((T)q_scale);  // mx.quantize stores them in T, the caller in float16
+  vb[g] = (H)kv_float((T)bias);
 }
 unsigned int lo_word = 0u;  // the lane's codes from bit 8 * vbits * (lane % (4 / vbits)) on
 unsigned int hi_word = 0u;  // 8-bit: the second word's

@@ -228,7 +228,7 @@ def gpu_impl(backend):
 
 
 @pytest.mark.parametrize("dim,bits,group", [(64, 4, 64), (128, 4, 64), (128, 8, 32), (32, 2, 32)])
-@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32, mx.bfloat16])
 def test_store_rows_stores_what_the_transform_and_mx_quantize_store(gpu, dim, bits, group, dtype):
     """kernels/store_rows.metal on the GPU (format 2's store of a step in one pass) against
     MLX's own transform and quantization on the same GPU: the keys within a float16 step,
