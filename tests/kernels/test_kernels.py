@@ -187,3 +187,28 @@ def test_the_same_bodies_compile_as_cuda(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_the_gpu_gets_the_bodies_without_comments_and_the_host_compiles_the_same_lines():
+    """What MLX gets (``gpu.body``, ``gpu.helpers``: MLX copies a custom kernel's whole source
+    into every call and hashes it at every evaluation) is each file without its comments,
+    indentation and empty lines, token for token the file the CPU build compiles: the same
+    text once every comment and all white space are taken out of both."""
+    import re
+    from importlib import resources
+
+    from agentkv.kernels import gpu
+
+    def tokens(text: str) -> str:
+        return re.sub(r"\s+", "", re.sub(r"//[^\n]*", "", text))
+
+    sources = resources.files("agentkv").joinpath("_kernel_sources")
+    for name in ("paged_attention", "paged_attention_merge", "store_rows", "merge", "extract"):
+        raw, sent = sources.joinpath(f"{name}.metal").read_text(), gpu.body(name)
+        assert "//" not in sent and "\n\n" not in sent and len(sent) < 0.8 * len(raw)
+        assert tokens(sent) == tokens(raw)
+    for backend in ("cuda", "metal"):
+        raw = sources.joinpath(f"{backend}.h").read_text()
+        assert tokens(gpu.helpers(backend)) == tokens(raw)
+    # a macro continued onto a comment ends there, emptied or not
+    assert gpu.compact("#define A 1 \\\n  // the end\nint b;\n") == "#define A 1 \\\n\nint b;\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from functools import cache, lru_cache, partial
 from importlib import resources
@@ -57,14 +58,36 @@ def cuda_available() -> bool:
 
 @cache
 def body(name: str) -> str:
-    """The kernel body shipped with agentkv (kernels/<name>.metal)."""
-    return resources.files("agentkv").joinpath("_kernel_sources", f"{name}.metal").read_text()
+    """The kernel body shipped with agentkv (kernels/<name>.metal), compacted."""
+    return compact(
+        resources.files("agentkv").joinpath("_kernel_sources", f"{name}.metal").read_text()
+    )
 
 
 @cache
 def helpers(backend: str) -> str:
-    """The helpers the paged attention bodies name, for ``backend`` (kernels/<backend>.h)."""
-    return resources.files("agentkv").joinpath("_kernel_sources", f"{backend}.h").read_text()
+    """The helpers the threadgroup bodies name, for ``backend`` (kernels/<backend>.h),
+    compacted."""
+    return compact(
+        resources.files("agentkv").joinpath("_kernel_sources", f"{backend}.h").read_text()
+    )
+
+
+def compact(source: str) -> str:
+    """``source`` without its comments, indentation and empty lines (no ``//`` lies inside a
+    string literal in these sources). MLX writes a custom kernel's whole source into every
+    call and hashes it at every evaluation (its CUDA backend:
+    mlx/backend/cuda/custom_kernel.cpp): the paged kernel's 21.5 KB become 13 KB. A line
+    that a backslash continues keeps its next one, emptied or not: it ends the macro."""
+    out: list[str] = []
+    for raw in source.splitlines():
+        line = _COMMENT.sub("", raw).strip()
+        if line or (out and out[-1].endswith("\\")):
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+_COMMENT = re.compile(r"//.*$")
 
 
 def _pointers(backend: str, n: int) -> str:
