@@ -311,7 +311,8 @@ def test_the_dense_paths_mask_is_made_on_the_device_and_says_the_rule(monkeypatc
     """The dense prefill path's mask (causal, the window, format 2's own-group rule), made by
     MLX operations from no host data (an L x keys array from the host is ~140 MB for a chunk
     of 2048 at 32K), is what the rule says, stated here in NumPy, for chunks that complete no
-    group, one and two, in float16 and float32."""
+    group, one and two, in float16 and float32; and the whole path (its rows, tails, mask)
+    makes no array from host data."""
     _, q, paged = format_2_batch(window, new=new)
     paged = paged._replace(host=paged.host._replace(memo=None))
     L, ct = q.shape[2], paged.channel_tokens
@@ -337,7 +338,10 @@ def test_the_dense_paths_mask_is_made_on_the_device_and_says_the_rule(monkeypatc
             mask = dense._mask(paged, b, first, n, L, own, dtype)
             assert mask.dtype == dtype
             np.testing.assert_array_equal(np.array(mask), np.where(visible, 0.0, -np.inf))
+    out = dense.paged_attention(q, paged._replace(host=paged.host._replace(memo={})), scale=0.125)
+    mx.eval(out)
     assert not made
+    np.testing.assert_allclose(np.array(out), np.array(reference(q, paged)), atol=2e-3)
 
 
 @pytest.mark.parametrize("window", [0, 100])
