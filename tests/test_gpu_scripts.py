@@ -99,3 +99,12 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     # (pool.arena.index_arrays: a managed-memory buffer each on MLX's CUDA backend)
     assert all(isinstance(r["build_ms"], float) for r in rows.values())
     assert mlx_lm["host_arrays"] == 1 and q4["host_arrays"] == kv16["host_arrays"] == 2
+    # a hot turn's chunk of 20 tokens: the dense path (MLX's fused attention over the rows
+    # gathered once), the same one index array and no other host data
+    done = run(python_env, "tests/scripts/gpu_host_cost.py", "--shape", "tiny", "--context",
+               "70", "--steps", "2", "--tokens", "20", "--json", "--arms", "agentkv-q4",
+               "--tokenizer", str(tokenizer_dir()))  # fmt: skip
+    (chunk,) = json.loads(done.stdout)
+    assert chunk["tokens"] == 20 and chunk["host_arrays"] == 2
+    assert chunk["stand_ins"]["sdpa"] == chunk["stand_ins"]["store_rows"] == layers
+    assert "paged_attention" not in chunk["stand_ins"]

@@ -18,7 +18,9 @@ their output shapes, and for each arm reports
 * ``host_arrays``: the arrays the build makes from host data (``mx.array``), each a buffer
   in managed memory on MLX's CUDA backend.
 
-mlx-lm's own step (its float16 cache) is measured the same way. Run:
+mlx-lm's own step (its float16 cache) is measured the same way; ``--tokens N`` builds steps of
+a prefill chunk of N tokens instead (a hot turn's: on a GPU, 16 or more take the dense path,
+kernels/dense.py). Run:
 ``python tests/scripts/gpu_host_cost.py --context 320 --steps 40 [--json]`` (a context of
 more than one part of the keys, so the merge pass runs; longer ones only take the CPU
 longer to prefill).
@@ -86,7 +88,8 @@ def emulate_gpu() -> None:
 
 def fast_stand_ins() -> None:
     """MLX's fused operations as stand-ins too: on a GPU each is one kernel, on the CPU
-    MLX builds it from a dozen basic operations (every arm, mlx-lm's included)."""
+    MLX builds it from a dozen basic operations (every arm, mlx-lm's included: its quantized
+    embedding's ``mx.dequantize``)."""
 
     def stand_in(name, shape_of):
         def run(*args, **kwargs):
@@ -101,6 +104,16 @@ def fast_stand_ins() -> None:
     mx.fast.scaled_dot_product_attention = stand_in(
         "sdpa", lambda q, k, v, **_: (*q.shape[:-1], v.shape[-1])
     )
+    dequantize = mx.dequantize  # one kernel on a GPU; ~20 shifts and casts on the CPU
+
+    def dequantized(w, scales, biases=None, group_size=64, bits=4, **kwargs):
+        CALLS["dequantize"] += 1
+        shape = (*w.shape[:-1], w.shape[-1] * 32 // bits)
+        out = mx.zeros(shape, kwargs.get("dtype") or scales.dtype)
+        return mx.depends(out, [a for a in (w, scales, biases) if a is not None])
+
+    dequantized.original = dequantize
+    mx.dequantize = dequantized
 
 
 class _ArrayType(type):
@@ -144,14 +157,16 @@ def kernels_of(nodes: collections.Counter, stand_ins: int) -> int:
     return sum(n for kind, n in nodes.items() if kind not in NO_KERNEL | {"AsType"}) + stand_ins
 
 
-def measure(arm: str, name: str, path: Path, kv: Path, context: int, steps: int) -> dict:
+def measure(
+    arm: str, name: str, path: Path, kv: Path, context: int, steps: int, tokens: int = 1
+) -> dict:
     """One arm's row (module docstring): its first step's graph counted, the arrays its
     second makes from host data (the first also makes the kernels' constants, once), every
     later one timed."""
     # a wide layer named (the calibration would measure them for minutes on the CPU);
     # which layers are wide changes their bits, not the step's operations
     options = {"kv_wide_layers": (0,)} if arm == "q4" else {}
-    step, finish = gpu_lab.step_builder(arm, path, kv / name, context, steps + 2, options)
+    step, finish = gpu_lab.step_builder(arm, path, kv / name, context, steps + 2, options, tokens)
     try:
         before = dict(CALLS)
         evaluate, outputs = step()
@@ -167,7 +182,7 @@ def measure(arm: str, name: str, path: Path, kv: Path, context: int, steps: int)
             evaluate()
     finally:
         finish()
-    return _row(name, context, builds, nodes, stand_ins, host_arrays)
+    return {**_row(name, context, builds, nodes, stand_ins, host_arrays), "tokens": tokens}
 
 
 def _since(before: dict) -> dict:
@@ -192,6 +207,9 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_gpu.SHAPES))
     parser.add_argument("--context", type=int, default=320)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--tokens", type=int, default=1, help="tokens a step (1: decode; more: a prefill chunk)"
+    )
     parser.add_argument("--arms", default="agentkv-q4,agentkv-kv16,mlx-lm-fp16")
     parser.add_argument("--tokenizer", help="tokenizer files (default: the embedded model's)")
     parser.add_argument("--json", action="store_true")
@@ -204,7 +222,9 @@ def main() -> None:
         root = Path(tmp)
         path = bench_gpu.build_model(args.shape, root, bench_gpu.tokenizer_dir(args.tokenizer))
         for name in args.arms.split(","):
-            rows.append(measure(ARMS[name], name, path, root / "kv", args.context, args.steps))
+            rows.append(
+                measure(ARMS[name], name, path, root / "kv", args.context, args.steps, args.tokens)
+            )
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -294,8 +294,9 @@ def _built(step, profile) -> float:
 
 
 def step_builder(arm: str, path: Path, kv: Path, context: int, steps: int = 2 * BUILD_STEPS,
-                 options: dict | None = None):  # fmt: skip
-    """(step, finish) for up to ``steps`` decode steps after ``context`` tokens: ``step()``
+                 options: dict | None = None, tokens: int = 1):  # fmt: skip
+    """(step, finish) for up to ``steps`` steps of ``tokens`` tokens each (1: decode; more: a
+    prefill chunk, as a hot turn's) after ``context`` tokens: ``step()``
     builds one step of ``arm`` ("q4", "kv16" or "mlx-lm"; ``bench gpu``'s anatomy: agentkv's
     runner one operation at a time, or mlx-lm's model over its float16 cache) and returns
     (what evaluates it, the arrays its graph ends in: the logits and the arenas' or the
@@ -312,7 +313,7 @@ def step_builder(arm: str, path: Path, kv: Path, context: int, steps: int = 2 * 
         mx.eval(model.model(mx.array([[7] * context]), cache=cache), [c.state for c in cache])
 
         def mlx_lm_step():
-            logits = model(mx.array([[7]]), cache=cache)[:, -1, :]
+            logits = model(mx.array([[7] * tokens]), cache=cache)[:, -1, :]
             arrays = [a for c in cache for a in (c.keys, c.values)]
             return lambda: mx.eval(logits, arrays), [logits, *arrays]
 
@@ -324,18 +325,18 @@ def step_builder(arm: str, path: Path, kv: Path, context: int, steps: int = 2 * 
     engine = Engine(model=str(path), cache_dir=kv, pool_bytes=1 << 30, draft_tokens=0, **options)
     runner, pool = engine.runner, engine.pool
     table = pool.new_table(pool.seed("lab/build"))
-    reservation = pool.reserve(-(-(context + steps + 2) // 256) + 1)
+    reservation = pool.reserve(-(-(context + steps * tokens + 2) // 256) + 1)
     runner.forward([table], [[7] * context], reservations=[reservation])
 
     def agentkv_step():
-        table.grow(1, pool.arena.copy_rows, reservation)
-        paged = PagedStep(pool.arena, engine.loaded.spec, [table], 1, fused=False)
-        logits = mlx_adapter.last_logits(runner.model, mx.array([[7]]), paged.caches)
+        table.grow(tokens, pool.arena.copy_rows, reservation)
+        paged = PagedStep(pool.arena, engine.loaded.spec, [table], tokens, fused=False)
+        logits = mlx_adapter.last_logits(runner.model, mx.array([[7] * tokens]), paged.caches)
 
         def evaluate():
             mx.eval(logits)
             pool.arena.settle()
-            table.written([7])
+            table.written([7] * tokens)
 
         arena = pool.arena
         return evaluate, [logits, *arena._flat(), *arena.tails, *arena.prevs]
