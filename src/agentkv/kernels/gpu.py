@@ -251,6 +251,7 @@ def store_rows(
     )
 
 
+@cache  # called for every layer of every step: its functions made once a backend
 def for_backend(backend: str) -> SimpleNamespace:
     def paged_attention(
         queries: mx.array, paged: PagedQuery, *, scale: float, launch: Launch | None = None
