@@ -672,6 +672,10 @@ NB_MODULE(_ext, m) {
         "group"_a, "threads"_a = 2,
         "kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, "
         "H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).");
+  m.def("kernel_dense_rows", &agentkv::kernels::dense_rows, "keys"_a, "values"_a, "tail"_a,
+        "done"_a, "src"_a, "dims"_a, "threads"_a = 2,
+        "kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row "
+        "sees, gathered from the arenas and dequantized as a GPU does it (for tests).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,

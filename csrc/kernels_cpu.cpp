@@ -2,6 +2,7 @@
 
 #include <mlx/mlx.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -79,6 +80,17 @@ simt::Thread store_rows_thread(unsigned int kv_tid, uint3 kv_group, const float*
   using H = float;
 #include "kernels/store_rows.metal"
   co_return;
+}
+
+// One thread of kernels/dense_rows.metal (no barriers, no shuffles: a plain function); T is
+// float here, and the caller rounds to the queries' type after (one rounding either way).
+template <int TG>
+void dense_rows_thread(unsigned int kv_tid, uint3 kv_group, const uint32_t* kw, const uint16_t* ks,
+                       const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
+                       const uint16_t* vb, const uint16_t* tail, const uint16_t* done,
+                       const int* src, const int* dims, float* k_out, float* v_out) {
+  using T = float;
+#include "kernels/dense_rows.metal"
 }
 
 // One grid point of pass 2 (kernels/paged_attention_merge.metal).
@@ -424,6 +436,71 @@ std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& val
   });
   return {mx::astype(k_out, mx::float16), vw, mx::astype(vs, mx::float16),
           mx::astype(vb, mx::float16)};
+}
+
+std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
+                                  const std::vector<mx::array>& values, const mx::array& tail_in,
+                                  const mx::array& done_in, const mx::array& src_in,
+                                  const std::array<int, 7>& dims, int threads) {
+  if (keys.size() != 3 || values.size() != 3) {
+    throw std::invalid_argument("dense rows: keys and values are words, scales, biases");
+  }
+  const auto [dim, dim_v, kbits, vbits, group, channel_tokens, units] = dims;
+  auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
+  auto grouped = [&](int bits, int d) { return bits == 16 || (group >= 8 && d % group == 0); };
+  if (dim < 8 || dim % 8 || dim_v < 8 || dim_v % 8 || !supported(kbits) || !supported(vbits) ||
+      !grouped(vbits, dim_v) ||
+      (channel_tokens == 0 ? !grouped(kbits, dim) : kbits == 16 || dim % channel_tokens) ||
+      (group % 8 && (kbits != 16 || vbits != 16)) || units != std::max(dim, dim_v) / 8) {
+    throw std::invalid_argument("dense rows: bad dims");
+  }
+  std::vector<mx::array> parts;
+  for (const auto* list : {&keys, &values}) {
+    for (size_t i = 0; i < 3; ++i) {
+      parts.push_back(mx::contiguous(mx::view((*list)[i], i == 0 ? mx::uint32 : mx::uint16)));
+    }
+  }
+  mx::array tail = mx::contiguous(mx::view(tail_in, mx::uint16));
+  mx::array done = mx::contiguous(mx::view(done_in, mx::uint16));
+  mx::array src = mx::contiguous(mx::astype(src_in, mx::int32));
+  std::vector<mx::array> to_eval = {tail, done, src};
+  to_eval.insert(to_eval.end(), parts.begin(), parts.end());
+  mx::eval(to_eval);
+  const int n = src.size() >= 3 ? src.data<int>()[0] : -1;
+  if (n < 0 || src.size() != 3 + static_cast<size_t>(n) * 3) {
+    throw std::invalid_argument("dense rows: src must hold its count, then 3 ints a row");
+  }
+  const uint64_t key_rows = parts[0].size() / (dim * kbits / 32);
+  const uint64_t value_rows = parts[3].size() / (dim_v * vbits / 32);
+  const int* s = src.data<int>() + 3;
+  for (int i = 0; i < n; ++i) {  // every row a thread reads lies in its array
+    const int kind = s[3 * i];
+    const int64_t krow = s[3 * i + 1];
+    const int64_t vrow = s[3 * i + 2];
+    const uint64_t limit = kind == 0   ? key_rows
+                           : kind == 1 ? tail.size() / dim
+                           : kind == 2 ? done.size() / dim
+                                       : 0;
+    if (krow < 0 || static_cast<uint64_t>(krow) >= limit || vrow < 0 ||
+        static_cast<uint64_t>(vrow) >= value_rows) {
+      throw std::invalid_argument("dense rows: output row " + std::to_string(i) +
+                                  " names a row outside its array");
+    }
+  }
+  mx::array k_out = new_array({n, dim}, mx::float32);
+  mx::array v_out = new_array({n, dim_v}, mx::float32);
+  const size_t groups = (static_cast<size_t>(n) * units + kThreadgroup - 1) / kThreadgroup;
+  run_columns(groups, threads, [&](size_t g) {
+    for (int t = 0; t < kThreadgroup; ++t) {
+      dense_rows_thread<kThreadgroup>(
+          static_cast<unsigned>(t), uint3{static_cast<unsigned>(g), 0, 0},
+          parts[0].data<uint32_t>(), parts[1].data<uint16_t>(), parts[2].data<uint16_t>(),
+          parts[3].data<uint32_t>(), parts[4].data<uint16_t>(), parts[5].data<uint16_t>(),
+          tail.data<uint16_t>(), done.data<uint16_t>(), src.data<int>(), dims.data(),
+          k_out.data<float>(), v_out.data<float>());
+    }
+  });
+  return {k_out, v_out};
 }
 
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources_in,

@@ -36,6 +36,15 @@ mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys
 std::vector<mx::array> store_rows(const mx::array& keys, const mx::array& values, int value_bits,
                                   int group, int threads);
 
+// kernels/dense_rows.metal over its grid: the keys [N, D] and values [N, Dv] (float32) that
+// `src` (int32 [3 + N * 3]: N, 0, 0, then a row's key source 0 arena / 1 tail / 2 done, key
+// row, value arena row) names, dequantized; dims as the body documents them. Every named row
+// is checked to lie in its array.
+std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
+                                  const std::vector<mx::array>& values, const mx::array& tail,
+                                  const mx::array& done, const mx::array& src,
+                                  const std::array<int, 7>& dims, int threads);
+
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources,

@@ -58,6 +58,7 @@ def test_the_lab_runs_its_kernel_cases_and_a_decode_arm(python_env):
                  "tiny", "--tokenizer", tokenizer)  # fmt: skip
     row = json.loads(decode.stdout.splitlines()[-1])
     assert row["tokens"] == 128 and row["cache"] == "cold" and row["hot_decode_tps"] > 0
+    assert row["hot_ttft_ms"] > 0
     build = run(python_env, "tests/scripts/gpu_lab.py", "build", "--shape", "tiny", "--context",
                 "70", "--tokenizer", tokenizer)  # fmt: skip
     rows = [json.loads(line) for line in build.stdout.splitlines() if '"top"' in line]

@@ -221,6 +221,39 @@ def test_the_dense_prefill_path_on_the_gpu(gpu, window):
     close(out2, reference(q2, paged2), atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("fmt", [(4, 4, 64), (8, 4, 32), (16, 16, 64)])
+def test_dense_rows_gathers_what_the_operations_gather(gpu, fmt, dtype):
+    """kernels/dense_rows.metal on the GPU (a prefill chunk's rows gathered and dequantized
+    in one kernel) against the MLX operations it replaces, on the same GPU: within one step
+    of the output type (CUDA may fuse q * scale + bias into one rounding), format 1 and
+    format 2 with tails; and the dense path through the kernel, as the engine runs it."""
+    from agentkv.kernels import dense
+
+    queries = dense.DENSE_QUERIES + 4
+    _, _, q, paged = jagged_batch(KVQuant(*fmt, **V1), [1500, queries], queries=queries)
+    _, q2, paged2 = format_2_batch(100, new=queries)
+    rows = gpu_impl(gpu).dense_rows
+    tol = {mx.float16: 1e-3, mx.bfloat16: 8e-3, mx.float32: 1e-5}[dtype]
+    for p, L in ((paged, queries), (paged2, queries)):
+        for b in range(len(p.host.lengths)):
+            n = int(p.host.lengths[b])
+            first = max(0, n - L - p.window + 1) if p.window else 0
+            if p.channel_tokens:
+                first = first // p.channel_tokens * p.channel_tokens
+            own = dense._own_groups(p, b, n, L)
+            src, count = dense._sources(p, b, first, n, own)
+            with kernels.use_backend(gpu):
+                got = rows(p, src, count, dtype)
+            want = dense._gathered(p, b, first, n, own, dtype)
+            for g, w in zip(got, want):
+                assert g.dtype == dtype
+                g = np.array(g.astype(mx.float32)).reshape(w.shape)
+                np.testing.assert_allclose(g, np.array(w.astype(mx.float32)), rtol=tol, atol=tol)
+    out = on(gpu, lambda: attention.paged_attention(q2.astype(dtype), paged2, scale=0.125))
+    close(out.astype(mx.float32), reference(q2, paged2), atol=3e-3 if dtype == mx.float32 else 2e-2)
+
+
 def gpu_impl(backend):
     from agentkv.kernels import gpu as gpu_module
 

@@ -145,6 +145,15 @@ __global__ void store_rows_{n}(const {t}* k_in, const {t}* v_in, const int32_t* 
 {group_ids}{body}
 }}
 """
+CUDA_DENSE_ROWS = """
+__global__ void dense_rows_{n}(const uint32_t* kw, const __half* ks, const __half* kb,
+    const uint32_t* vw, const __half* vs, const __half* vb, const __half* tail,
+    const __half* done, const int32_t* src, const int32_t* dims, {t}* k_out, {t}* v_out) {{
+  using T = {t};
+  constexpr int TG = 256;
+{group_ids}{body}
+}}
+"""
 # (input dtype, KL): the head dims 64 and 128 in float16, 32 and 256 in the other types
 CUDA_STORE_SHAPES = [("__half", 8), ("__half", 16), ("float", 4), ("__nv_bfloat16", 32)]
 # (query dtype, output dtype, NQ, KL, KU): the shapes the engine launches, and the extremes
@@ -177,6 +186,9 @@ def test_the_same_bodies_compile_as_cuda(tmp_path):
     for n, (t, kl) in enumerate(CUDA_STORE_SHAPES):
         source += CUDA_STORE.format(n=n, t=t, kl=kl, group_ids=gpu.GROUP_IDS["cuda"],
                                     body=gpu.body("store_rows"))  # fmt: skip
+    for n, t in enumerate(("__half", "float", "__nv_bfloat16")):  # the queries' dtypes
+        source += CUDA_DENSE_ROWS.format(n=n, t=t, group_ids=gpu.GROUP_IDS["cuda"],
+                                         body=gpu.body("dense_rows"))  # fmt: skip
     source += "}  // namespace mlx::core::cu\n"
     path = tmp_path / "kernels.cu"
     path.write_text(source)
@@ -203,7 +215,8 @@ def test_the_gpu_gets_the_bodies_without_comments_and_the_host_compiles_the_same
         return re.sub(r"\s+", "", re.sub(r"//[^\n]*", "", text))
 
     sources = resources.files("agentkv").joinpath("_kernel_sources")
-    for name in ("paged_attention", "paged_attention_merge", "store_rows", "merge", "extract"):
+    names = ("paged_attention", "paged_attention_merge", "store_rows", "dense_rows", "merge")
+    for name in (*names, "extract"):
         raw, sent = sources.joinpath(f"{name}.metal").read_text(), gpu.body(name)
         assert "//" not in sent and "\n\n" not in sent and len(sent) < 0.8 * len(raw)
         assert tokens(sent) == tokens(raw)

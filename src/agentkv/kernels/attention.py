@@ -166,8 +166,9 @@ def _run_path(path: str, queries: mx.array, paged: PagedQuery, scale: float) -> 
     _PATHS[path] += 1
     if path == FUSED:
         return cpu.fused_paged_attention(queries, paged, scale=scale)
-    if path == DENSE:
-        return dense.paged_attention(queries, paged, scale=scale)
+    if path == DENSE:  # a chunk's rows by kernels/dense_rows.metal where it takes them
+        rows = gpu.for_backend(backend()).dense_rows if gpu.gathers_rows(paged) else None
+        return dense.paged_attention(queries, paged, scale=scale, rows_kernel=rows)
     if path == KERNEL:
         return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
     return reference.paged_attention(queries, paged, scale=scale)

@@ -56,6 +56,21 @@ def store_rows(
     return tuple(_ext.kernel_store_rows(keys, values, value_bits, group, THREADS))
 
 
+def dense_rows(
+    paged: PagedQuery, src: mx.array, count: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """kernels/dense_rows.metal on the host, as a GPU runs it (``gpu.dense_rows``)."""
+    parts = paged.kernel_parts()
+    none = mx.zeros((1,), dtype=mx.float16)
+    keys, values = _ext.kernel_dense_rows(  # count: src[0]
+        list(parts[:3]), list(parts[3:]),
+        paged.tail if paged.tail is not None else none,
+        paged.done if paged.done is not None else none,
+        src, paged.dense_rows_dims(), THREADS,
+    )  # fmt: skip
+    return keys.astype(dtype), values.astype(dtype)
+
+
 def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
     return _ext.paged_attention(
         queries,

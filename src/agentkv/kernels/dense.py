@@ -35,9 +35,13 @@ def takes(queries: mx.array, paged: PagedQuery) -> bool:
     )
 
 
-def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
+def paged_attention(
+    queries: mx.array, paged: PagedQuery, *, scale: float, rows_kernel=None
+) -> mx.array:
     """Attention of each row's ``L`` queries over its keys (from its window's start),
-    gathered and dequantized once, in the queries' dtype."""
+    gathered and dequantized once, in the queries' dtype. ``rows_kernel`` (the backend's
+    ``dense_rows``, kernels/dense_rows.metal) gathers and dequantizes a row's keys and
+    values in one kernel where given; else MLX's operations do (the same values)."""
     host = paged.host
     B, _, L, _ = queries.shape
     outs = []
@@ -46,23 +50,22 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         first = max(0, n - L - paged.window + 1) if paged.window else 0
         if paged.channel_tokens:  # whole channel groups: their scales cover them
             first = first // paged.channel_tokens * paged.channel_tokens
-        keys = _keys(paged, b, first, n).astype(queries.dtype)
-        values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
-        mask = "causal"
         own = _own_groups(paged, b, n, L)
-        if own is not None:  # format 2: the groups the chunk completes, again in float16
-            done_from, complete, done_keys = own
-            keys = mx.concatenate([keys, done_keys.astype(queries.dtype)], axis=2)
-            values = mx.concatenate(
-                [values, values[:, :, done_from - first : complete - first]], axis=2
-            )
+        if rows_kernel is not None:
+            src, count = _sources(paged, b, first, n, own)
+            keys, values = rows_kernel(paged, src, count, queries.dtype)
+            keys = keys.reshape(1, paged.kv_heads, -1, keys.shape[-1])
+            values = values.reshape(1, paged.kv_heads, -1, values.shape[-1])
+        else:
+            keys, values = _gathered(paged, b, first, n, own, queries.dtype)
+        mask = "causal"
         if first or paged.window or own is not None:
             mask = _mask(paged, b, first, n, L, own, queries.dtype)
         outs.append(
             reference.float_attention(
                 queries[b : b + 1],
                 keys,
-                values.astype(queries.dtype),
+                values,
                 scale=scale,
                 mask=mask,
                 sinks=paged.sinks.astype(queries.dtype) if paged.sinks is not None else None,
@@ -72,11 +75,72 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
 
 
+def _gathered(paged: PagedQuery, b: int, first: int, n: int, own, dtype) -> tuple:
+    """Row ``b``'s keys and values [1, kv_heads, keys, D] in ``dtype`` by MLX's operations:
+    tokens [first, n), then (format 2, ``own``) the groups the chunk completes again, their
+    keys in float16 from the step's ``done``."""
+    keys = _keys(paged, b, first, n).astype(dtype)
+    values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
+    if own is not None:
+        done_from, complete, entry = own
+        ct, heads = paged.channel_tokens, paged.kv_heads
+        groups = (complete - done_from) // ct
+        rows = paged.done[entry * ct : (entry + groups * heads) * ct]
+        rows = rows.reshape(groups, heads, ct, -1).transpose(1, 0, 2, 3)
+        done_keys = rows.reshape(1, heads, groups * ct, -1)
+        keys = mx.concatenate([keys, done_keys.astype(dtype)], axis=2)
+        values = mx.concatenate(
+            [values, values[:, :, done_from - first : complete - first]], axis=2
+        )
+    return keys, values.astype(dtype)
+
+
+def _sources(paged: PagedQuery, b: int, first: int, n: int, own) -> tuple[mx.array, int]:
+    """What kernels/dense_rows.metal reads for row ``b``: for each output row, head by head
+    (tokens [first, n), then ``own``'s copies), where its key lies (0: the arena, 1: the
+    row's tail, 2: the step's ``done``), that row and its value's arena row, after a
+    first triple (count, 0, 0), as int32 [3 + count * 3]; and count. Made once a step
+    (every layer reads the same rows), by MLX operations from the step's table on the
+    device."""
+    memo = paged.host.memo
+    key = ("sources", b, first, n, own, paged.channel_tokens, paged.kv_heads)
+    if memo is not None and key in memo:
+        return memo[key]
+    ct, heads = paged.channel_tokens, paged.kv_heads
+    h = mx.arange(heads)[:, None]
+    arena = _rows(paged, b, first, n).reshape(heads, n - first)
+    kind = mx.zeros(arena.shape, dtype=mx.int32)
+    rows = arena
+    complete = n // ct * ct if ct else n
+    if complete < n:  # the tail: tokens past the last complete group
+        slot = int(paged.host.tail_slots[b])
+        t = mx.arange(first, n)[None, :]
+        in_tail = t >= complete
+        kind = mx.where(in_tail, 1, kind)
+        rows = mx.where(in_tail, (slot * heads + h) * ct + t - complete, rows)
+    columns = [mx.stack([kind, rows, arena], axis=-1)]
+    if own is not None:
+        done_from, done_to, entry = own
+        j = mx.arange(done_to - done_from)[None, :]
+        done_rows = (entry + j // ct * heads + h) * ct + j % ct
+        copies = [mx.full(done_rows.shape, 2, dtype=mx.int32), done_rows]
+        copies.append(arena[:, done_from - first : done_to - first])
+        columns.append(mx.stack(copies, axis=-1))
+    src = columns[0] if len(columns) == 1 else mx.concatenate(columns, axis=1)
+    count = src.shape[0] * src.shape[1]
+    head = mx.where(mx.arange(3) == 0, count, 0)
+    out = (mx.concatenate([head, src.astype(mx.int32).reshape(-1)]), count)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
 def _own_groups(paged: PagedQuery, b: int, n: int, L: int):
     """Format 2: the channel groups row ``b``'s chunk completes (positions ``done_from`` to
-    ``complete``) and their keys in float16 [1, kv_heads, complete - done_from, D], which a
-    query inside one reads until the group's last token (as one token at a time would read
-    it from its tail); None where the chunk completes none."""
+    ``complete``) and the first of their entries in the step's ``done`` (float16, group by
+    group, head by head), which a query inside one reads until the group's last token (as
+    one token at a time would read it from its tail): (done_from, complete, entry); None
+    where the chunk completes none."""
     ct = paged.channel_tokens
     if not ct or paged.done is None:
         return None
@@ -89,10 +153,7 @@ def _own_groups(paged: PagedQuery, b: int, n: int, L: int):
     done_from, complete = (n - L) // ct * ct, n // ct * ct
     if entry < 0 or complete <= done_from:
         return None
-    groups, heads = (complete - done_from) // ct, paged.kv_heads
-    rows = paged.done[entry * ct : (entry + groups * heads) * ct]
-    rows = rows.reshape(groups, heads, ct, -1).transpose(1, 0, 2, 3)
-    return done_from, complete, rows.reshape(1, heads, groups * ct, -1)
+    return done_from, complete, entry
 
 
 def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own, dtype) -> mx.array:

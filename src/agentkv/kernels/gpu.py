@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from ..format.quant import KVQuant
+from ..format.quant import FLOAT_BITS, KVQuant
 from .types import THREADGROUP as PAGED_THREADGROUP
 from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
 
@@ -104,9 +104,15 @@ INPUTS = {
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
     "store_rows": ["k_in", "v_in", "dims", "scale"],
+    "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims"],
 }  # fmt: skip
-OUTPUTS = {"paged_attention": ["out", "stats"], "store_rows": ["k_out", "vw", "vs", "vb"]}
-THREAD_GROUPS = ("paged_attention", "store_rows")  # bodies that work by threadgroups
+OUTPUTS = {
+    "paged_attention": ["out", "stats"],
+    "store_rows": ["k_out", "vw", "vs", "vb"],
+    "dense_rows": ["k_out", "v_out"],
+}
+# bodies that read their thread and threadgroup ids and the backend's helpers
+THREAD_GROUPS = ("paged_attention", "store_rows", "dense_rows")
 
 
 @cache
@@ -149,6 +155,54 @@ def stores_rows(quant: KVQuant, keys: mx.array, values: mx.array) -> bool:
         and dim in (32, 64, 128, 256)
         and quant.group_size % 8 == 0
         and dim % quant.group_size == 0
+    )
+
+
+# AGENTKV_GPU_GATHER=0: a prefill chunk's rows gathered and dequantized by MLX's operations,
+# not by kernels/dense_rows.metal (the lab's A/B; a way around the kernel)
+GATHER_ENV = "AGENTKV_GPU_GATHER"
+DENSE_ROWS_BITS = (2, 4, 8, 16)
+
+
+def gathers_rows(paged: PagedQuery) -> bool:
+    """Whether ``dense_rows`` gathers this layer's rows: keys and values of 2, 4, 8 or 16
+    bits, head dims a multiple of 8, groups of a multiple of 8 channels; not with
+    ``AGENTKV_GPU_GATHER=0``."""
+    bits = (paged.key_bits, paged.value_bits)
+    return (
+        os.environ.get(GATHER_ENV) != "0"
+        and paged.key_bits in DENSE_ROWS_BITS
+        and paged.value_bits in DENSE_ROWS_BITS
+        and paged.key_dim % 8 == 0
+        and paged.value_dim % 8 == 0
+        and all(b == FLOAT_BITS or paged.group % 8 == 0 for b in bits)
+    )
+
+
+def dense_rows(
+    backend: str, paged: PagedQuery, src: mx.array, count: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """The keys [count, D] and values [count, Dv] that ``src`` (int32 [3 + count * 3]:
+    count, then each output row's key source, key row and value row;
+    kernels/dense_rows.metal) names, gathered from this layer's arenas and dequantized in
+    one pass, in ``dtype``."""
+    dims = paged.dense_rows_dims()
+    threads = count * dims[-1]
+    return tuple(
+        _kernel(backend, "dense_rows")(
+            inputs=[
+                *paged.kernel_parts(),
+                paged.tail if paged.tail is not None else _zeros(1, mx.float16),
+                paged.done if paged.done is not None else _zeros(1, mx.float16),
+                src,
+                _ints(dims),
+            ],
+            template=[("T", dtype), ("TG", THREADGROUP[0])],
+            grid=(-(-threads // THREADGROUP[0]) * THREADGROUP[0], 1, 1),
+            threadgroup=THREADGROUP,
+            output_shapes=[(count, dims[0]), (count, dims[1])],
+            output_dtypes=[dtype, dtype],
+        )
     )
 
 
@@ -359,5 +413,5 @@ def for_backend(backend: str) -> SimpleNamespace:
 
     return SimpleNamespace(
         paged_attention=paged_attention, merge=merge, extract_rows=extract_rows,
-        store_rows=partial(store_rows, backend),
+        store_rows=partial(store_rows, backend), dense_rows=partial(dense_rows, backend),
     )  # fmt: skip

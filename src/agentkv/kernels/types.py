@@ -89,6 +89,14 @@ class PagedQuery(NamedTuple):
             int(self.rotate),
         )
 
+    def dense_rows_dims(self) -> tuple[int, ...]:
+        """kernels/dense_rows.metal's dims (its rows' count is in its ``src``)."""
+        dim, dim_v = self.key_dim, self.value_dim
+        return (
+            dim, dim_v, self.key_bits, self.value_bits, self.group, self.channel_tokens,
+            max(dim, dim_v) // 8,
+        )  # fmt: skip
+
     def rotates_inside(self, queries: mx.array, launch: Launch | None = None) -> bool:
         """Whether the paged kernel rotates these queries and their output itself: a
         rotating format whose key and value dims are equal, a power of two, 8 channels a lane
@@ -110,6 +118,11 @@ class PagedQuery(NamedTuple):
             1 / math.sqrt(self.value_dim),
             float(self.softcap),
         )
+
+    @property
+    def key_dim(self) -> int:
+        words = self.keys[0].shape[-1]
+        return words if self.key_bits == FLOAT_BITS else words * 32 // self.key_bits
 
     @property
     def value_dim(self) -> int:
