@@ -676,6 +676,10 @@ NB_MODULE(_ext, m) {
         "done"_a, "src"_a, "dims"_a, "threads"_a = 2,
         "kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row "
         "sees, gathered from the arenas and dequantized as a GPU does it (for tests).");
+  m.def("kernel_quantize_groups", &agentkv::kernels::quantize_groups, "x"_a, "bits"_a,
+        "channel_tokens"_a,
+        "kernels/quantize_groups.metal on CPU: whole channel groups of keys [..., G * ct, D] "
+        "-> (words, scales, biases) as KV format 2 stores them (for tests).");
   m.def("kernel_merge", &agentkv::kernels::merge, "sources"_a, "rows"_a, "dims"_a, "threads"_a = 2,
         "kernels/merge.metal on CPU, for many outputs at once.");
   m.def("kernel_extract", &agentkv::kernels::extract, "batches"_a, "metas"_a, "threads"_a = 2,

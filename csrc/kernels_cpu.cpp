@@ -47,6 +47,12 @@ inline float kv_tanh(float x) {
 inline float kv_round(float x) {
   return std::round(x);
 }
+inline float kv_rint(float x) {
+  return std::nearbyint(x);  // the default rounding: to nearest, ties to even
+}
+inline float kv_to_half(float x) {
+  return half_to_float(float_to_half(x));
+}
 constexpr float KV_NEG_INF = -std::numeric_limits<float>::infinity();
 #define KV_SHARED_ARRAY(type, name, count) type* name = kv_ctx.shared<type>(kv_shared, (count))
 #define KV_BARRIER() \
@@ -91,6 +97,14 @@ void dense_rows_thread(unsigned int kv_tid, uint3 kv_group, const uint32_t* kw, 
                        const int* src, const int* dims, float* k_out, float* v_out) {
   using T = float;
 #include "kernels/dense_rows.metal"
+}
+
+// One thread of kernels/quantize_groups.metal (a plain function); H is float here, and the
+// caller stores its float16 values as float16 after (exactly: they are float16 already).
+void quantize_groups_thread(unsigned int kv_tid, uint3 kv_group, const uint16_t* x,
+                            const int* dims, uint32_t* words, float* scales, float* biases) {
+  using H = float;
+#include "kernels/quantize_groups.metal"
 }
 
 // One grid point of pass 2 (kernels/paged_attention_merge.metal).
@@ -501,6 +515,34 @@ std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
     }
   });
   return {k_out, v_out};
+}
+
+std::vector<mx::array> quantize_groups(const mx::array& x_in, int bits, int channel_tokens) {
+  if (x_in.ndim() < 2) {
+    throw std::invalid_argument("quantize groups: rows [..., D] expected");
+  }
+  const int dim = x_in.shape(-1);
+  const int64_t rows = static_cast<int64_t>(x_in.size() / dim);
+  if ((bits != 2 && bits != 4 && bits != 8) || channel_tokens < 1 || dim % channel_tokens ||
+      dim * bits % 32 || rows % channel_tokens) {
+    throw std::invalid_argument("quantize groups: bad dims");
+  }
+  mx::array x = mx::contiguous(mx::view(mx::astype(x_in, mx::float16), mx::uint16));
+  mx::eval(x);
+  const int groups = static_cast<int>(rows / channel_tokens);
+  const int row_words = dim * bits / 32;
+  mx::array words = new_array({static_cast<int>(rows), row_words}, mx::uint32);
+  mx::array scales = new_array({static_cast<int>(rows), dim / channel_tokens}, mx::float32);
+  mx::array biases = new_array({static_cast<int>(rows), dim / channel_tokens}, mx::float32);
+  const int dims[3] = {dim, bits, channel_tokens};
+  for (int g = 0; g < groups; ++g) {
+    for (int t = 0; t < row_words; ++t) {
+      quantize_groups_thread(static_cast<unsigned>(t), uint3{static_cast<unsigned>(g), 0, 0},
+                             x.data<uint16_t>(), dims, words.data<uint32_t>(),
+                             scales.data<float>(), biases.data<float>());
+    }
+  }
+  return {words, mx::astype(scales, mx::float16), mx::astype(biases, mx::float16)};
 }
 
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources_in,

@@ -45,6 +45,11 @@ std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
                                   const mx::array& done, const mx::array& src,
                                   const std::array<int, 7>& dims, int threads);
 
+// kernels/quantize_groups.metal over its grid: whole channel groups of keys [..., G * ct, D]
+// -> (words uint32 [G * ct, D * bits / 32], scales and biases float16 [G * ct, D / ct]), as
+// quant.quantize_channels lays them out.
+std::vector<mx::array> quantize_groups(const mx::array& x, int bits, int channel_tokens);
+
 // sources[k]: the source arrays of output k; rows: int32 [n_rows, 5];
 // dims per output: heads, width, used, capacity, (chunk: ignored)
 std::vector<mx::array> merge(const std::vector<std::vector<mx::array>>& sources,

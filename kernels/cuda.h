@@ -12,6 +12,8 @@ __device__ inline float kv_exp(float x) { return expf(x); }
 __device__ inline float kv_max(float a, float b) { return fmaxf(a, b); }
 __device__ inline float kv_tanh(float x) { return tanhf(x); }
 __device__ inline float kv_round(float x) { return roundf(x); }
+__device__ inline float kv_rint(float x) { return rintf(x); }
+__device__ inline float kv_to_half(float x) { return __half2float(__float2half_rn(x)); }
 #define KV_NEG_INF (-INFINITY)
 #define KV_SHARED_ARRAY(type, name, count) __shared__ type name[count]
 #define KV_BARRIER() __syncthreads()

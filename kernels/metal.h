@@ -8,6 +8,8 @@ inline float kv_exp(float x) { return metal::exp(x); }
 inline float kv_max(float a, float b) { return metal::max(a, b); }
 inline float kv_tanh(float x) { return metal::precise::tanh(x); }
 inline float kv_round(float x) { return metal::round(x); }
+inline float kv_rint(float x) { return metal::rint(x); }
+inline float kv_to_half(float x) { return float(half(x)); }
 constant float KV_NEG_INF = -INFINITY;
 #define KV_SHARED_ARRAY(type, name, count) threadgroup type name[count]
 #define KV_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)

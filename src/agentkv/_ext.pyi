@@ -126,6 +126,11 @@ def kernel_dense_rows(keys: Sequence[mlx.core.array], values: Sequence[mlx.core.
     kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row sees, gathered from the arenas and dequantized as a GPU does it (for tests).
     """
 
+def kernel_quantize_groups(x: mlx.core.array, bits: int, channel_tokens: int) -> list[mlx.core.array]:
+    """
+    kernels/quantize_groups.metal on CPU: whole channel groups of keys [..., G * ct, D] -> (words, scales, biases) as KV format 2 stores them (for tests).
+    """
+
 def kernel_merge(sources: Sequence[Sequence[mlx.core.array]], rows: mlx.core.array, dims: Sequence[Sequence[int]], threads: int = 2) -> list[mlx.core.array]:
     """kernels/merge.metal on CPU, for many outputs at once."""
 

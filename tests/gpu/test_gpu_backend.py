@@ -284,6 +284,27 @@ def test_store_rows_stores_what_the_transform_and_mx_quantize_store(gpu, dim, bi
     np.testing.assert_allclose(got[3], want[3], rtol=2e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim,bits,ct", [(64, 4, 64), (128, 8, 64), (32, 2, 32), (256, 4, 32)])
+def test_quantize_groups_stores_what_quantize_channels_stores(gpu, dim, bits, ct):
+    """kernels/quantize_groups.metal on the GPU (a step's completed channel groups) against
+    MLX's operations on the same GPU: the same biases (a minimum), the scales within float16
+    rounding, the codes the same but where one lies on a rounding edge."""
+    from agentkv.format.quant import quantize_channels
+
+    rng = np.random.default_rng(dim + bits)
+    keys = mx.array((rng.standard_normal((3, ct, dim)) * 2).astype(np.float16))
+
+    def host(parts):
+        parts = [a.reshape(-1, a.shape[-1]) for a in parts]
+        return [np.array(a if a.dtype == mx.uint32 else a.astype(mx.float32)) for a in parts]
+
+    want = host(quantize_channels(keys, bits, ct))
+    got = host(on(gpu, lambda: gpu_impl(gpu).quantize_groups(keys, bits)))
+    assert (got[0] == want[0]).mean() > 0.99
+    np.testing.assert_allclose(got[1], want[1], rtol=2e-3, atol=1e-6)
+    np.testing.assert_array_equal(got[2], want[2])
+
+
 def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
     """A cold turn, a hot one, a batch of two agents and a sampled turn on the GPU, the engine
     as a user makes it (its warm-up included): attention goes through the shared body (never

@@ -154,6 +154,13 @@ __global__ void dense_rows_{n}(const uint32_t* kw, const __half* ks, const __hal
 {group_ids}{body}
 }}
 """
+CUDA_QUANTIZE_GROUPS = """
+__global__ void quantize_groups(const __half* x, const int32_t* dims, uint32_t* words,
+    __half* scales, __half* biases) {{
+  using H = __half;
+{group_ids}{body}
+}}
+"""
 # (input dtype, KL): the head dims 64 and 128 in float16, 32 and 256 in the other types
 CUDA_STORE_SHAPES = [("__half", 8), ("__half", 16), ("float", 4), ("__nv_bfloat16", 32)]
 # (query dtype, output dtype, NQ, KL, KU): the shapes the engine launches, and the extremes
@@ -189,6 +196,8 @@ def test_the_same_bodies_compile_as_cuda(tmp_path):
     for n, t in enumerate(("__half", "float", "__nv_bfloat16")):  # the queries' dtypes
         source += CUDA_DENSE_ROWS.format(n=n, t=t, group_ids=gpu.GROUP_IDS["cuda"],
                                          body=gpu.body("dense_rows"))  # fmt: skip
+    source += CUDA_QUANTIZE_GROUPS.format(group_ids=gpu.GROUP_IDS["cuda"],
+                                          body=gpu.body("quantize_groups"))  # fmt: skip
     source += "}  // namespace mlx::core::cu\n"
     path = tmp_path / "kernels.cu"
     path.write_text(source)
@@ -216,7 +225,7 @@ def test_the_gpu_gets_the_bodies_without_comments_and_the_host_compiles_the_same
 
     sources = resources.files("agentkv").joinpath("_kernel_sources")
     names = ("paged_attention", "paged_attention_merge", "store_rows", "dense_rows", "merge")
-    for name in (*names, "extract"):
+    for name in (*names, "quantize_groups", "extract"):
         raw, sent = sources.joinpath(f"{name}.metal").read_text(), gpu.body(name)
         assert "//" not in sent and "\n\n" not in sent and len(sent) < 0.8 * len(raw)
         assert tokens(sent) == tokens(raw)

@@ -1,8 +1,11 @@
 """kernels/store_rows.metal: KV format 2's store of a step's new keys and values in one pass
 (the keys' and values' Walsh-Hadamard transforms and the values' quantization, three MLX
 operations a layer on a GPU). The body compiled for the CPU (csrc/simt.h runs its lanes as a
-loop) gives the bits of MLX's transform and ``mx.quantize``; the arena's GPU branch, run here
-with that build, stores the bytes the operations store."""
+loop) gives the bits of MLX's transform and ``mx.quantize``; kernels/quantize_groups.metal,
+the completed channel groups' quantization, the bits of ``quantize_channels``; the arena's
+GPU branch, run here with those builds, stores the bytes the operations store."""
+
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +14,7 @@ from helpers import fill_table, pool_for, synthetic_spec
 
 from agentkv import _ext, kernels
 from agentkv.errors import InvalidRequestError
-from agentkv.format.quant import V1, V2, KVQuant, hadamard
+from agentkv.format.quant import V1, V2, KVQuant, hadamard, quantize_channels
 from agentkv.kernels import cpu
 from agentkv.kernels import gpu as gpu_kernels
 from agentkv.pool import arena as arena_module
@@ -54,6 +57,31 @@ def test_the_body_gives_the_bits_of_the_transform_and_mx_quantize(dim, bits, gro
             assert mx.array_equal(g, w)
 
 
+@pytest.mark.parametrize(
+    "dim,bits,ct,groups", [(64, 4, 64, 3), (64, 4, 32, 2), (128, 8, 64, 1), (32, 2, 32, 5),
+                           (256, 4, 64, 2), (128, 2, 64, 1), (256, 8, 32, 1)]
+)  # fmt: skip
+def test_the_groups_body_gives_the_bits_of_quantize_channels(dim, bits, ct, groups):
+    """kernels/quantize_groups.metal (a step's completed channel groups quantized per
+    channel, about 14 MLX operations a layer) gives the words, scales and biases of
+    ``quantize_channels``: every head dim, 2/4/8 bits, groups of 32 and 64 tokens; a channel
+    that never changes (scale 0), channels all above or below zero, codes on ties."""
+    rng = np.random.default_rng(dim + bits + ct)
+    x = (rng.standard_normal((groups, ct, dim)) * 2).astype(np.float16)
+    x[0, :, 0] = 1.5  # a constant channel: scale 0, every code 0
+    x[:, :, 1] += 6  # above zero
+    x[:, :, 2] -= 6  # below
+    levels = (1 << bits) - 1
+    x[0, :, 3] = (np.arange(ct) % (levels + 1)) * 0.5  # codes on exact (and tied) steps
+    keys = mx.array(x)
+    got = cpu.quantize_groups(keys, bits)
+    want = [a.reshape(-1, a.shape[-1]) for a in quantize_channels(keys, bits, ct)]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert mx.array_equal(g, w)
+    assert gpu_kernels.quantizes_groups(KVQuant(bits, 4, 32, **V2, channel_tokens=ct), dim)
+
+
 def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     keys = mx.zeros((1, 2, 3, 64))
     assert gpu_kernels.stores_rows(KVQuant(**V2), keys, keys)
@@ -67,6 +95,12 @@ def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     assert not gpu_kernels.stores_rows(KVQuant(4, 16, 64, **V2), keys, keys)  # float values
     with pytest.raises(ValueError, match="bad dims"):
         _ext.kernel_store_rows(keys, keys, 3, 64)
+    with pytest.raises(ValueError, match="bad dims"):  # 70 rows: not whole groups of 64
+        _ext.kernel_quantize_groups(mx.zeros((70, 64), dtype=mx.float16), 4, 64)
+    monkeypatch.setenv(gpu_kernels.STORE_ENV, "0")
+    assert not gpu_kernels.quantizes_groups(KVQuant(**V2), 64)
+    monkeypatch.delenv(gpu_kernels.STORE_ENV)
+    assert not gpu_kernels.quantizes_groups(KVQuant(**V1), 64)  # per-token keys
 
 
 @pytest.mark.parametrize("count", [1, 70])
@@ -87,7 +121,7 @@ def test_the_arena_stores_the_same_bytes_through_the_kernel(monkeypatch, count):
         if fused:
             monkeypatch.setattr(arena_module.dispatch, "backend", lambda: "cuda")
             monkeypatch.setattr(arena_module.gpu_kernels, "for_backend",
-                                lambda name: cpu)  # fmt: skip
+                                lambda name: through)  # fmt: skip
         try:
             step.caches[0].update_and_fetch(k, v)
         finally:
@@ -104,7 +138,13 @@ def test_the_arena_stores_the_same_bytes_through_the_kernel(monkeypatch, count):
         done = step.plan.done.get(0)
         return out + ([] if done is None else [done])
 
+    calls = []
+    through = SimpleNamespace(  # the kernels' CPU builds, counted
+        store_rows=lambda *a: calls.append("store") or cpu.store_rows(*a),
+        quantize_groups=lambda *a: calls.append("groups") or cpu.quantize_groups(*a),
+    )
     ops, fused = stored(False), stored(True)
+    assert calls == (["store", "groups"] if count == 70 else ["store"])
     assert len(ops) == len(fused) == (15 if count == 70 else 14)
     assert all(a.shape == b.shape for a, b in zip(ops, fused))
     assert sum(a.size for a in ops[-1 if count == 70 else 0 :]) > 0  # the step's groups

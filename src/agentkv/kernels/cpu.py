@@ -71,6 +71,12 @@ def dense_rows(
     return keys.astype(dtype), values.astype(dtype)
 
 
+def quantize_groups(groups: mx.array, bits: int) -> tuple[mx.array, ...]:
+    """kernels/quantize_groups.metal on the host, as a GPU runs it (``gpu.quantize_groups``):
+    [G, channel_tokens, D] -> words, scales, biases [G * channel_tokens, ...]."""
+    return tuple(_ext.kernel_quantize_groups(groups, bits, groups.shape[1]))
+
+
 def fused_paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx.array:
     return _ext.paged_attention(
         queries,

@@ -105,14 +105,16 @@ INPUTS = {
     "extract": ["batch", "meta", "dims"],
     "store_rows": ["k_in", "v_in", "dims", "scale"],
     "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims"],
+    "quantize_groups": ["x", "dims"],
 }  # fmt: skip
 OUTPUTS = {
     "paged_attention": ["out", "stats"],
     "store_rows": ["k_out", "vw", "vs", "vb"],
     "dense_rows": ["k_out", "v_out"],
+    "quantize_groups": ["words", "scales", "biases"],
 }
 # bodies that read their thread and threadgroup ids and the backend's helpers
-THREAD_GROUPS = ("paged_attention", "store_rows", "dense_rows")
+THREAD_GROUPS = ("paged_attention", "store_rows", "dense_rows", "quantize_groups")
 
 
 @cache
@@ -202,6 +204,36 @@ def dense_rows(
             threadgroup=THREADGROUP,
             output_shapes=[(count, dims[0]), (count, dims[1])],
             output_dtypes=[dtype, dtype],
+        )
+    )
+
+
+def quantizes_groups(quant: KVQuant, dim: int) -> bool:
+    """Whether ``quantize_groups`` quantizes this format's completed channel groups of keys
+    of head dim ``dim``: per-channel keys of 2, 4 or 8 bits (``AGENTKV_GPU_STORE=0``: MLX's
+    operations, as for the step's store)."""
+    return (
+        os.environ.get(STORE_ENV) != "0"
+        and quant.channel_keys
+        and quant.key_bits in (2, 4, 8)
+        and dim % quant.channel_tokens == 0
+    )
+
+
+def quantize_groups(backend: str, groups: mx.array, bits: int) -> tuple[mx.array, ...]:
+    """Whole channel groups of keys [G, channel_tokens, D] (float16, rotated) -> KV format 2's
+    words, scales and biases [G * channel_tokens, ...] (quantize_groups.metal; the layout of
+    ``quant.quantize_channels``)."""
+    count, ct, dim = groups.shape
+    row_words = dim * bits // 32
+    return tuple(
+        _kernel(backend, "quantize_groups")(
+            inputs=[groups.astype(mx.float16).reshape(-1), _ints((dim, bits, ct))],
+            template=[("H", mx.float16)],
+            grid=(count * row_words, 1, 1),
+            threadgroup=(row_words, 1, 1),
+            output_shapes=[(count * ct, row_words), *[(count * ct, dim // ct)] * 2],
+            output_dtypes=[mx.uint32, mx.float16, mx.float16],
         )
     )
 
@@ -414,4 +446,5 @@ def for_backend(backend: str) -> SimpleNamespace:
     return SimpleNamespace(
         paged_attention=paged_attention, merge=merge, extract_rows=extract_rows,
         store_rows=partial(store_rows, backend), dense_rows=partial(dense_rows, backend),
+        quantize_groups=partial(quantize_groups, backend),
     )  # fmt: skip

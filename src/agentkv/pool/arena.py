@@ -421,7 +421,8 @@ class KVArena:
     def append(self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan) -> None:
         """Store one step's new keys and values [B, heads, L, dim] (model space: rotated
         and quantized here) as ``plan`` says. On a GPU, format 2's rotations and the values'
-        quantization are one kernel (``store_rows``: the same bits as the operations)."""
+        quantization are one kernel (``store_rows``), and the completed groups'
+        quantization another (``quantize_groups``): the same bits as the operations."""
         q = self.layer_quants[layer]
         backend = dispatch.backend()
         if self.ct and backend in ("metal", "cuda") and gpu_kernels.stores_rows(q, keys, values):
@@ -445,7 +446,12 @@ class KVArena:
             source = new if plan.gathered is None else mx.concatenate([plan.gathered[layer], new])
             groups = source[plan.group_src].reshape(-1, self.ct, dim)
             plan.done[layer] = groups.reshape(-1, dim)
-            for target, part in zip(arrays[: self.key_parts], q.quantize_channels(groups)):
+            if backend in ("metal", "cuda") and gpu_kernels.quantizes_groups(q, dim):
+                # one kernel for the groups' per-channel quantization (the same bits)
+                parts = gpu_kernels.for_backend(backend).quantize_groups(groups, q.key_bits)
+            else:
+                parts = q.quantize_channels(groups)
+            for target, part in zip(arrays[: self.key_parts], parts):
                 target[plan.group_rows] = part.reshape(-1, part.shape[-1])
             if plan.rest_src is not None:
                 tails[plan.rest_rows] = source[plan.rest_src]
