@@ -673,7 +673,7 @@ NB_MODULE(_ext, m) {
         "kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, "
         "H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).");
   m.def("kernel_dense_rows", &agentkv::kernels::dense_rows, "keys"_a, "values"_a, "tail"_a,
-        "done"_a, "src"_a, "dims"_a, "threads"_a = 2,
+        "done"_a, "src"_a, "dims"_a, "scale"_a = 1.0f, "threads"_a = 2,
         "kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row "
         "sees, gathered from the arenas and dequantized as a GPU does it (for tests).");
   m.def("kernel_quantize_groups", &agentkv::kernels::quantize_groups, "x"_a, "bits"_a,

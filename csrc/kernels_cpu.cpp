@@ -88,21 +88,23 @@ simt::Thread store_rows_thread(unsigned int kv_tid, uint3 kv_group, const float*
   co_return;
 }
 
-// One thread of kernels/dense_rows.metal (no barriers, no shuffles: a plain function); T is
-// float here, and the caller rounds to the queries' type after (one rounding either way).
+// One thread of kernels/dense_rows.metal, as a coroutine (its rotation shuffles); T is float
+// here, and the caller rounds to the queries' type after (one rounding either way).
 template <int TG>
-void dense_rows_thread(unsigned int kv_tid, uint3 kv_group, const uint32_t* kw, const uint16_t* ks,
-                       const uint16_t* kb, const uint32_t* vw, const uint16_t* vs,
-                       const uint16_t* vb, const uint16_t* tail, const uint16_t* done,
-                       const int* src, const int* dims, float* k_out, float* v_out) {
+simt::Thread dense_rows_thread(unsigned int kv_tid, uint3 kv_group, const uint32_t* kw,
+                               const uint16_t* ks, const uint16_t* kb, const uint32_t* vw,
+                               const uint16_t* vs, const uint16_t* vb, const uint16_t* tail,
+                               const uint16_t* done, const int* src, const int* dims,
+                               const float* scale, float* k_out, float* v_out) {
   using T = float;
 #include "kernels/dense_rows.metal"
+  co_return;
 }
 
 // One thread of kernels/quantize_groups.metal (a plain function); H is float here, and the
 // caller stores its float16 values as float16 after (exactly: they are float16 already).
-void quantize_groups_thread(unsigned int kv_tid, uint3 kv_group, const uint16_t* x,
-                            const int* dims, uint32_t* words, float* scales, float* biases) {
+void quantize_groups_thread(unsigned int kv_tid, uint3 kv_group, const uint16_t* x, const int* dims,
+                            uint32_t* words, float* scales, float* biases) {
   using H = float;
 #include "kernels/quantize_groups.metal"
 }
@@ -455,17 +457,18 @@ std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& val
 std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
                                   const std::vector<mx::array>& values, const mx::array& tail_in,
                                   const mx::array& done_in, const mx::array& src_in,
-                                  const std::array<int, 7>& dims, int threads) {
+                                  const std::array<int, 8>& dims, float scale, int threads) {
   if (keys.size() != 3 || values.size() != 3) {
     throw std::invalid_argument("dense rows: keys and values are words, scales, biases");
   }
-  const auto [dim, dim_v, kbits, vbits, group, channel_tokens, units] = dims;
+  const auto [dim, dim_v, kbits, vbits, group, channel_tokens, units, rotate] = dims;
   auto supported = [](int bits) { return bits == 2 || bits == 4 || bits == 8 || bits == 16; };
   auto grouped = [&](int bits, int d) { return bits == 16 || (group >= 8 && d % group == 0); };
   if (dim < 8 || dim % 8 || dim_v < 8 || dim_v % 8 || !supported(kbits) || !supported(vbits) ||
       !grouped(vbits, dim_v) ||
       (channel_tokens == 0 ? !grouped(kbits, dim) : kbits == 16 || dim % channel_tokens) ||
-      (group % 8 && (kbits != 16 || vbits != 16)) || units != std::max(dim, dim_v) / 8) {
+      (group % 8 && (kbits != 16 || vbits != 16)) || units != std::max(dim, dim_v) / 8 ||
+      (rotate != 0 && (rotate != 1 || dim != dim_v || !power_of_two_in(dim, 32, 256)))) {
     throw std::invalid_argument("dense rows: bad dims");
   }
   std::vector<mx::array> parts;
@@ -504,15 +507,17 @@ std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
   mx::array k_out = new_array({n, dim}, mx::float32);
   mx::array v_out = new_array({n, dim_v}, mx::float32);
   const size_t groups = (static_cast<size_t>(n) * units + kThreadgroup - 1) / kThreadgroup;
+  const float scale_in[1] = {scale};
   run_columns(groups, threads, [&](size_t g) {
-    for (int t = 0; t < kThreadgroup; ++t) {
-      dense_rows_thread<kThreadgroup>(
+    simt::Group group_run;
+    group_run.run(kThreadgroup, [&](int t) {
+      return dense_rows_thread<kThreadgroup>(
           static_cast<unsigned>(t), uint3{static_cast<unsigned>(g), 0, 0},
           parts[0].data<uint32_t>(), parts[1].data<uint16_t>(), parts[2].data<uint16_t>(),
           parts[3].data<uint32_t>(), parts[4].data<uint16_t>(), parts[5].data<uint16_t>(),
-          tail.data<uint16_t>(), done.data<uint16_t>(), src.data<int>(), dims.data(),
+          tail.data<uint16_t>(), done.data<uint16_t>(), src.data<int>(), dims.data(), scale_in,
           k_out.data<float>(), v_out.data<float>());
-    }
+    });
   });
   return {k_out, v_out};
 }
@@ -538,8 +543,8 @@ std::vector<mx::array> quantize_groups(const mx::array& x_in, int bits, int chan
   for (int g = 0; g < groups; ++g) {
     for (int t = 0; t < row_words; ++t) {
       quantize_groups_thread(static_cast<unsigned>(t), uint3{static_cast<unsigned>(g), 0, 0},
-                             x.data<uint16_t>(), dims, words.data<uint32_t>(),
-                             scales.data<float>(), biases.data<float>());
+                             x.data<uint16_t>(), dims, words.data<uint32_t>(), scales.data<float>(),
+                             biases.data<float>());
     }
   }
   return {words, mx::astype(scales, mx::float16), mx::astype(biases, mx::float16)};

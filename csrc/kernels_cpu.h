@@ -38,12 +38,12 @@ std::vector<mx::array> store_rows(const mx::array& keys, const mx::array& values
 
 // kernels/dense_rows.metal over its grid: the keys [N, D] and values [N, Dv] (float32) that
 // `src` (int32 [3 + N * 3]: N, 0, 0, then a row's key source 0 arena / 1 tail / 2 done, key
-// row, value arena row) names, dequantized; dims as the body documents them. Every named row
-// is checked to lie in its array.
+// row, value arena row) names, dequantized (and rotated back where dims[7], times `scale`);
+// dims as the body documents them. Every named row is checked to lie in its array.
 std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,
                                   const std::vector<mx::array>& values, const mx::array& tail,
                                   const mx::array& done, const mx::array& src,
-                                  const std::array<int, 7>& dims, int threads);
+                                  const std::array<int, 8>& dims, float scale, int threads);
 
 // kernels/quantize_groups.metal over its grid: whole channel groups of keys [..., G * ct, D]
 // -> (words uint32 [G * ct, D * bits / 32], scales and biases float16 [G * ct, D / ct]), as

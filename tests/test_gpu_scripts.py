@@ -108,4 +108,8 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     (chunk,) = json.loads(done.stdout)
     assert chunk["tokens"] == 20 and chunk["host_arrays"] == 2
     assert chunk["stand_ins"]["sdpa"] == chunk["stand_ins"]["store_rows"] == layers
+    # its rows gathered, dequantized and rotated back by one kernel a layer, so no transform
+    # around MLX's attention (kernels/dense_rows.metal)
+    assert chunk["stand_ins"]["dense_rows"] == layers
+    assert not {"Hadamard", "AgentKVHadamard"} & set(chunk["nodes"])
     assert "paged_attention" not in chunk["stand_ins"]

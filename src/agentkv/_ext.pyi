@@ -121,7 +121,7 @@ def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, value_bits: 
     kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).
     """
 
-def kernel_dense_rows(keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, done: mlx.core.array, src: mlx.core.array, dims: Sequence[int], threads: int = 2) -> list[mlx.core.array]:
+def kernel_dense_rows(keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, done: mlx.core.array, src: mlx.core.array, dims: Sequence[int], scale: float = 1.0, threads: int = 2) -> list[mlx.core.array]:
     """
     kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row sees, gathered from the arenas and dequantized as a GPU does it (for tests).
     """

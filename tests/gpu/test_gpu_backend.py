@@ -227,7 +227,8 @@ def test_dense_rows_gathers_what_the_operations_gather(gpu, fmt, dtype):
     """kernels/dense_rows.metal on the GPU (a prefill chunk's rows gathered and dequantized
     in one kernel) against the MLX operations it replaces, on the same GPU: within one step
     of the output type (CUDA may fuse q * scale + bias into one rounding), format 1 and
-    format 2 with tails; and the dense path through the kernel, as the engine runs it."""
+    format 2 with tails, rotated back or not; and the dense path through the kernel, as the
+    engine runs it."""
     from agentkv.kernels import dense
 
     queries = dense.DENSE_QUERIES + 4
@@ -235,7 +236,7 @@ def test_dense_rows_gathers_what_the_operations_gather(gpu, fmt, dtype):
     _, q2, paged2 = format_2_batch(100, new=queries)
     rows = gpu_impl(gpu).dense_rows
     tol = {mx.float16: 1e-3, mx.bfloat16: 8e-3, mx.float32: 1e-5}[dtype]
-    for p, L in ((paged, queries), (paged2, queries)):
+    for p, L in ((paged, queries), (paged2, queries), (paged2._replace(rotate=True), queries)):
         for b in range(len(p.host.lengths)):
             n = int(p.host.lengths[b])
             first = max(0, n - L - p.window + 1) if p.window else 0
@@ -250,8 +251,12 @@ def test_dense_rows_gathers_what_the_operations_gather(gpu, fmt, dtype):
                 assert g.dtype == dtype
                 g = np.array(g.astype(mx.float32)).reshape(w.shape)
                 np.testing.assert_allclose(g, np.array(w.astype(mx.float32)), rtol=tol, atol=tol)
+    atol = 3e-3 if dtype == mx.float32 else 2e-2
     out = on(gpu, lambda: attention.paged_attention(q2.astype(dtype), paged2, scale=0.125))
-    close(out.astype(mx.float32), reference(q2, paged2), atol=3e-3 if dtype == mx.float32 else 2e-2)
+    close(out.astype(mx.float32), reference(q2, paged2), atol=atol)
+    rotated = paged2._replace(rotate=True)  # the rows rotated back inside the kernel
+    out = on(gpu, lambda: attention.paged_attention(q2.astype(dtype), rotated, scale=0.125))
+    close(out.astype(mx.float32), hadamard(reference(hadamard(q2), paged2)), atol=atol)
 
 
 def gpu_impl(backend):

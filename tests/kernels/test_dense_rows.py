@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from helpers import fill_table, format_2_batch, jagged_batch, pool_for, synthetic_spec
 
-from agentkv.format.quant import V1, V2, KVQuant
+from agentkv import _ext
+from agentkv.format.quant import V1, V2, KVQuant, hadamard
 from agentkv.kernels import cpu, dense, gpu
 from agentkv.kernels.types import PagedQuery
 from agentkv.pool.step import PagedStep
@@ -99,6 +100,31 @@ def test_a_chunk_completing_groups_reads_their_float16_copies():
     by_ops = dense.paged_attention(q, paged, scale=0.125)
     np.testing.assert_array_equal(np.array(by_kernel), np.array(by_ops))
     pool.arena.settle()
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_format_2_rows_rotated_back_by_the_kernel(window):
+    """With ``rotate`` the kernel rotates every row it writes back from H (a butterfly across
+    a row's lanes by shuffles, as the store rotates): within float rounding of MLX's transform
+    on the operations' rows; so the dense path takes the queries and gives the output as
+    they are, where the operations rotate both around the attention."""
+    _, q, paged = format_2_batch(window, new=70)
+    rotated = paged._replace(rotate=True)
+    assert rotated.rotates_inside(q)
+    for (keys, values), (want_keys, want_values) in both_ways(rotated, q.shape[2]):
+        for got, want in ((keys, want_keys), (values, want_values)):
+            got = np.array(got).reshape(want.shape)
+            np.testing.assert_allclose(got, np.array(want), rtol=1e-5, atol=2e-6)
+    plain = np.array(hadamard(dense.paged_attention(hadamard(q), paged, scale=0.125)))
+    inside = dense.paged_attention(q, rotated, scale=0.125, rows_kernel=cpu.dense_rows)
+    np.testing.assert_allclose(np.array(inside), plain, rtol=1e-4, atol=2e-6)
+    unrotated = np.array(dense.paged_attention(q, paged, scale=0.125, rows_kernel=cpu.dense_rows))
+    assert np.abs(unrotated - plain).max() > 1e-2  # the rotation matters
+    bad = rotated.dense_rows_dims()
+    src, count = dense._sources(rotated, 0, 0, int(rotated.host.lengths[0]), None)
+    with pytest.raises(ValueError, match="bad dims"):  # rotate is 0 or 1
+        _ext.kernel_dense_rows(list(rotated.keys), list(rotated.values), rotated.tail,
+                               rotated.tail, src, (*bad[:7], 2), 0.1)  # fmt: skip
 
 
 def test_the_kernel_reads_no_row_outside_its_arrays_and_can_be_switched_off(monkeypatch):

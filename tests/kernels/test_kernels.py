@@ -148,7 +148,8 @@ __global__ void store_rows_{n}(const {t}* k_in, const {t}* v_in, const int32_t* 
 CUDA_DENSE_ROWS = """
 __global__ void dense_rows_{n}(const uint32_t* kw, const __half* ks, const __half* kb,
     const uint32_t* vw, const __half* vs, const __half* vb, const __half* tail,
-    const __half* done, const int32_t* src, const int32_t* dims, {t}* k_out, {t}* v_out) {{
+    const __half* done, const int32_t* src, const int32_t* dims, const float* scale,
+    {t}* k_out, {t}* v_out) {{
   using T = {t};
   constexpr int TG = 256;
 {group_ids}{body}

@@ -23,8 +23,9 @@ Each call takes one of three paths, counted by ``paths_used``:
 Format 2 (per-channel keys) also reads each row's float16 tail, its filling group. Its
 rotation (keys and values stored times H): ``paged_attention`` takes queries as they are
 where ``PagedQuery.rotate`` says so, and the paged kernel rotates them and their output
-inside itself where it can (``PagedQuery.rotates_inside``; two operations a layer fewer);
-every other path, and ``cache_attention``, gets queries rotated by the caller.
+inside itself where it can (``PagedQuery.rotates_inside``; two operations a layer fewer), as
+the dense path's gathering kernel rotates the rows back (kernels/dense_rows.metal); every
+other path, and ``cache_attention``, gets queries rotated by the caller.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
         path = DENSE if dense.takes(queries, paged) else KERNEL
     else:
         path = REFERENCE
-    if paged.rotate and not (path == KERNEL and paged.rotates_inside(queries)):
+    inside = path == KERNEL or (path == DENSE and gpu.gathers_rows(paged))
+    if paged.rotate and not (inside and paged.rotates_inside(queries)):
         # q.(H k) == (H q).(H k); values are stored as H v
         plain = paged._replace(rotate=False)
         return hadamard(_run_path(path, hadamard(queries), plain, scale))

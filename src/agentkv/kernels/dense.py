@@ -18,7 +18,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from ..format.quant import FLOAT_BITS, dequantize_channels, dequantize_tokens
+from ..format.quant import FLOAT_BITS, dequantize_channels, dequantize_tokens, hadamard
 from . import reference
 from .types import PagedQuery
 
@@ -41,7 +41,9 @@ def paged_attention(
     """Attention of each row's ``L`` queries over its keys (from its window's start),
     gathered and dequantized once, in the queries' dtype. ``rows_kernel`` (the backend's
     ``dense_rows``, kernels/dense_rows.metal) gathers and dequantizes a row's keys and
-    values in one kernel where given; else MLX's operations do (the same values)."""
+    values in one kernel where given; else MLX's operations do (the same values). With
+    ``paged.rotate`` (KV format 2, stored times H) the rows are rotated back, so the queries
+    and the output need no rotation (the kernel: where ``paged.rotates_inside``)."""
     host = paged.host
     B, _, L, _ = queries.shape
     outs = []
@@ -79,8 +81,11 @@ def _gathered(paged: PagedQuery, b: int, first: int, n: int, own, dtype) -> tupl
     """Row ``b``'s keys and values [1, kv_heads, keys, D] in ``dtype`` by MLX's operations:
     tokens [first, n), then (format 2, ``own``) the groups the chunk completes again, their
     keys in float16 from the step's ``done``."""
-    keys = _keys(paged, b, first, n).astype(dtype)
+    keys = _keys(paged, b, first, n)
     values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
+    if paged.rotate:  # H is its own inverse
+        keys, values = hadamard(keys), hadamard(values)
+    keys = keys.astype(dtype)
     if own is not None:
         done_from, complete, entry = own
         ct, heads = paged.channel_tokens, paged.kv_heads
@@ -88,6 +93,8 @@ def _gathered(paged: PagedQuery, b: int, first: int, n: int, own, dtype) -> tupl
         rows = paged.done[entry * ct : (entry + groups * heads) * ct]
         rows = rows.reshape(groups, heads, ct, -1).transpose(1, 0, 2, 3)
         done_keys = rows.reshape(1, heads, groups * ct, -1)
+        if paged.rotate:
+            done_keys = hadamard(done_keys.astype(mx.float32))
         keys = mx.concatenate([keys, done_keys.astype(dtype)], axis=2)
         values = mx.concatenate(
             [values, values[:, :, done_from - first : complete - first]], axis=2

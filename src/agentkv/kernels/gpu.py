@@ -104,7 +104,7 @@ INPUTS = {
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
     "store_rows": ["k_in", "v_in", "dims", "scale"],
-    "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims"],
+    "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims", "scale"],
     "quantize_groups": ["x", "dims"],
 }  # fmt: skip
 OUTPUTS = {
@@ -187,7 +187,7 @@ def dense_rows(
     """The keys [count, D] and values [count, Dv] that ``src`` (int32 [3 + count * 3]:
     count, then each output row's key source, key row and value row;
     kernels/dense_rows.metal) names, gathered from this layer's arenas and dequantized in
-    one pass, in ``dtype``."""
+    one pass, in ``dtype``; rotated back from KV format 2's H where ``paged.rotate``."""
     dims = paged.dense_rows_dims()
     threads = count * dims[-1]
     return tuple(
@@ -198,6 +198,7 @@ def dense_rows(
                 paged.done if paged.done is not None else _zeros(1, mx.float16),
                 src,
                 _ints(dims),
+                _floats((1 / math.sqrt(dims[0]),)),
             ],
             template=[("T", dtype), ("TG", THREADGROUP[0])],
             grid=(-(-threads // THREADGROUP[0]) * THREADGROUP[0], 1, 1),

@@ -90,11 +90,12 @@ class PagedQuery(NamedTuple):
         )
 
     def dense_rows_dims(self) -> tuple[int, ...]:
-        """kernels/dense_rows.metal's dims (its rows' count is in its ``src``)."""
+        """kernels/dense_rows.metal's dims (its rows' count is in its ``src``); it rotates
+        the rows back where ``rotate`` says so (``rotates_inside``: the shapes it can)."""
         dim, dim_v = self.key_dim, self.value_dim
         return (
             dim, dim_v, self.key_bits, self.value_bits, self.group, self.channel_tokens,
-            max(dim, dim_v) // 8,
+            max(dim, dim_v) // 8, int(self.rotate),
         )  # fmt: skip
 
     def rotates_inside(self, queries: mx.array, launch: Launch | None = None) -> bool:
