@@ -344,6 +344,24 @@ def test_the_dense_paths_mask_is_made_on_the_device_and_says_the_rule(monkeypatc
     np.testing.assert_allclose(np.array(out), np.array(reference(q, paged)), atol=2e-3)
 
 
+def test_the_dense_paths_mask_of_a_sliding_layer_is_not_a_global_layers():
+    """A model's sliding-window and global layers share a step's memo: where a row's window
+    reaches its first token, both ask for a mask from the same ``first`` (0), and each must
+    get its own (the memo's key names the window)."""
+    _, q, paged = format_2_batch(0, new=70)
+    memo = {}
+    paged = paged._replace(host=paged.host._replace(memo=memo))
+    sliding = paged._replace(window=30)
+    L, n = q.shape[2], int(paged.host.lengths[3])  # 75 tokens: first = 0 for both
+    assert max(0, n - L - sliding.window + 1) == 0
+    own = dense._own_groups(paged, 3, n, L)
+    full = np.array(dense._mask(paged, 3, 0, n, L, own, mx.float32))
+    window = np.array(dense._mask(sliding, 3, 0, n, L, own, mx.float32))
+    assert np.isinf(window).sum() > np.isinf(full).sum()
+    fresh = np.array(dense._mask(sliding, 3, 0, n, L, own, mx.float32))
+    np.testing.assert_array_equal(window, fresh)
+
+
 @pytest.mark.parametrize("window", [0, 100])
 def test_the_dense_prefill_path_reads_format_2_tails(window):
     _, q, paged = format_2_batch(window, new=dense.DENSE_QUERIES + 2)

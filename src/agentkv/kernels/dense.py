@@ -83,8 +83,8 @@ def _gathered(paged: PagedQuery, b: int, first: int, n: int, own, dtype) -> tupl
     keys in float16 from the step's ``done``."""
     keys = _keys(paged, b, first, n)
     values = _dequantized(paged.values, _rows(paged, b, first, n), paged, paged.value_bits)
-    if paged.rotate:  # H is its own inverse
-        keys, values = hadamard(keys), hadamard(values)
+    if paged.rotate:  # H is its own inverse (in float32, as the kernel rotates)
+        keys, values = hadamard(keys.astype(mx.float32)), hadamard(values.astype(mx.float32))
     keys = keys.astype(dtype)
     if own is not None:
         done_from, complete, entry = own
@@ -171,7 +171,9 @@ def _mask(paged: PagedQuery, b: int, first: int, n: int, L: int, own, dtype) -> 
     and the same for every layer of the step: made once, by MLX operations on the device
     (an ``L`` x keys mask from the host would be ~140 MB for a 2048-token chunk at 32K)."""
     memo = paged.host.memo
-    key = ("mask", b, first, n, L, dtype)
+    # the window and the format's groups too: a model's sliding and global layers share a
+    # step's memo, and the same ``first``
+    key = ("mask", b, first, n, L, dtype, paged.window, paged.channel_tokens, own)
     if memo is not None and key in memo:
         return memo[key]
     p = mx.arange(n - L, n)[:, None]
@@ -203,7 +205,7 @@ def _rows(paged: PagedQuery, b: int, first: int, end: int) -> mx.array:
     layer reads the same rows), from the step's table on the device (no host data: at 32K
     they were 393 KB a step from the host)."""
     memo = paged.host.memo
-    key = ("rows", b, first, end)
+    key = ("rows", b, first, end, paged.kv_heads, paged.block_tokens)
     if memo is not None and key in memo:
         return memo[key]
     bt = paged.block_tokens

@@ -218,6 +218,7 @@ def quantizes_groups(quant: KVQuant, dim: int) -> bool:
         and quant.channel_keys
         and quant.key_bits in (2, 4, 8)
         and dim % quant.channel_tokens == 0
+        and dim * quant.key_bits % 32 == 0
     )
 
 
