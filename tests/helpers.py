@@ -394,6 +394,26 @@ def jagged_batch(quant, lengths, *, heads=2, q_heads=4, queries=1, seed=0, dim=6
     return pool, tables, q, paged
 
 
+def dense_rows_both_ways(paged, L: int, rows, dtype=mx.float32) -> list:
+    """Each row's (keys, values) for a prefill chunk of ``L`` queries, by ``rows`` (a backend's
+    ``dense_rows``: kernels/dense_rows.metal) and by MLX's operations, as kernels/dense.py
+    takes them: [((keys, values), (want_keys, want_values))] a row."""
+    from agentkv.kernels import dense
+
+    pairs = []
+    for b in range(len(paged.host.lengths)):
+        n = int(paged.host.lengths[b])
+        first = max(0, n - L - paged.window + 1) if paged.window else 0
+        if paged.channel_tokens:
+            first = first // paged.channel_tokens * paged.channel_tokens
+        own = dense._own_groups(paged, b, n, L)
+        src, count = dense._sources(paged, b, first, n, own)
+        pairs.append(
+            (rows(paged, src, count, dtype), dense._gathered(paged, b, first, n, own, dtype))
+        )
+    return pairs
+
+
 def format_2_batch(window: int = 0, q_heads: int = 4, new: int = 3):
     """A jagged batch over format 2 tables with tails (300, 64, 127 and 5 tokens, each then
     given ``new`` ones through a pool step): (pool, queries [4, q_heads, new, 64], PagedQuery)."""

@@ -15,6 +15,7 @@ import pytest
 from helpers import (
     bits_equal,
     copy_tokenizer,
+    dense_rows_both_ways,
     format_2_batch,
     jagged_batch,
     random_components,
@@ -236,17 +237,13 @@ def test_dense_rows_gathers_what_the_operations_gather(gpu, fmt, dtype):
     _, q2, paged2 = format_2_batch(100, new=queries)
     rows = gpu_impl(gpu).dense_rows
     tol = {mx.float16: 1e-3, mx.bfloat16: 8e-3, mx.float32: 1e-5}[dtype]
-    for p, L in ((paged, queries), (paged2, queries), (paged2._replace(rotate=True), queries)):
-        for b in range(len(p.host.lengths)):
-            n = int(p.host.lengths[b])
-            first = max(0, n - L - p.window + 1) if p.window else 0
-            if p.channel_tokens:
-                first = first // p.channel_tokens * p.channel_tokens
-            own = dense._own_groups(p, b, n, L)
-            src, count = dense._sources(p, b, first, n, own)
-            with kernels.use_backend(gpu):
-                got = rows(p, src, count, dtype)
-            want = dense._gathered(p, b, first, n, own, dtype)
+
+    def on_gpu(*args):
+        with kernels.use_backend(gpu):
+            return rows(*args)
+
+    for p in (paged, paged2, paged2._replace(rotate=True)):
+        for got, want in dense_rows_both_ways(p, queries, on_gpu, dtype):
             for g, w in zip(got, want):
                 assert g.dtype == dtype
                 g = np.array(g.astype(mx.float32)).reshape(w.shape)

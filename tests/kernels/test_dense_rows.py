@@ -7,7 +7,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import fill_table, format_2_batch, jagged_batch, pool_for, synthetic_spec
+from helpers import (
+    dense_rows_both_ways,
+    fill_table,
+    format_2_batch,
+    jagged_batch,
+    pool_for,
+    synthetic_spec,
+)
 
 from agentkv import _ext
 from agentkv.format.quant import V1, V2, KVQuant, hadamard
@@ -17,19 +24,8 @@ from agentkv.pool.step import PagedStep
 
 
 def both_ways(paged: PagedQuery, L: int, dtype=mx.float32):
-    """Each row's (keys, values) by the kernel and by the operations, as dense.py takes them."""
-    pairs = []
-    for b in range(len(paged.host.lengths)):
-        n = int(paged.host.lengths[b])
-        first = max(0, n - L - paged.window + 1) if paged.window else 0
-        if paged.channel_tokens:
-            first = first // paged.channel_tokens * paged.channel_tokens
-        own = dense._own_groups(paged, b, n, L)
-        src, count = dense._sources(paged, b, first, n, own)
-        keys, values = cpu.dense_rows(paged, src, count, dtype)
-        ops = dense._gathered(paged, b, first, n, own, dtype)
-        pairs.append(((keys, values), ops))
-    return pairs
+    """Each row's (keys, values) by the kernel's CPU build and by the operations."""
+    return dense_rows_both_ways(paged, L, cpu.dense_rows, dtype)
 
 
 def assert_same(pairs, heads):
