@@ -403,9 +403,7 @@ def dense_rows_both_ways(paged, L: int, rows, dtype=mx.float32) -> list:
     pairs = []
     for b in range(len(paged.host.lengths)):
         n = int(paged.host.lengths[b])
-        first = max(0, n - L - paged.window + 1) if paged.window else 0
-        if paged.channel_tokens:
-            first = first // paged.channel_tokens * paged.channel_tokens
+        first = dense.first_key(paged, n, L)
         own = dense._own_groups(paged, b, n, L)
         src, count = dense._sources(paged, b, first, n, own)
         pairs.append(

@@ -123,6 +123,33 @@ def test_format_2_rows_rotated_back_by_the_kernel(window):
                                rotated.tail, src, (*bad[:7], 2), 0.1)  # fmt: skip
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_the_gpu_launch_covers_every_row_and_channel(monkeypatch, rotate):
+    """``gpu.dense_rows`` launches a thread for each output row's 8 channels, in whole
+    threadgroups (the body's bounds check drops the rest), with the dims the CPU build
+    takes: what the GPU gets, recorded from the call MLX would receive."""
+    _, q, paged = format_2_batch(0, new=70)
+    paged = paged._replace(rotate=rotate)
+    src, count = dense._sources(paged, 0, 0, int(paged.host.lengths[0]), None)
+    launches = []
+
+    def kernel(backend, name, sources=0):
+        def run(*, inputs, grid, threadgroup, output_shapes, output_dtypes, **_):
+            launches.append((name, grid, threadgroup, np.array(inputs[-2]).tolist()))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return run
+
+    monkeypatch.setattr(gpu, "_kernel", kernel)
+    keys, values = gpu.dense_rows("cuda", paged, src, count, mx.float16)
+    ((name, grid, threadgroup, dims),) = launches
+    units = 64 // 8
+    assert name == "dense_rows" and dims == list(paged.dense_rows_dims()) and dims[7] == rotate
+    assert grid[0] >= count * units and grid[0] % threadgroup[0] == 0
+    assert grid[0] - count * units < threadgroup[0]
+    assert keys.shape == values.shape == (count, 64)
+
+
 def test_the_kernel_reads_no_row_outside_its_arrays_and_can_be_switched_off(monkeypatch):
     """The CPU build checks every row an output row names lies in its array (a GPU would read
     past it); ``AGENTKV_GPU_GATHER=0`` hands the chunk back to the operations; formats the

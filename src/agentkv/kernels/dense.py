@@ -49,9 +49,7 @@ def paged_attention(
     outs = []
     for b in range(B):
         n = int(host.lengths[b])
-        first = max(0, n - L - paged.window + 1) if paged.window else 0
-        if paged.channel_tokens:  # whole channel groups: their scales cover them
-            first = first // paged.channel_tokens * paged.channel_tokens
+        first = first_key(paged, n, L)
         own = _own_groups(paged, b, n, L)
         if rows_kernel is not None:
             src, count = _sources(paged, b, first, n, own)
@@ -75,6 +73,16 @@ def paged_attention(
             )
         )
     return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+
+def first_key(paged: PagedQuery, n: int, L: int) -> int:
+    """The first key a row of ``n`` tokens' last ``L`` queries see: its window's start (0
+    without one), and with per-channel keys the start of that key's group (their scales
+    cover whole groups)."""
+    first = max(0, n - L - paged.window + 1) if paged.window else 0
+    if paged.channel_tokens:
+        first = first // paged.channel_tokens * paged.channel_tokens
+    return first
 
 
 def _gathered(paged: PagedQuery, b: int, first: int, n: int, own, dtype) -> tuple:

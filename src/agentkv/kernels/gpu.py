@@ -189,7 +189,7 @@ def dense_rows(
     kernels/dense_rows.metal) names, gathered from this layer's arenas and dequantized in
     one pass, in ``dtype``; rotated back from KV format 2's H where ``paged.rotate``."""
     dims = paged.dense_rows_dims()
-    threads = count * dims[-1]
+    threads = count * dims[6]  # units: a thread a row's 8 channels
     return tuple(
         _kernel(backend, "dense_rows")(
             inputs=[
