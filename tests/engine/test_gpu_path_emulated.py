@@ -1,0 +1,124 @@
+"""The engine's whole GPU path, run on the CPU (tests/gpu_emulation.py): every GPU-only
+branch (the paged kernel and its merge pass, the dense prefill path and its gathering
+kernel, the store and group kernels, arenas read through staging copies, the pipelined
+decode loop), with the kernels' real bodies run by their CPU builds, against the CPU engine
+on the real model: the same greedy tokens, turn after turn, in a batch, after a restart.
+
+A GPU's own compiler, speed and memory are not here (tests/gpu, ``bench gpu``); what is, is
+every input and launch ``kernels/gpu.py`` hands MLX and every branch around them, which
+otherwise only a lent GPU would run."""
+
+from gpu_emulation import CALLS, RUNS, emulated_gpu
+
+PROMPTS = [
+    "The history of the printing press begins in",
+    "def fibonacci(n):\n    ",
+    "A recipe for bread: first, mix",
+]
+MORE = " Now write three more sentences about the same subject, in plain words, for a child."
+POOL = 48 << 20  # arenas the emulation copies whole at a scatter: kept small
+
+
+def conversation(engine, tag, first_tokens, restart=None, alone=False, replies=None, **options):
+    """Three agents' first turns (``first_tokens`` each), a hot second turn each of a few
+    tokens (the paged kernel over several queries), then one of more (a prefill chunk over
+    stored blocks); as a batch, or each agent ``alone``, one turn after another;
+    ``restart(engine)`` -> a new engine after the first turns, reading the agents back from
+    disk; ``replies``: another run's, to build the next turns' prompts from (so that both
+    runs see the same prompts). Every turn's ChatResult, and the engine at the end."""
+    turns = [(f"{tag}-{i}", p) for i, p in enumerate(PROMPTS)]
+    results = []
+
+    def run(turns, max_tokens):
+        if alone:
+            out = [engine.generate(a, p, max_tokens=max_tokens, **options) for a, p in turns]
+        else:
+            out = engine.generate_many(turns, max_tokens=max_tokens, **options)
+        results.extend(out)
+        texts = [r.text for r in out] if replies is None else replies[len(results) - 3 :]
+        return [(a, p + text) for (a, p), text in zip(turns, texts)]
+
+    said = run(turns, first_tokens)
+    if restart is not None:
+        engine = restart(engine)
+    said = run([(a, p + " And") for a, p in said], 12)
+    run([(a, p + MORE) for a, p in said], 16)
+    return results, engine
+
+
+def emulated_engine(fresh_engine, monkeypatch, **options):
+    emulated_gpu(monkeypatch)
+    engine = fresh_engine(pool_bytes=POOL, **options)
+    assert engine.runner.draft_tokens == 0 and engine.scheduler.pipeline
+    return engine
+
+
+def agree(want, got, tolerance: float) -> int:
+    """How many tokens two runs of one turn agree on, after checking that each of them has
+    log-probabilities within ``tolerance`` in both, and that where they part the two tokens
+    were within ``tolerance`` of each other (a near tie that rounding may turn either way)."""
+    for j, (a, b) in enumerate(zip(want.tokens, got.tokens)):
+        mine = {t.token: t.logprob for t in want.logprobs[j].top}
+        theirs = {t.token: t.logprob for t in got.logprobs[j].top}
+        if a != b:
+            assert mine[a] - mine.get(b, -99.0) < tolerance, (j, mine, theirs)
+            return j
+        assert abs(mine[a] - theirs[a]) < tolerance, (j, mine, theirs)
+    return len(want.tokens)
+
+
+def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(
+    fresh_engine, monkeypatch, tmp_path
+):
+    """``kv_bits=16``: both read the same keys, so the GPU path gives the CPU engine's
+    tokens, every log-probability within 0.05 nats (they differ by float rounding, ~0.01),
+    parting only at a near tie; turn after turn, in a batch, and after a restart that reads
+    the agents back (on a GPU: staging copies into the arenas, not the CPU's lazy reads)."""
+    runs = {}
+    for where in ("cpu", "gpu"):
+        options = {"cache_dir": tmp_path / where, "kv_bits": 16}
+        if where == "gpu":
+            engine = emulated_engine(fresh_engine, monkeypatch, **options)
+        else:  # the weights in float32, as the emulation's (tests/gpu_emulation.py)
+            options["weights"] = "float32"
+            engine = fresh_engine(pool_bytes=POOL, **options)
+
+        def restart(old, options=options):
+            old.close()
+            return fresh_engine(pool_bytes=POOL, **options)
+
+        CALLS.clear()
+        replies = [r.text for r in runs["cpu"]] if runs else None
+        runs[where], engine = conversation(engine, "a", 40, restart, replies=replies, logprobs=3)
+    agreed = [agree(w, g, 0.05) for w, g in zip(runs["cpu"], runs["gpu"])]
+    assert sum(agreed) > 0.8 * sum(len(r.tokens) for r in runs["cpu"]), agreed
+    caches = [r.stats.cache for r in runs["gpu"]]
+    assert caches == ["cold"] * 3 + ["warm"] * 3 + ["hot"] * 3  # read back once, then held
+    assert CALLS["paged_attention"] and CALLS["paged_attention_merge"] and CALLS["dense_rows"]
+
+
+def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
+    fresh_engine, monkeypatch, tmp_path
+):
+    """The default format (4-bit, per-channel keys, rotated; a wide layer's 8-bit keys). A
+    quantized key's codes depend on the model's last float before it, and the CPU engine's
+    matmuls give other floats (logits 0.04-0.7 nats apart at 4 bits), so the GPU path is
+    held to itself: three agents batched turn after turn give each the tokens it gets alone
+    and restarted after its first turn (its blocks read back from disk), past a channel
+    group's end (the group kernel), through the store, gathering, paged and merge kernels."""
+    options = {"kv_wide_layers": (0,)}
+    engine = emulated_engine(fresh_engine, monkeypatch, cache_dir=tmp_path / "b", **options)
+    CALLS.clear()
+    batched, engine = conversation(engine, "k", 70)
+    engine.close()
+    ran = sorted(CALLS)
+
+    def restart(old):
+        old.close()
+        return fresh_engine(pool_bytes=POOL, cache_dir=tmp_path / "a", **options)
+
+    engine = fresh_engine(pool_bytes=POOL, cache_dir=tmp_path / "a", **options)
+    alone, engine = conversation(engine, "k", 70, restart, alone=True)
+    assert [r.tokens for r in alone] == [r.tokens for r in batched]
+    assert [r.stats.cache for r in alone] == ["cold"] * 3 + ["warm"] * 3 + ["hot"] * 3
+    assert ran == sorted(RUNS)  # every kernel the GPU path has
