@@ -25,7 +25,9 @@
 // edge's own code q0 = round(edge / scale), then scale = edge / q0 and bias = edge unless q0
 // is 0 (then bias 0); each code min(round((v - bias) / scale), 2^bits - 1), packed from bit
 // 0 of word 0 upward, with the float scale and bias, stored rounded to T and then to H (as
-// mx.quantize's T scales cast to float16).
+// mx.quantize's T scales cast to float16). That is the rule of MLX's GPU kernels (round:
+// half away from zero; w_max from 0); MLX's CPU mx.quantize rounds half to even and takes
+// w_max from -inf, so on the CPU the two part at an exact tie (tests/kernels/test_store_rows.py).
 const int n_rows = dims[0];
 const int dim = dims[1];
 const int vbits = dims[2];

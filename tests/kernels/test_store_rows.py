@@ -1,7 +1,9 @@
 """kernels/store_rows.metal: KV format 2's store of a step's new keys and values in one pass
 (the keys' and values' Walsh-Hadamard transforms and the values' quantization, three MLX
 operations a layer on a GPU). The body compiled for the CPU (csrc/simt.h runs its lanes as a
-loop) gives the bits of MLX's transform and ``mx.quantize``; kernels/quantize_groups.metal,
+loop) gives the bits of MLX's transform and ``mx.quantize`` (its GPU kernels' rule, which
+MLX's CPU shares but at exact ties and groups wholly below zero);
+kernels/quantize_groups.metal,
 the completed channel groups' quantization, the bits of ``quantize_channels``; the arena's
 GPU branch, run here with those builds, stores the bytes the operations store."""
 
@@ -55,6 +57,34 @@ def test_the_body_gives_the_bits_of_the_transform_and_mx_quantize(dim, bits, gro
     with kernels.use_backend("cpu"):
         for g, w in zip(kernels.store_rows(keys, values, quant), want):
             assert mx.array_equal(g, w)
+
+
+def test_the_body_quantizes_by_mlx_gpu_rule_at_a_tie_and_below_zero():
+    """A value exactly halfway between two codes: the body rounds half away from zero, as
+    MLX's GPU quantization does (``round``: mlx/backend/cuda/quantized/affine_quantize.cu,
+    Metal's ``affine_quantize``), so on a GPU the kernel and ``mx.quantize`` agree; MLX's CPU
+    ``mx.quantize`` rounds half to even (``rint``) and takes the other code; and a group
+    wholly below zero gets its range from 0 on a GPU, from its own maximum on the CPU. The
+    values are
+    halves: their transform and its inverse are exact in float32 (D = 64, 1 / sqrt(D) = 1/8),
+    so the body quantizes exactly these rotated values."""
+    rotated = np.zeros((1, 1, 1, 64), dtype=np.float32)
+    rotated[..., 1], rotated[..., 2], rotated[..., 3] = 15.0, 8.5, 7.5
+    values = hadamard(mx.array(rotated))  # H is its own inverse
+    _, words, scales, biases = cpu.store_rows(values, values, 4, 64)
+    assert scales.item() == -1.0 and biases.item() == 15.0  # code = round(15 - value)
+    codes = [(int(np.array(words)[0, 0]) >> (4 * i)) & 15 for i in range(4)]
+    assert codes == [15, 0, 7, 8]  # 6.5 -> 7 and 7.5 -> 8: half away from zero
+    cpu_codes = np.array(mx.quantize(mx.array(rotated), group_size=64, bits=4)[0])[0, 0, 0, 0]
+    assert [(int(cpu_codes) >> (4 * i)) & 15 for i in range(4)] == [15, 0, 6, 8]  # rint
+    # a group below zero: the GPU's rule takes its range from 0 (scale 10 / 15), the CPU's
+    # from its own largest value (-2.125: scale 7.875 / 15)
+    below = -np.arange(1, 65, dtype=np.float32).reshape(1, 1, 1, 64) / 8 - 2
+    values = hadamard(mx.array(below))
+    _, _, scales, biases = cpu.store_rows(values, values, 4, 64)
+    assert scales.item() == np.float16(10 / 15) and biases.item() == -10.0
+    _, cpu_scales, _ = mx.quantize(mx.array(below), group_size=64, bits=4)
+    assert abs(cpu_scales.item() - 10 / 19) < 1e-6  # q0 = rint(-10 / 0.525) = -19
 
 
 @pytest.mark.parametrize(
