@@ -10,17 +10,13 @@ otherwise only a lent GPU would run."""
 
 from gpu_emulation import CALLS, RUNS, emulated_gpu
 
-PROMPTS = [
-    "The history of the printing press begins in",
-    "def fibonacci(n):\n    ",
-    "A recipe for bread: first, mix",
-]
+PROMPTS = ["def fibonacci(n):\n    ", "A recipe for bread: first, mix"]
 MORE = " Now write three more sentences about the same subject, in plain words, for a child."
 POOL = 48 << 20  # arenas the emulation copies whole at a scatter: kept small
 
 
 def conversation(engine, tag, first_tokens, restart=None, alone=False, replies=None, **options):
-    """Three agents' first turns (``first_tokens`` each), a hot second turn each of a few
+    """Two agents' first turns (``first_tokens`` each), a hot second turn each of a few
     tokens (the paged kernel over several queries), then one of more (a prefill chunk over
     stored blocks); as a batch, or each agent ``alone``, one turn after another;
     ``restart(engine)`` -> a new engine after the first turns, reading the agents back from
@@ -35,7 +31,7 @@ def conversation(engine, tag, first_tokens, restart=None, alone=False, replies=N
         else:
             out = engine.generate_many(turns, max_tokens=max_tokens, **options)
         results.extend(out)
-        texts = [r.text for r in out] if replies is None else replies[len(results) - 3 :]
+        texts = [r.text for r in out] if replies is None else replies[len(results) - len(PROMPTS) :]
         return [(a, p + text) for (a, p), text in zip(turns, texts)]
 
     said = run(turns, first_tokens)
@@ -93,7 +89,7 @@ def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(
     agreed = [agree(w, g, 0.05) for w, g in zip(runs["cpu"], runs["gpu"])]
     assert sum(agreed) > 0.8 * sum(len(r.tokens) for r in runs["cpu"]), agreed
     caches = [r.stats.cache for r in runs["gpu"]]
-    assert caches == ["cold"] * 3 + ["warm"] * 3 + ["hot"] * 3  # read back once, then held
+    assert caches == ["cold", "cold", "warm", "warm", "hot", "hot"]  # read back once, then held
     assert CALLS["paged_attention"] and CALLS["paged_attention_merge"] and CALLS["dense_rows"]
 
 
@@ -103,7 +99,7 @@ def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
     """The default format (4-bit, per-channel keys, rotated; a wide layer's 8-bit keys). A
     quantized key's codes depend on the model's last float before it, and the CPU engine's
     matmuls give other floats (logits 0.04-0.7 nats apart at 4 bits), so the GPU path is
-    held to itself: three agents batched turn after turn give each the tokens it gets alone
+    held to itself: two agents batched turn after turn give each the tokens it gets alone
     and restarted after its first turn (its blocks read back from disk), past a channel
     group's end (the group kernel), through the store, gathering, paged and merge kernels."""
     options = {"kv_wide_layers": (0,)}
@@ -120,5 +116,5 @@ def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
     engine = fresh_engine(pool_bytes=POOL, cache_dir=tmp_path / "a", **options)
     alone, engine = conversation(engine, "k", 70, restart, alone=True)
     assert [r.tokens for r in alone] == [r.tokens for r in batched]
-    assert [r.stats.cache for r in alone] == ["cold"] * 3 + ["warm"] * 3 + ["hot"] * 3
+    assert [r.stats.cache for r in alone] == ["cold", "cold", "warm", "warm", "hot", "hot"]
     assert ran == sorted(RUNS)  # every kernel the GPU path has
