@@ -8,20 +8,53 @@ A GPU's own compiler, speed and memory are not here (tests/gpu, ``bench gpu``); 
 every input and launch ``kernels/gpu.py`` hands MLX and every branch around them, which
 otherwise only a lent GPU would run."""
 
+import gc
+import weakref
+
+import mlx.core as mx
+import pytest
 from gpu_emulation import CALLS, RUNS, emulated_gpu
+
+from agentkv import Engine
 
 PROMPTS = ["def fibonacci(n):\n    ", "A recipe for bread: first, mix"]
 MORE = " Now write three more sentences about the same subject, in plain words, for a child."
 POOL = 48 << 20  # arenas the emulation copies whole at a scatter: kept small
 
 
+@pytest.fixture
+def engines():
+    """``make(**options)``: an Engine with a small pool, closed at the end if still open.
+    Unlike ``fresh_engine`` it keeps no closed engine alive: with the emulation's float32
+    weights (~0.6 GiB a model) the suite's resident peak would grow by each."""
+    opened = []
+
+    def make(**options):
+        engine = Engine(pool_bytes=POOL, **options)
+        opened.append(weakref.ref(engine))
+        return engine
+
+    yield make
+    for ref in opened:
+        if (engine := ref()) is not None:
+            engine.close()
+
+
+def let_go(engine) -> None:
+    """Close ``engine``; the caller holds the last reference, and drops it."""
+    engine.close()
+    gc.collect()
+    mx.clear_cache()
+
+
 def conversation(engine, tag, first_tokens, restart=None, alone=False, replies=None, **options):
     """Two agents' first turns (``first_tokens`` each), a hot second turn each of a few
     tokens (the paged kernel over several queries), then one of more (a prefill chunk over
     stored blocks); as a batch, or each agent ``alone``, one turn after another;
-    ``restart(engine)`` -> a new engine after the first turns, reading the agents back from
-    disk; ``replies``: another run's, to build the next turns' prompts from (so that both
-    runs see the same prompts). Every turn's ChatResult, and the engine at the end."""
+    ``restart()`` -> a new engine after the first turns (the old one closed first), reading
+    the agents back from disk; ``replies``: another run's, to build the next turns' prompts
+    from (so that both runs see the same prompts). Every turn's ChatResult, and the engine at
+    the end."""
     turns = [(f"{tag}-{i}", p) for i, p in enumerate(PROMPTS)]
     results = []
 
@@ -36,15 +69,16 @@ def conversation(engine, tag, first_tokens, restart=None, alone=False, replies=N
 
     said = run(turns, first_tokens)
     if restart is not None:
-        engine = restart(engine)
+        let_go(engine)
+        engine = restart()
     said = run([(a, p + " And") for a, p in said], 12)
     run([(a, p + MORE) for a, p in said], 16)
     return results, engine
 
 
-def emulated_engine(fresh_engine, monkeypatch, **options):
+def emulated_engine(engines, monkeypatch, **options):
     emulated_gpu(monkeypatch)
-    engine = fresh_engine(pool_bytes=POOL, **options)
+    engine = engines(**options)
     assert engine.runner.draft_tokens == 0 and engine.scheduler.pipeline
     return engine
 
@@ -63,9 +97,7 @@ def agree(want, got, tolerance: float) -> int:
     return len(want.tokens)
 
 
-def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(
-    fresh_engine, monkeypatch, tmp_path
-):
+def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(engines, monkeypatch, tmp_path):
     """``kv_bits=16``: both read the same keys, so the GPU path gives the CPU engine's
     tokens, every log-probability within 0.05 nats (they differ by float rounding, ~0.01),
     parting only at a near tie; turn after turn, in a batch, and after a restart that reads
@@ -74,18 +106,17 @@ def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(
     for where in ("cpu", "gpu"):
         options = {"cache_dir": tmp_path / where, "kv_bits": 16}
         if where == "gpu":
-            engine = emulated_engine(fresh_engine, monkeypatch, **options)
+            engine = emulated_engine(engines, monkeypatch, **options)
         else:  # the weights in float32, as the emulation's (tests/gpu_emulation.py)
             options["weights"] = "float32"
-            engine = fresh_engine(pool_bytes=POOL, **options)
-
-        def restart(old, options=options):
-            old.close()
-            return fresh_engine(pool_bytes=POOL, **options)
+            engine = engines(**options)
 
         CALLS.clear()
         replies = [r.text for r in runs["cpu"]] if runs else None
+        restart = lambda options=options: engines(**options)  # noqa: E731
         runs[where], engine = conversation(engine, "a", 40, restart, replies=replies, logprobs=3)
+        let_go(engine)
+        del engine
     agreed = [agree(w, g, 0.05) for w, g in zip(runs["cpu"], runs["gpu"])]
     assert sum(agreed) > 0.8 * sum(len(r.tokens) for r in runs["cpu"]), agreed
     caches = [r.stats.cache for r in runs["gpu"]]
@@ -94,7 +125,7 @@ def test_with_float16_kv_the_gpu_path_gives_the_cpu_engines_tokens(
 
 
 def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
-    fresh_engine, monkeypatch, tmp_path
+    engines, monkeypatch, tmp_path
 ):
     """The default format (4-bit, per-channel keys, rotated; a wide layer's 8-bit keys). A
     quantized key's codes depend on the model's last float before it, and the CPU engine's
@@ -103,18 +134,16 @@ def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
     and restarted after its first turn (its blocks read back from disk), past a channel
     group's end (the group kernel), through the store, gathering, paged and merge kernels."""
     options = {"kv_wide_layers": (0,)}
-    engine = emulated_engine(fresh_engine, monkeypatch, cache_dir=tmp_path / "b", **options)
+    engine = emulated_engine(engines, monkeypatch, cache_dir=tmp_path / "b", **options)
     CALLS.clear()
     batched, engine = conversation(engine, "k", 70)
-    engine.close()
+    let_go(engine)
     ran = sorted(CALLS)
 
-    def restart(old):
-        old.close()
-        return fresh_engine(pool_bytes=POOL, cache_dir=tmp_path / "a", **options)
+    def restart():
+        return engines(cache_dir=tmp_path / "a", **options)
 
-    engine = fresh_engine(pool_bytes=POOL, cache_dir=tmp_path / "a", **options)
-    alone, engine = conversation(engine, "k", 70, restart, alone=True)
+    alone, engine = conversation(restart(), "k", 70, restart, alone=True)
     assert [r.tokens for r in alone] == [r.tokens for r in batched]
     assert [r.stats.cache for r in alone] == ["cold", "cold", "warm", "warm", "hot", "hot"]
     assert ran == sorted(RUNS)  # every kernel the GPU path has
