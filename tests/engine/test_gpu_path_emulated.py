@@ -1,8 +1,10 @@
 """The engine's whole GPU path, run on the CPU (tests/gpu_emulation.py): every GPU-only
 branch (the paged kernel and its merge pass, the dense prefill path and its gathering
 kernel, the store and group kernels, arenas read through staging copies, the pipelined
-decode loop), with the kernels' real bodies run by their CPU builds, against the CPU engine
-on the real model: the same greedy tokens, turn after turn, in a batch, after a restart.
+decode loop), with the kernels' real bodies run by their CPU builds, on the real model, turn
+after turn, in a batch and after a restart: with float16 KV against the CPU engine (the same
+tokens but at near ties, log-probabilities within 0.05 nats); with 4-bit KV against itself
+(each agent batched gets the tokens it gets alone and restarted).
 
 A GPU's own compiler, speed and memory are not here (tests/gpu, ``bench gpu``); what is, is
 every input and launch ``kernels/gpu.py`` hands MLX and every branch around them, which
