@@ -74,11 +74,17 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     """tests/scripts/gpu_host_cost.py: a decode step's graph as a GPU builds it, counted on
     the CPU. The counts are what docs/gpu-attention.md states a layer costs: a change that
     adds kernels to the GPU step shows here."""
+    arms = "agentkv-q4,agentkv-kv16,mlx-lm-fp16,agentkv-q4-separate"
     done = run(python_env, "tests/scripts/gpu_host_cost.py", "--shape", "tiny", "--context",
-               "70", "--steps", "3", "--json", "--tokenizer", str(tokenizer_dir()))  # fmt: skip
+               "70", "--steps", "3", "--json", "--tokenizer", str(tokenizer_dir()),
+               "--arms", arms)  # fmt: skip
     rows = {r["arm"]: r for r in json.loads(done.stdout)}
     layers = 2
     q4, kv16, mlx_lm = rows["agentkv-q4"], rows["agentkv-kv16"], rows["mlx-lm-fp16"]
+    # the joint projections: q/k/v one matmul and gate/up one (4 a layer, mlx-lm's 7)
+    separate = rows["agentkv-q4-separate"]
+    assert separate["kernels"] - q4["kernels"] == 3 * layers
+    assert separate["nodes"]["QuantizedMatmul"] - q4["nodes"]["QuantizedMatmul"] == 3 * layers
     # 70 keys are two parts of 64: each layer's kernel and its merge pass
     for row in (q4, kv16):
         assert row["stand_ins"]["paged_attention"] == layers
@@ -93,8 +99,8 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     assert q4["nodes"]["Scatter"] == 4 * layers
     assert kv16["nodes"]["Scatter"] == 2 * layers
     assert "store_rows" not in kv16["stand_ins"]
-    assert q4["kernels"] - mlx_lm["kernels"] == 4 * layers
-    assert kv16["kernels"] - mlx_lm["kernels"] == 1 * layers
+    assert q4["kernels"] - mlx_lm["kernels"] == (4 - 3) * layers
+    assert kv16["kernels"] - mlx_lm["kernels"] == (1 - 3) * layers
     # each arm's build timed, and the arrays each step makes from host data counted: the
     # token (every arm) and, for agentkv, one array holding all of the step's indices
     # (pool.arena.index_arrays: a managed-memory buffer each on MLX's CUDA backend)

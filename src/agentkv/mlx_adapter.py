@@ -465,6 +465,116 @@ def use_fused_layers(model: nn.Module) -> int:
     return switched
 
 
+# -- a GPU's joint projections -------------------------------------------------------------
+
+# The linear layers of one module that mlx-lm's blocks call on the same input, one after
+# another: attention's query, key and value projections, the MLP's gate and up projections.
+_JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+JOINT_ENV = "AGENTKV_GPU_JOINT"  # "0": every projection its own matmul on a GPU too
+
+
+class JointLinear(nn.Module):
+    """Linear layers over one input as one matmul: their weights stacked along the outputs,
+    the result cut back into each layer's part (views, no copy). The parts
+    (``JointPart``) stand where the layers stood; the first to see an input computes all of
+    them, the others take theirs, and the joint lets go of them once each was taken."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.linear = linear
+        object.__setattr__(self, "_cuts", [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
+        object.__setattr__(self, "_count", len(sizes))
+        self._forget()
+
+    def _forget(self) -> None:
+        object.__setattr__(self, "_input", None)
+        object.__setattr__(self, "_parts", None)
+        object.__setattr__(self, "_taken", set())
+
+    def part(self, x: mx.array, index: int) -> mx.array:
+        if self._input is not x:  # a new input (or one part called twice on another)
+            object.__setattr__(self, "_input", x)
+            object.__setattr__(self, "_parts", mx.split(self.linear(x), self._cuts, axis=-1))
+            object.__setattr__(self, "_taken", set())
+        out = self._parts[index]
+        self._taken.add(index)
+        if len(self._taken) == self._count:  # hold no step's arrays past its layer
+            self._forget()
+        return out
+
+
+class JointPart(nn.Module):
+    """One layer's share of a ``JointLinear`` (it holds no weights; the joint does)."""
+
+    def __init__(self, joint: JointLinear, index: int):
+        super().__init__()
+        object.__setattr__(self, "_joint", joint)
+        object.__setattr__(self, "_index", index)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._joint.part(x, self._index)
+
+
+def _joint_of(layers: list[nn.Module]) -> JointLinear | None:
+    """One ``JointLinear`` doing ``layers``' matmuls, or None where they cannot be one (other
+    kinds, inputs, quantizations, dtypes or biases)."""
+    first = layers[0]
+    kind = type(first)
+    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(m) is not kind for m in layers):
+        return None
+    keys = sorted(first.keys())
+    if any(sorted(m.keys()) != keys for m in layers):
+        return None
+    if any(m[k].dtype != first[k].dtype or m[k].shape[1:] != first[k].shape[1:]
+           for m in layers for k in keys):  # fmt: skip
+        return None
+    quantized = kind is nn.QuantizedLinear
+    if quantized and any(
+        (m.bits, m.group_size, m.mode) != (first.bits, first.group_size, first.mode) for m in layers
+    ):
+        return None
+    sizes = [m["weight"].shape[0] for m in layers]
+    inputs = first["weight"].shape[1] * (32 // first.bits if quantized else 1)
+    bias = "bias" in first
+    joint = (
+        nn.QuantizedLinear(inputs, sum(sizes), bias, first.group_size, first.bits, first.mode)
+        if quantized
+        else nn.Linear(inputs, sum(sizes), bias)
+    )
+    joint.update({k: mx.concatenate([m[k] for m in layers]) for k in keys})
+    if any(k not in keys for k in joint.keys()):  # a part the layers do not have
+        return None
+    return JointLinear(joint, sizes)
+
+
+def use_joint_projections(model: nn.Module) -> int:
+    """On a GPU, let each module's query, key and value projections run as one matmul, and
+    its MLP's gate and up projections as another (``JointLinear``): 3 kernels a layer fewer
+    to encode each step, where a small model's decode is bound by encoding them
+    (docs/gpu-attention.md, "Profile"). Layers that differ in kind, quantization, dtype or
+    bias stay as they are. Returns how many groups were joined (0 with
+    ``AGENTKV_GPU_JOINT=0``)."""
+    import os
+
+    if os.environ.get(JOINT_ENV) == "0":
+        return 0
+    joined = 0
+    for _, module in list(model.named_modules()):
+        for names in _JOINT_GROUPS:
+            layers = [getattr(module, n, None) for n in names]
+            if any(not isinstance(m, nn.Module) for m in layers):
+                continue
+            joint = _joint_of(layers)
+            if joint is None:
+                continue
+            mx.eval(joint.parameters())  # the layers' own arrays go with them below
+            setattr(module, "agentkv_" + "_".join(n.split("_")[0] for n in names), joint)
+            for i, name in enumerate(names):
+                setattr(module, name, JointPart(joint, i))
+            joined += 1
+    return joined
+
+
 CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 5, 8), (32, 64, 128)
 
 

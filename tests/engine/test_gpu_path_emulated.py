@@ -1,10 +1,10 @@
-"""The engine's whole GPU path, run on the CPU (tests/gpu_emulation.py): every GPU-only
-branch (the paged kernel and its merge pass, the dense prefill path and its gathering
-kernel, the store and group kernels, arenas read through staging copies, the pipelined
-decode loop), with the kernels' real bodies run by their CPU builds, on the real model, turn
-after turn, in a batch and after a restart: with float16 KV against the CPU engine (the same
-tokens but at near ties, log-probabilities within 0.05 nats); with 4-bit KV against itself
-(each agent batched gets the tokens it gets alone and restarted).
+"""The engine's whole GPU path, run on the CPU (tests/gpu_emulation.py): every GPU-only branch
+(the paged kernel and its merge pass, the dense prefill path and its gathering kernel, the
+store and group kernels, arenas read through staging copies, the pipelined decode loop, the
+joint projections), with the kernels' real bodies run by their CPU builds, on the real
+model, turn after turn, in a batch and after a restart: with float16 KV against the CPU
+engine (the same tokens but at near ties, log-probabilities within 0.05 nats); with 4-bit KV
+against itself (each agent batched gets the tokens it gets alone and restarted).
 
 A GPU's own compiler, speed and memory are not here (tests/gpu, ``bench gpu``); what is, is
 every input and launch ``kernels/gpu.py`` hands MLX and every branch around them, which
@@ -18,6 +18,7 @@ import pytest
 from gpu_emulation import CALLS, RUNS, emulated_gpu
 
 from agentkv import Engine
+from agentkv.mlx_adapter import JointLinear
 
 PROMPTS = ["def fibonacci(n):\n    ", "A recipe for bread: first, mix"]
 MORE = " Now write three more sentences about the same subject, in plain words, for a child."
@@ -82,6 +83,9 @@ def emulated_engine(engines, monkeypatch, **options):
     emulated_gpu(monkeypatch)
     engine = engines(**options)
     assert engine.runner.draft_tokens == 0 and engine.scheduler.pipeline
+    # a GPU's model: each block's q/k/v and gate/up projections one matmul each
+    joints = [m for _, m in engine.loaded.model.named_modules() if isinstance(m, JointLinear)]
+    assert len(joints) == 2 * engine.spec.num_layers
     return engine
 
 

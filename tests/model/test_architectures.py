@@ -370,6 +370,44 @@ def test_llama_and_qwen_blocks_fuse_with_the_bits_of_their_separate_operations(
             np.testing.assert_array_equal(a, b)
 
 
+def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, monkeypatch):
+    """On a GPU each block's query, key and value projections run as one matmul, and its
+    gate and up projections as another (``use_joint_projections``). Over MLX's own 4-bit
+    layers the model gives the same logits, bit for bit, for a batch of two rows (over float
+    ones, whose matmul may sum in another order for a wider output, within 1e-4); it holds
+    the same weight bytes and keeps no step's arrays after the call. ``AGENTKV_GPU_JOINT=0``
+    leaves a model alone."""
+    from agentkv.mlx_adapter import JointLinear
+
+    name, path = quantized_arch
+    for quantized in (True, False):
+        separate, _ = mlx_adapter.load(str(path))
+        joint, tokenizer = mlx_adapter.load(str(path))
+        if not quantized:
+            mlx_adapter.dequantize_model(separate)
+            mlx_adapter.dequantize_model(joint)
+        monkeypatch.setenv(mlx_adapter.JOINT_ENV, "0")
+        assert mlx_adapter.use_joint_projections(joint) == 0
+        monkeypatch.delenv(mlx_adapter.JOINT_ENV)
+        joined = mlx_adapter.use_joint_projections(joint)
+        # q/k/v in every block; gate/up where the MLP has them (gpt-oss's experts do not)
+        assert joined == COMMON["num_hidden_layers"] * (1 if name == "gpt_oss" else 2)
+        ids = mx.array([tokenizer.encode(log_prompt("lint", 2)[0]["content"])[:24]] * 2)
+        ids[1] = ids[1][::-1]
+        a, b = separate(ids), joint(ids)
+        if quantized:
+            assert mx.array_equal(a, b)
+        else:
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+        def nbytes(model):
+            return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+        assert nbytes(joint) == nbytes(separate)
+        joints = [m for _, m in joint.named_modules() if isinstance(m, JointLinear)]
+        assert len(joints) == joined and all(j._input is None for j in joints)
+
+
 @cpu_kernels
 def test_the_last_position_alone_gives_the_logits_of_the_whole_call(quantized_arch):
     """Llama, Qwen2 and Qwen3 (tied and untied heads) project only the last position onto the

@@ -18,9 +18,11 @@ their output shapes, and for each arm reports
 * ``host_arrays``: the arrays the build makes from host data (``mx.array``), each a buffer
   in managed memory on MLX's CUDA backend.
 
-mlx-lm's own step (its float16 cache) is measured the same way; ``--tokens N`` builds steps of
-a prefill chunk of N tokens instead (a hot turn's: on a GPU, 16 or more take the dense path,
-kernels/dense.py). Run:
+mlx-lm's own step (its float16 cache) is measured the same way, and so, with
+``--arms``, are agentkv's steps with every projection its own matmul
+(``agentkv-q4-separate``, ``agentkv-kv16-separate``: ``AGENTKV_GPU_JOINT=0``);
+``--tokens N`` builds steps of a prefill chunk of N tokens instead (a hot turn's: on a
+GPU, 16 or more take the dense path, kernels/dense.py). Run:
 ``python tests/scripts/gpu_host_cost.py --context 320 --steps 40 [--json]`` (a context of
 more than one part of the keys, so the merge pass runs; longer ones only take the CPU
 longer to prefill).
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
+import os
 import re
 import statistics
 import sys
@@ -51,9 +55,18 @@ from benchmarks import gpu as bench_gpu  # noqa: E402
 # into the operation that reads them)
 NO_KERNEL = {
     "Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose", "AsStrided",
-    "StopGradient", "Depends", "View", "Full",
+    "StopGradient", "Depends", "View", "Full", "Split",
 }  # fmt: skip
-ARMS = {"agentkv-q4": "q4", "agentkv-kv16": "kv16", "mlx-lm-fp16": "mlx-lm"}  # gpu_lab's names
+# each arm: gpu_lab's name for it, and its environment (``-separate``: every projection its
+# own matmul, as before mlx_adapter.use_joint_projections)
+SEPARATE = {"AGENTKV_GPU_JOINT": "0"}
+ARMS = {
+    "agentkv-q4": ("q4", {}),
+    "agentkv-kv16": ("kv16", {}),
+    "mlx-lm-fp16": ("mlx-lm", {}),
+    "agentkv-q4-separate": ("q4", SEPARATE),
+    "agentkv-kv16-separate": ("kv16", SEPARATE),
+}
 CALLS: collections.Counter = collections.Counter()  # the stand-ins' calls, by kernel
 
 
@@ -65,6 +78,7 @@ def emulate_gpu() -> None:
 
     def prepare(model, *_):  # mlx-lm's own layers, float32 (float16 matmuls crawl on a CPU)
         model.set_dtype(mx.float32)
+        load.mlx_adapter.use_joint_projections(model)  # as load_model does on a GPU
         return False
 
     load._prepare_for_cpu = prepare
@@ -202,6 +216,20 @@ def _row(name, context, builds, nodes, stand_ins: dict, host_arrays: int) -> dic
     }
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(bench_gpu.SHAPES))
@@ -222,9 +250,11 @@ def main() -> None:
         root = Path(tmp)
         path = bench_gpu.build_model(args.shape, root, bench_gpu.tokenizer_dir(args.tokenizer))
         for name in args.arms.split(","):
-            rows.append(
-                measure(ARMS[name], name, path, root / "kv", args.context, args.steps, args.tokens)
-            )
+            arm, env = ARMS[name]
+            with _environment(env):
+                rows.append(
+                    measure(arm, name, path, root / "kv", args.context, args.steps, args.tokens)
+                )
     if args.json:
         print(json.dumps(rows, indent=1))
         return

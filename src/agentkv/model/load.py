@@ -286,6 +286,8 @@ def load_model(
     except Exception as exc:  # mlx-lm raises many types for missing/offline/unsupported models
         raise _load_error(model, target, exc) from exc
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights, Path(target))
+    if mx.default_device() != mx.cpu:
+        mlx_adapter.use_joint_projections(mlx_model)
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
     # names a stream of the thread that built it, and no other thread can run it.

@@ -32,8 +32,10 @@ PRIVATE_DOMAIN = b"agentkv/private/v1"
 # shared with blocks computed after it. Metal and CUDA 2: a prefill query reads its own
 # completed channel group in float16 there too (kernels/paged_attention.metal, dense.py);
 # 3: the merge pass adds its parts in 4 running sums (paged_attention_merge.metal), and a
-# team loads 2 keys at once at decode (the same order, but compiled anew).
-BITS_VERSIONS = {"cpu": 1, "metal": 3, "cuda": 3}
+# team loads 2 keys at once at decode (the same order, but compiled anew); 4: the query, key
+# and value projections are one matmul (``mlx_adapter.use_joint_projections``), whose keys
+# and values MLX's kernels may sum in another order than three matmuls'.
+BITS_VERSIONS = {"cpu": 1, "metal": 4, "cuda": 4}
 BACKENDS = tuple(BITS_VERSIONS)
 
 
