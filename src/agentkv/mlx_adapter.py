@@ -477,29 +477,25 @@ class JointLinear(nn.Module):
     """Linear layers over one input as one matmul: their weights stacked along the outputs,
     the result cut back into each layer's part (views, no copy). The parts
     (``JointPart``) stand where the layers stood; the first to see an input computes all of
-    them, the others take theirs, and the joint lets go of them once each was taken."""
+    them, the others take theirs, and the joint lets go of them once as many were taken as
+    there are parts (a part called again on that input computes the matmul again)."""
 
     def __init__(self, linear: nn.Module, sizes: list[int]):
         super().__init__()
         self.linear = linear
         object.__setattr__(self, "_cuts", [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)])
         object.__setattr__(self, "_count", len(sizes))
-        self._forget()
-
-    def _forget(self) -> None:
-        object.__setattr__(self, "_input", None)
-        object.__setattr__(self, "_parts", None)
-        object.__setattr__(self, "_taken", set())
+        # [the input, its parts, parts left to take]: a step's arrays, never past its layer
+        object.__setattr__(self, "_held", [None, None, 0])
 
     def part(self, x: mx.array, index: int) -> mx.array:
-        if self._input is not x:  # a new input (or one part called twice on another)
-            object.__setattr__(self, "_input", x)
-            object.__setattr__(self, "_parts", mx.split(self.linear(x), self._cuts, axis=-1))
-            object.__setattr__(self, "_taken", set())
-        out = self._parts[index]
-        self._taken.add(index)
-        if len(self._taken) == self._count:  # hold no step's arrays past its layer
-            self._forget()
+        held = self._held
+        if held[0] is not x:
+            held[:] = x, mx.split(self.linear(x), self._cuts, axis=-1), self._count
+        out = held[1][index]
+        held[2] -= 1
+        if not held[2]:
+            held[:] = None, None, 0
         return out
 
 

@@ -405,7 +405,7 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
 
         assert nbytes(joint) == nbytes(separate)
         joints = [m for _, m in joint.named_modules() if isinstance(m, JointLinear)]
-        assert len(joints) == joined and all(j._input is None for j in joints)
+        assert len(joints) == joined and all(j._held == [None, None, 0] for j in joints)
 
 
 @cpu_kernels
