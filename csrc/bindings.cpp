@@ -668,10 +668,11 @@ NB_MODULE(_ext, m) {
         "softcap"_a = 0.0f, "keys_in_flight"_a = 1,
         "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
         "threadgroup's lanes as a loop (for tests against the others).");
-  m.def("kernel_store_rows", &agentkv::kernels::store_rows, "keys"_a, "values"_a, "value_bits"_a,
-        "group"_a, "threads"_a = 2,
-        "kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, "
-        "H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).");
+  m.def("kernel_store_rows", &agentkv::kernels::store_rows, "keys"_a, "values"_a, "queries"_a,
+        "dims"_a, "starts"_a, "rope"_a, "threads"_a = 2,
+        "kernels/store_rows.metal on CPU with the kernel's inputs, each threadgroup's lanes as "
+        "a loop: (H k float16, H v's words, scales, biases, the roped queries float32), as "
+        "KV format 2 stores a step on a GPU (for tests).");
   m.def("kernel_dense_rows", &agentkv::kernels::dense_rows, "keys"_a, "values"_a, "tail"_a,
         "done"_a, "src"_a, "dims"_a, "scale"_a = 1.0f, "threads"_a = 2,
         "kernels/dense_rows.metal on CPU: the keys and values (float32) a prefill chunk's row "

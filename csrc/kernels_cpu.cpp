@@ -44,6 +44,12 @@ inline float kv_max(float a, float b) {
 inline float kv_tanh(float x) {
   return std::tanh(x);
 }
+inline float kv_cos(float x) {
+  return std::cos(x);
+}
+inline float kv_sin(float x) {
+  return std::sin(x);
+}
 inline float kv_round(float x) {
   return std::round(x);
 }
@@ -80,8 +86,9 @@ simt::Thread paged_attention_thread(simt::Group& kv_ctx, unsigned int kv_tid, ui
 // outputs) are float here; the caller rounds the float16 ones after.
 template <int KL, int TG>
 simt::Thread store_rows_thread(unsigned int kv_tid, uint3 kv_group, const float* k_in,
-                               const float* v_in, const int* dims, const float* scale, float* k_out,
-                               uint32_t* vw, float* vs, float* vb) {
+                               const float* v_in, const float* q_in, const int* dims,
+                               const float* scale, const int* starts, const float* rope,
+                               float* k_out, uint32_t* vw, float* vs, float* vb, float* q_out) {
   using T = float;
   using H = float;
 #include "kernels/store_rows.metal"
@@ -248,13 +255,28 @@ void run_paged_group(const PagedArgs& a, uint3 group, int vectors, int lanes_per
   }
 }
 
+struct StoreArgs {
+  const float* k;
+  const float* v;
+  const float* q;
+  const int* dims;
+  const float* scale;
+  const int* starts;
+  const float* rope;
+  float* k_out;
+  uint32_t* vw;
+  float* vs;
+  float* vb;
+  float* q_out;
+};
+
 template <int KL>
-void run_store_group(const float* k, const float* v, const int* dims, const float* scale,
-                     float* k_out, uint32_t* vw, float* vs, float* vb, unsigned int group) {
+void run_store_group(const StoreArgs& a, unsigned int group) {
   simt::Group g;
   g.run(kThreadgroup, [&](int t) {
-    return store_rows_thread<KL, kThreadgroup>(static_cast<unsigned>(t), uint3{group, 0, 0}, k, v,
-                                               dims, scale, k_out, vw, vs, vb);
+    return store_rows_thread<KL, kThreadgroup>(static_cast<unsigned>(t), uint3{group, 0, 0}, a.k,
+                                               a.v, a.q, a.dims, a.scale, a.starts, a.rope, a.k_out,
+                                               a.vw, a.vs, a.vb, a.q_out);
   });
 }
 
@@ -407,51 +429,93 @@ mx::array paged_attention(const mx::array& q_in, const std::vector<mx::array>& k
   return out;
 }
 
+namespace {
+
+// The last element a row of `heads` heads reads, at b * sb + h * sh + t * st + off + D - 1.
+int64_t last_read(int batch, int heads, int seq, const int* layout, int off, int dim) {
+  return static_cast<int64_t>(batch - 1) * layout[0] + static_cast<int64_t>(heads - 1) * layout[1] +
+         static_cast<int64_t>(seq - 1) * layout[2] + off + dim - 1;
+}
+
+}  // namespace
+
 std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& values_in,
-                                  int value_bits, int group, int threads) {
-  if (keys_in.ndim() < 1 || keys_in.shape() != values_in.shape()) {
-    throw std::invalid_argument("store rows: keys and values must have one shape");
+                                  const mx::array& queries_in, const std::vector<int>& d,
+                                  const mx::array& starts_in, const mx::array& rope_in,
+                                  int threads) {
+  if (d.size() != 18) {
+    throw std::invalid_argument("store rows: dims holds 18 ints");
   }
-  const int dim = keys_in.shape(-1);
+  const int n = d[0], dim = d[1], value_bits = d[2], group = d[3], nq = d[4], seq = d[5],
+            kv_heads = d[6], q_heads = d[7], rope_mode = d[17];
   const int kl = dim / 8;
   if (dim % 8 || !power_of_two_in(kl, 4, 32) ||
       (value_bits != 2 && value_bits != 4 && value_bits != 8) || group < 8 || group % 8 ||
-      dim % group) {
+      dim % group || n < 1 || seq < 1 || kv_heads < 1 || n % (seq * kv_heads) || nq < 0 ||
+      rope_mode < 0 || rope_mode > 2) {
     throw std::invalid_argument("store rows: bad dims");
   }
-  const int n = static_cast<int>(keys_in.size() / dim);
-  mx::array k = mx::contiguous(mx::astype(keys_in, mx::float32));
-  mx::array v = mx::contiguous(mx::astype(values_in, mx::float32));
-  mx::eval({k, v});
+  const int batch = n / (seq * kv_heads);
+  if (nq && (q_heads < 1 || nq != batch * q_heads * seq)) {
+    throw std::invalid_argument("store rows: the queries' rows do not match the keys'");
+  }
+  for (int i = 8; i < 17; ++i) {
+    if (d[i] < 0) {
+      throw std::invalid_argument("store rows: a negative stride or offset");
+    }
+  }
+  if (last_read(batch, kv_heads, seq, &d[8], d[11], dim) >= static_cast<int64_t>(keys_in.size()) ||
+      last_read(batch, kv_heads, seq, &d[8], d[12], dim) >=
+          static_cast<int64_t>(values_in.size()) ||
+      (nq && last_read(batch, q_heads, seq, &d[13], d[16], dim) >=
+                 static_cast<int64_t>(queries_in.size()))) {
+    throw std::invalid_argument("store rows: a row lies outside its array");
+  }
+  if (rope_mode && (static_cast<int>(starts_in.size()) < batch ||
+                    static_cast<int>(rope_in.size()) < dim / 2 + 1)) {
+    throw std::invalid_argument("store rows: RoPE needs each row's start and D / 2 + 1 floats");
+  }
+  mx::array k = mx::contiguous(mx::astype(mx::flatten(keys_in), mx::float32));
+  mx::array v = mx::contiguous(mx::astype(mx::flatten(values_in), mx::float32));
+  mx::array q = mx::contiguous(mx::astype(mx::flatten(queries_in), mx::float32));
+  mx::array starts = mx::contiguous(mx::astype(mx::flatten(starts_in), mx::int32));
+  mx::array rope = mx::contiguous(mx::astype(mx::flatten(rope_in), mx::float32));
+  mx::eval({k, v, q, starts, rope});
   mx::array k_out = new_array({n, dim}, mx::float32);
   mx::array vw = new_array({n, dim * value_bits / 32}, mx::uint32);
   mx::array vs = new_array({n, dim / group}, mx::float32);
   mx::array vb = new_array({n, dim / group}, mx::float32);
-  const int dims[4] = {n, dim, value_bits, group};
+  mx::array q_out = new_array({std::max(nq, 1), dim}, mx::float32);
   const float scale[1] = {1.0f / std::sqrt(static_cast<float>(dim))};
+  StoreArgs args{k.data<float>(),
+                 v.data<float>(),
+                 q.data<float>(),
+                 d.data(),
+                 scale,
+                 starts.data<int>(),
+                 rope.data<float>(),
+                 k_out.data<float>(),
+                 vw.data<uint32_t>(),
+                 vs.data<float>(),
+                 vb.data<float>(),
+                 q_out.data<float>()};
   const int rows_a_group = kThreadgroup / kl;
-  const size_t groups = static_cast<size_t>((n + rows_a_group - 1) / rows_a_group);
+  const size_t groups = static_cast<size_t>((n + nq + rows_a_group - 1) / rows_a_group);
   run_columns(groups, threads, [&](size_t i) {
-    const float* kp = k.data<float>();
-    const float* vp = v.data<float>();
-    float* ko = k_out.data<float>();
-    uint32_t* w = vw.data<uint32_t>();
-    float* sp = vs.data<float>();
-    float* bp = vb.data<float>();
     const auto g = static_cast<unsigned>(i);
     switch (kl) {
       case 4:
-        return run_store_group<4>(kp, vp, dims, scale, ko, w, sp, bp, g);
+        return run_store_group<4>(args, g);
       case 8:
-        return run_store_group<8>(kp, vp, dims, scale, ko, w, sp, bp, g);
+        return run_store_group<8>(args, g);
       case 16:
-        return run_store_group<16>(kp, vp, dims, scale, ko, w, sp, bp, g);
+        return run_store_group<16>(args, g);
       default:
-        return run_store_group<32>(kp, vp, dims, scale, ko, w, sp, bp, g);
+        return run_store_group<32>(args, g);
     }
   });
   return {mx::astype(k_out, mx::float16), vw, mx::astype(vs, mx::float16),
-          mx::astype(vb, mx::float16)};
+          mx::astype(vb, mx::float16), q_out};
 }
 
 std::vector<mx::array> dense_rows(const std::vector<mx::array>& keys,

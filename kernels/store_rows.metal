@@ -7,16 +7,29 @@
 // 32), T (the inputs' type), H (a stored float16: half, __half; float on the host, which
 // rounds it to float16 after).
 //
-// inputs:  k_in   T[N * D]   new keys, rows in (batch, head, token) order
-//          v_in   T[N * D]   new values
-//          dims   int[4]     N, D, vbits (2, 4 or 8), group (a multiple of 8 dividing D)
+// inputs:  k_in   T[...]     new keys: row r = (b, h, t) at b * dims[8] + h * dims[9] + t * dims[10]
+//                             + dims[11] (with the lane's 8 channels after it)
+//          v_in   T[...]     new values: the keys' layout, + dims[12] in place of dims[11]
+//          q_in   T[...]     (the prologue) queries: row (b, h, t) at b * dims[13] + h * dims[14]
+//                             + t * dims[15] + dims[16]
+//          dims   int[18]    N (= B Hkv L), D, vbits (2, 4 or 8), group (a multiple of 8
+//                             dividing D), NQ (= B Hq L; 0: no queries), L, Hkv, Hq, the
+//                             layouts above, RoPE (0: none; 1: channel c with c + D / 2; 2:
+//                             traditional, 2 j with 2 j + 1)
 //          scale  float[1]   1 / sqrt(D)
-// outputs: k_out  H[N * D]                (H k): format 2's float16 tail rows
+//          starts int[B]     each row's first position (RoPE)
+//          rope   float[D/2+1] inverse frequencies, then the positions' scale
+// outputs: k_out  H[N * D]                (H k): format 2's float16 tail rows, (b, h, t) order
 //          vw     uint32[N * D * vbits / 32]   (H v) quantized as mx.quantize does (affine,
 //          vs, vb H[N * D / group]            in groups of `group`): words, scales, biases
-// grid:    threadgroups (ceil(N / (TG / KL)), 1, 1), TG threads each: a team of KL lanes a
-//          row, lane i holding channels 8 i .. 8 i + 7 of its key and its value.
+//          q_out  T[max(NQ, 1) * D]      the roped queries, (b, h, t) order
+// grid:    threadgroups (ceil((N + NQ) / (TG / KL)), 1, 1), TG threads each: a team of KL
+//          lanes a row (N key-and-value rows, then NQ query rows), lane i holding channels
+//          8 i .. 8 i + 7 of its vectors.
 //
+// The prologue (RoPE mode > 0: keys, values and queries read where the joint q/k/v
+// projection left them): queries and keys roped first, as mx.fast.rope does (theta = position *
+// scale * inverse frequency, in float, each result rounded to T); a query row stops there.
 // The transform: three butterfly stages in the lane's registers, then log2(KL) across its
 // team by shuffles (the query's in paged_attention.metal), times 1 / sqrt(D); each result
 // rounded to T, as MLX's transform of a T input returns it. The quantization follows
@@ -32,16 +45,63 @@ const int n_rows = dims[0];
 const int dim = dims[1];
 const int vbits = dims[2];
 const int group = dims[3];
+const int n_queries = dims[4];
+const int seq = dims[5];
+const int kv_heads = dims[6];
+const int q_heads = dims[7];
+const int rope_mode = dims[17];
 const int tid = (int)kv_tid;
 const int team_lane = (tid % 32) % KL;
 const int r = (int)kv_group.x * (TG / KL) + tid / KL;
 const bool real = r < n_rows;  // every lane runs to the end: the shuffles need all 32
-const unsigned int at = (unsigned int)(real ? r : 0) * (unsigned int)dim + 8u * (unsigned int)team_lane;
+const bool query = !real && r < n_rows + n_queries;
+const int row = real ? r : (query ? r - n_rows : 0);  // (b, h, t) of its kind
+const int heads = query ? q_heads : kv_heads;
+const int t = row % seq;
+const int h = (row / seq) % heads;
+const int b = row / (seq * heads);
+const unsigned int lane8 = 8u * (unsigned int)team_lane;
+const unsigned int at = (unsigned int)(real ? r : 0) * (unsigned int)dim + lane8;  // k_out's
+const unsigned int kv_at = (unsigned int)(b * dims[8] + h * dims[9] + t * dims[10]) + lane8;
+const unsigned int q_at =
+    (unsigned int)(b * dims[13] + h * dims[14] + t * dims[15] + dims[16]) + lane8;
 float x[8];
 float y[8];
+const unsigned int v_at = (real ? kv_at : lane8) + (unsigned int)dims[12];  // a query: row 0's
+const unsigned int k_at = (real ? kv_at : lane8) + (unsigned int)dims[11];
 for (int e = 0; e < 8; ++e) {
-  x[e] = kv_float(k_in[at + (unsigned int)e]);
-  y[e] = kv_float(v_in[at + (unsigned int)e]);
+  x[e] = query ? kv_float(q_in[q_at + (unsigned int)e]) : kv_float(k_in[k_at + (unsigned int)e]);
+  y[e] = kv_float(v_in[v_at + (unsigned int)e]);
+}
+if (rope_mode != 0) {  // uniform across the grid: every lane shuffles or none
+  const float position = (float)(starts[b] + t) * rope[dim / 2];
+  const int half_lanes = KL / 2;
+  for (int e = 0; e < 8; ++e) {
+    const float other = KV_SHUFFLE_XOR(x[e], half_lanes);
+    if (rope_mode == 1) {  // channel c with c + D / 2: lane with lane ^ KL / 2
+      const float theta = position * rope[8 * (team_lane % half_lanes) + e];
+      const float c = kv_cos(theta);
+      const float sn = kv_sin(theta);
+      x[e] = team_lane < half_lanes ? x[e] * c - other * sn : other * sn + x[e] * c;
+    }
+  }
+  if (rope_mode == 2) {  // 2 j with 2 j + 1, inside the lane
+    for (int e = 0; e < 8; e += 2) {
+      const float theta = position * rope[4 * team_lane + e / 2];
+      const float c = kv_cos(theta);
+      const float sn = kv_sin(theta);
+      const float x0 = x[e];
+      const float x1 = x[e + 1];
+      x[e] = x0 * c - x1 * sn;
+      x[e + 1] = x0 * sn + x1 * c;
+    }
+  }
+  for (int e = 0; e < 8; ++e) {
+    x[e] = kv_float((T)x[e]);  // mx.fast.rope's result, in T
+    if (query) {
+      q_out[(unsigned int)row * (unsigned int)dim + lane8 + (unsigned int)e] = (T)x[e];
+    }
+  }
 }
 for (int s = 1; s < 8; s *= 2) {
   for (int e = 0; e < 8; ++e) {

@@ -28,6 +28,7 @@ from agentkv.kernels import gpu
 from agentkv.kernels.cpu import THREADS
 
 CALLS: collections.Counter = collections.Counter()  # the kernels run, by name
+PROLOGUES: collections.Counter = collections.Counter()  # store_rows calls that roped queries
 
 
 def emulated_gpu(monkeypatch) -> None:
@@ -118,14 +119,18 @@ def _merge(inputs, template, grid, threadgroup):
 
 
 def _store_rows(inputs, template, grid, threadgroup):
-    keys, values, dims, scale = inputs
-    n, dim, value_bits, group = _ints(dims)
-    assert template["KL"] == dim // 8 and keys.size == values.size == n * dim
+    keys, values, queries, dims, scale, starts, rope = inputs
+    d = _ints(dims)
+    n, dim, n_queries = d[0], d[1], d[4]
+    assert template["KL"] == dim // 8
     assert math.isclose(_floats(scale)[0], 1 / math.sqrt(dim), rel_tol=1e-6)
     rows_a_group = template["TG"] // template["KL"]
-    assert grid[0] * rows_a_group >= n * template["TG"] and grid[0] % threadgroup[0] == 0
-    k, v = keys.reshape(n, dim), values.reshape(n, dim)
-    return list(_ext.kernel_store_rows(k, v, value_bits, group, THREADS))
+    assert grid[0] * rows_a_group >= (n + n_queries) * template["TG"]
+    assert grid[0] % threadgroup[0] == 0
+    PROLOGUES["store_rows"] += n_queries > 0
+    # the body's own bounds checks: every row it reads lies inside its array
+    out = _ext.kernel_store_rows(keys, values, queries, d, starts, rope, THREADS)
+    return [*out[:4], out[4].reshape(-1)]
 
 
 def _dense_rows(inputs, template, grid, threadgroup):

@@ -81,9 +81,11 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     rows = {r["arm"]: r for r in json.loads(done.stdout)}
     layers = 2
     q4, kv16, mlx_lm = rows["agentkv-q4"], rows["agentkv-kv16"], rows["mlx-lm-fp16"]
-    # the joint projections: q/k/v one matmul and gate/up one (4 a layer, mlx-lm's 7)
+    # the joint projections: q/k/v one matmul and gate/up one (4 a layer, mlx-lm's 7), and
+    # the store kernel's prologue: 4-bit layers rope their queries and keys in it
     separate = rows["agentkv-q4-separate"]
-    assert separate["kernels"] - q4["kernels"] == 3 * layers
+    assert separate["kernels"] - q4["kernels"] == (3 + 2) * layers
+    assert "rope" not in q4["stand_ins"] and kv16["stand_ins"]["rope"] == 2 * layers
     assert separate["nodes"]["QuantizedMatmul"] - q4["nodes"]["QuantizedMatmul"] == 3 * layers
     # 70 keys are two parts of 64: each layer's kernel and its merge pass
     for row in (q4, kv16):
@@ -99,7 +101,7 @@ def test_the_host_cost_script_counts_what_a_gpu_decode_step_launches(python_env)
     assert q4["nodes"]["Scatter"] == 4 * layers
     assert kv16["nodes"]["Scatter"] == 2 * layers
     assert "store_rows" not in kv16["stand_ins"]
-    assert q4["kernels"] - mlx_lm["kernels"] == (4 - 3) * layers
+    assert q4["kernels"] - mlx_lm["kernels"] == (4 - 3 - 2) * layers
     assert kv16["kernels"] - mlx_lm["kernels"] == (1 - 3) * layers
     # each arm's build timed, and the arrays each step makes from host data counted: the
     # token (every arm) and, for agentkv, one array holding all of the step's indices

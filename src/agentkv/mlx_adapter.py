@@ -571,6 +571,95 @@ def use_joint_projections(model: nn.Module) -> int:
     return joined
 
 
+# mlx-lm modules whose Attention is Llama's: the joint q/k/v projection, RoPE over whole
+# heads, the cache, attention, the output projection (Qwen2's adds biases to the projection)
+_PROLOGUE_ATTENTION = ("llama", "qwen2")
+
+
+def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, int] | None:
+    """A RoPE as the store kernel's prologue applies it (kernels/store_rows.metal): (its D / 2
+    inverse frequencies then the positions' scale, float32; mode 1, channel c with c + D / 2,
+    or 2, traditional), for ``nn.RoPE`` and mlx-lm's Llama 3 RoPE over whole heads; None
+    for any other (it then runs as mlx-lm's)."""
+    import numpy as np
+
+    if getattr(rope, "dims", None) != head_dim:
+        return None
+    if type(rope) is nn.RoPE:
+        inverse = rope.base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        scale = rope.scale
+    elif type(rope).__name__ == "Llama3RoPE" and type(rope).__module__.startswith("mlx_lm."):
+        inverse, scale = 1.0 / np.array(rope._freqs, dtype=np.float64), 1.0
+    else:
+        return None
+    table = mx.array(np.append(inverse, scale).astype(np.float32))
+    mx.eval(table)
+    return table, 2 if rope.traditional else 1
+
+
+@functools.cache
+def _prologue_classes() -> dict[type, type]:
+    """{mlx-lm's Attention of each architecture above: agentkv's GPU subclass of it}."""
+    import importlib
+
+    out = {}
+    for name in _PROLOGUE_ATTENTION:
+        attention = importlib.import_module(f"mlx_lm.models.{name}").Attention
+
+        def __call__(self, x: mx.array, mask=None, cache=None, _attention=attention):
+            run = getattr(cache, "agentkv_prologue", None)
+            if run is not None:
+                B, L, _ = x.shape
+                heads = (self.n_heads, self.n_kv_heads)
+                joint = self.agentkv_q_k_v.linear
+                out = run(lambda: joint(x), heads, self.agentkv_head_dim, self.agentkv_rope,
+                          scale=self.scale, mask=mask)  # fmt: skip
+                if out is not None:
+                    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            return _attention.__call__(self, x, mask, cache)
+
+        out[attention] = type(
+            "GPUPrologueAttention",
+            (attention,),
+            {
+                "__call__": __call__,
+                "__doc__": f"mlx-lm's {name} attention, its RoPE and store in one kernel where "
+                "its cache offers that (``agentkv_prologue``: the block pool's GPU steps), else "
+                "as mlx-lm's.",
+                "__module__": __name__,
+            },
+        )
+    return out
+
+
+def use_gpu_prologue(model: nn.Module) -> int:
+    """On a GPU, let each Llama or Qwen2 attention whose q/k/v projections are joint
+    (``use_joint_projections``) and whose RoPE the store kernel applies (``rope_table``)
+    hand its joint projection to the block pool's step, which ropes its queries and keys
+    and stores its keys and values in one kernel (``PagedLayerCache.agentkv_prologue``;
+    docs/gpu-attention.md, "The prologue"). Returns how many layers were switched (0 with
+    ``AGENTKV_GPU_PROLOGUE=0``, which the step also reads)."""
+    import os
+
+    if os.environ.get("AGENTKV_GPU_PROLOGUE") == "0":
+        return 0
+    classes = _prologue_classes()
+    switched = 0
+    for _, module in model.named_modules():
+        cls = classes.get(type(module))
+        joint = getattr(module, "agentkv_q_k_v", None)
+        if cls is None or not isinstance(joint, JointLinear):
+            continue
+        head_dim = joint._cuts[0] // module.n_heads  # the queries' part over their heads
+        table = rope_table(module.rope, head_dim)
+        if table is not None:
+            module.__class__ = cls
+            object.__setattr__(module, "agentkv_rope", table)
+            object.__setattr__(module, "agentkv_head_dim", head_dim)
+            switched += 1
+    return switched
+
+
 CPU_QMM_BITS, CPU_QMM_GROUPS = (4, 5, 8), (32, 64, 128)
 
 

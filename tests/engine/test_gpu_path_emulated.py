@@ -15,7 +15,7 @@ import weakref
 
 import mlx.core as mx
 import pytest
-from gpu_emulation import CALLS, RUNS, emulated_gpu
+from gpu_emulation import CALLS, PROLOGUES, RUNS, emulated_gpu
 
 from agentkv import Engine
 from agentkv.mlx_adapter import JointLinear
@@ -142,9 +142,12 @@ def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
     options = {"kv_wide_layers": (0,)}
     engine = emulated_engine(engines, monkeypatch, cache_dir=tmp_path / "b", **options)
     CALLS.clear()
+    PROLOGUES.clear()
     batched, engine = conversation(engine, "k", 70)
     let_go(engine)
     ran = sorted(CALLS)
+    # every layer's store took its queries and keys from the joint projection and roped them
+    assert PROLOGUES["store_rows"] == CALLS["store_rows"] > 0
 
     def restart():
         return engines(cache_dir=tmp_path / "a", **options)
@@ -153,3 +156,30 @@ def test_with_4_bit_kv_the_gpu_path_gives_each_agent_its_bits_batched_or_alone(
     assert [r.tokens for r in alone] == [r.tokens for r in batched]
     assert [r.stats.cache for r in alone] == ["cold", "cold", "warm", "warm", "hot", "hot"]
     assert ran == sorted(RUNS)  # every kernel the GPU path has
+
+
+def test_the_prologue_kernel_gives_the_tokens_of_mlx_lm_s_rope_and_store(
+    engines, monkeypatch, tmp_path
+):
+    """Format 2 (here with 8-bit keys and values) ropes each layer's queries and keys inside
+    the store kernel, read from the joint q/k/v projection
+    (``PagedLayerCache.agentkv_prologue``). Against the same engine with
+    ``AGENTKV_GPU_PROLOGUE=0`` (mlx-lm's RoPE, then the store kernel): the same greedy tokens,
+    the log-probabilities within 0.02 nats. The two RoPEs' angles differ by float32 rounding
+    (queries ~2e-5 apart relative), which moves a few quantized codes: 4-bit codes move
+    enough to part the runs by up to 0.06 nats, so 8-bit holds the check tight. A turn of 48
+    tokens and a hot one after it."""
+    runs = {}
+    for prologue in ("0", "1"):
+        monkeypatch.setenv("AGENTKV_GPU_PROLOGUE", prologue)
+        engine = emulated_engine(engines, monkeypatch, cache_dir=tmp_path / prologue, kv_bits=8)
+        PROLOGUES.clear()
+        first = engine.generate("p", PROMPTS[0], max_tokens=48, logprobs=3)
+        again = engine.generate("p", PROMPTS[0] + first.text + MORE, max_tokens=8, logprobs=3)
+        runs[prologue] = [first, again]
+        assert (PROLOGUES["store_rows"] > 0) is (prologue == "1")
+        let_go(engine)
+        del engine
+    for want, got in zip(runs["0"], runs["1"]):
+        assert agree(want, got, 0.02) == len(want.tokens)
+    assert runs["1"][1].stats.cache == "hot"

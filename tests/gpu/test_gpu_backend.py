@@ -286,6 +286,51 @@ def test_store_rows_stores_what_the_transform_and_mx_quantize_store(gpu, dim, bi
     np.testing.assert_allclose(got[3], want[3], rtol=2e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dim,q_heads,kv_heads,L", [(64, 3, 1, 1), (128, 4, 2, 7)])
+def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
+    gpu, dim, q_heads, kv_heads, L, traditional
+):
+    """The store kernel's prologue on the GPU (docs/gpu-attention.md, "The prologue"): from a
+    joint q/k/v projection (float16), the queries as MLX's RoPE ropes them on the same GPU
+    (within float16 steps), and the keys and values as ``store_rows`` stores MLX-roped keys
+    (the keys' tails within float16 steps, the values' words the same bits)."""
+    from agentkv.format.quant import V2
+
+    rng = np.random.default_rng(dim + L)
+    B, base, starts = 2, 10000.0, [5, 2000]
+    width = (q_heads + 2 * kv_heads) * dim
+    joint = mx.array(rng.standard_normal((B, L, width)).astype(np.float32)).astype(mx.float16)
+    inverse = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    table = mx.array(np.append(inverse, 1.0).astype(np.float32))
+    mode = 2 if traditional else 1
+
+    def heads(first, count):
+        part = joint[..., first * dim : (first + count) * dim]
+        return part.reshape(B, L, count, dim).transpose(0, 2, 1, 3)
+
+    def roped(x):
+        return mx.concatenate([
+            mx.fast.rope(x[b : b + 1], dim, traditional=traditional, base=base, scale=1.0,
+                         offset=starts[b])
+            for b in range(B)
+        ])  # fmt: skip
+
+    def run():
+        impl = gpu_impl(gpu)
+        keys, values = roped(heads(q_heads, kv_heads)), heads(q_heads + kv_heads, kv_heads)
+        want = impl.store_rows(keys, values, 4, 64)
+        got = impl.store_prologue(joint, (q_heads, kv_heads), mx.array(starts), table, mode, 4, 64)
+        return [roped(heads(0, q_heads)), *want], got
+
+    (queries, *want), got = on(gpu, run)
+    f32 = [np.array(a.astype(mx.float32)) for a in (queries, got[4], want[0], got[0])]
+    np.testing.assert_allclose(f32[1], f32[0], rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(f32[3], f32[2], rtol=2e-3, atol=2e-3)
+    assert (np.array(got[1]) == np.array(want[1])).mean() > 0.99
+    assert KVQuant(4, 4, 64, **V2).rotate
+
+
 @pytest.mark.parametrize("dim,bits,ct", [(64, 4, 64), (128, 8, 64), (32, 2, 32), (256, 4, 32)])
 def test_quantize_groups_stores_what_quantize_channels_stores(gpu, dim, bits, ct):
     """kernels/quantize_groups.metal on the GPU (a step's completed channel groups) against

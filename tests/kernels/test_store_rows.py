@@ -19,6 +19,7 @@ from agentkv.errors import InvalidRequestError
 from agentkv.format.quant import V1, V2, KVQuant, hadamard, quantize_channels
 from agentkv.kernels import cpu
 from agentkv.kernels import gpu as gpu_kernels
+from agentkv.kernels.types import store_dims
 from agentkv.pool import arena as arena_module
 from agentkv.pool.step import PagedStep
 
@@ -112,6 +113,51 @@ def test_the_groups_body_gives_the_bits_of_quantize_channels(dim, bits, ct, grou
     assert gpu_kernels.quantizes_groups(KVQuant(bits, 4, 32, **V2, channel_tokens=ct), dim)
 
 
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dim,q_heads,kv_heads,L", [(64, 3, 1, 1), (128, 4, 2, 5), (32, 2, 2, 3)])
+def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, kv_heads, L,
+                                                                 traditional):  # fmt: skip
+    """The prologue mode reads a joint q/k/v projection's rows [B, L, (Hq + 2 Hkv) D] where
+    the matmul left them: the queries come back roped as ``mx.fast.rope`` ropes them (each row
+    at its own start, a scale on the positions), and the keys and values are stored as the
+    plain mode stores mx.fast.rope's keys (the values' words, scales and biases the same
+    bits; the keys' tail rows within float16 rounding: the reference rounds the roped keys
+    to float16 before the transform)."""
+    rng = np.random.default_rng(dim + L)
+    B, base, scale, starts = 2, 10000.0, 0.5, [7, 3000]
+    joint = mx.array(rng.standard_normal((B, L, (q_heads + 2 * kv_heads) * dim)) * 2, mx.float16)
+    inverse = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    rope = mx.array(np.append(inverse, scale).astype(np.float32))
+    dims = store_dims(B * kv_heads * L, dim, 4, 32, prologue=(L, kv_heads, q_heads),
+                      rope_mode=2 if traditional else 1)  # fmt: skip
+    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope)
+
+    def heads(first, count):
+        part = joint[..., first * dim : (first + count) * dim]
+        return part.reshape(B, L, count, dim).transpose(0, 2, 1, 3)
+
+    def roped(x):
+        return mx.concatenate([
+            mx.fast.rope(x[b : b + 1], dim, traditional=traditional, base=base, scale=scale,
+                         offset=starts[b])
+            for b in range(B)
+        ])  # fmt: skip
+
+    queries, keys = roped(heads(0, q_heads)), roped(heads(q_heads, kv_heads))
+    values = heads(q_heads + kv_heads, kv_heads)
+    want = cpu.store_rows(keys, values, 4, 32)
+    for g, w in zip(got[1:4], want[1:4]):
+        assert mx.array_equal(g, w)
+    tails = np.array(got[0], np.float32) - np.array(want[0], np.float32)
+    assert np.abs(tails).max() <= 4e-3 * np.abs(np.array(want[0], np.float32)).max()
+    q = np.array(got[4]).reshape(B, q_heads, L, dim)
+    assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
+    # a mutation the check sees: the positions' scale left out
+    wrong = mx.array(np.append(inverse, 1.0).astype(np.float32))
+    bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), wrong)
+    assert np.abs(np.array(bad[4]).reshape(q.shape) - q).max() > 0.1
+
+
 def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     keys = mx.zeros((1, 2, 3, 64))
     assert gpu_kernels.stores_rows(KVQuant(**V2), keys, keys)
@@ -123,8 +169,17 @@ def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     with pytest.raises(InvalidRequestError, match="not a format"):
         kernels.store_rows(keys[..., :48], keys[..., :48], KVQuant(**V2))  # 6 channels a lane
     assert not gpu_kernels.stores_rows(KVQuant(4, 16, 64, **V2), keys, keys)  # float values
-    with pytest.raises(ValueError, match="bad dims"):
-        _ext.kernel_store_rows(keys, keys, 3, 64)
+    none = mx.zeros((1,))
+    with pytest.raises(ValueError, match="bad dims"):  # 3-bit values
+        _ext.kernel_store_rows(keys, keys, none, list(store_dims(6, 64, 3, 64)), none, none)
+    with pytest.raises(ValueError, match="outside its array"):  # 7 rows of 6
+        _ext.kernel_store_rows(keys, keys, none, list(store_dims(7, 64, 4, 64)), none, none)
+    joint = mx.zeros((2, 3, (4 + 2 * 2) * 64))
+    dims = store_dims(2 * 2 * 3, 64, 4, 64, prologue=(3, 2, 4), rope_mode=1)
+    with pytest.raises(ValueError, match="outside its array"):  # one row too few
+        _ext.kernel_store_rows(joint[:, :2], joint, joint, list(dims), none, mx.zeros(33))
+    with pytest.raises(ValueError, match="RoPE needs"):  # one start for two rows
+        _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.zeros(1), mx.zeros(33))
     with pytest.raises(ValueError, match="bad dims"):  # 70 rows: not whole groups of 64
         _ext.kernel_quantize_groups(mx.zeros((70, 64), dtype=mx.float16), 4, 64)
     monkeypatch.setenv(gpu_kernels.STORE_ENV, "0")

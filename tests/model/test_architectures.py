@@ -392,6 +392,10 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
         joined = mlx_adapter.use_joint_projections(joint)
         # q/k/v in every block; gate/up where the MLP has them (gpt-oss's experts do not)
         assert joined == COMMON["num_hidden_layers"] * (1 if name == "gpt_oss" else 2)
+        # Llama's and Qwen2's attention hand the store kernel their RoPE (with no agentkv cache,
+        # as here, they run as mlx-lm's)
+        switched = mlx_adapter.use_gpu_prologue(joint)
+        assert switched == COMMON["num_hidden_layers"] * (name in ("llama", "qwen2"))
         ids = mx.array([tokenizer.encode(log_prompt("lint", 2)[0]["content"])[:24]] * 2)
         ids[1] = ids[1][::-1]
         a, b = separate(ids), joint(ids)
@@ -406,6 +410,35 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
         assert nbytes(joint) == nbytes(separate)
         joints = [m for _, m in joint.named_modules() if isinstance(m, JointLinear)]
         assert len(joints) == joined and all(j._held == [None, None, 0] for j in joints)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024}],
+)
+@pytest.mark.parametrize("traditional", [False, True])
+def test_the_prologue_s_rope_table_gives_mlx_lm_s_rope(scaling, traditional):
+    """``rope_table``: a plain RoPE's and mlx-lm's Llama 3 RoPE's inverse frequencies as the
+    store kernel's prologue reads them; run by its CPU build, the queries come back as the
+    module ropes them (float32, within 1e-3: the angles differ by float32 rounding at position
+    3000).
+    A RoPE over part of the head, or of another kind, is left to mlx-lm."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from agentkv import _ext
+    from agentkv.kernels.types import store_dims
+
+    dim, L = 64, 3
+    rope = initialize_rope(dim, 500000.0, traditional, scaling, 4096)
+    table, mode = mlx_adapter.rope_table(rope, dim)
+    assert mode == (2 if traditional else 1)
+    assert mlx_adapter.rope_table(rope, 2 * dim) is None  # over half the head
+    assert mlx_adapter.rope_table(nn.Linear(2, 2), dim) is None
+    joint = mx.random.normal((1, L, 3 * dim), key=mx.random.key(1))
+    dims = store_dims(L, dim, 4, 32, prologue=(L, 1, 1), rope_mode=mode)
+    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array([3000]), table)[4]
+    want = rope(joint[..., :dim].reshape(1, L, 1, dim).transpose(0, 2, 1, 3), offset=3000)
+    assert np.abs(np.array(got) - np.array(want).reshape(L, dim)).max() < 1e-3
 
 
 @cpu_kernels

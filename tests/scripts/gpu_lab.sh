@@ -28,6 +28,7 @@ arm graph1000-q4 MLX_MAX_OPS_PER_BUFFER=1000 --arm q4
 arm opsstore-q4 AGENTKV_GPU_STORE=0 --arm q4
 arm opsgather-q4 AGENTKV_GPU_GATHER=0 --arm q4
 arm separate-q4 AGENTKV_GPU_JOINT=0 --arm q4
+arm noprologue-q4 AGENTKV_GPU_PROLOGUE=0 --arm q4
 arm graph1000-mlx-lm MLX_MAX_OPS_PER_BUFFER=1000 --arm mlx-lm
 arm nographs-q4 MLX_USE_CUDA_GRAPHS=0 --arm q4
 arm default-kv16 X=0 --arm kv16

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from .. import _ext
 from ..format.quant import KVQuant
-from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
+from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units, store_dims
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -54,7 +54,11 @@ def store_rows(
     keys: mx.array, values: mx.array, value_bits: int, group: int
 ) -> tuple[mx.array, ...]:
     """kernels/store_rows.metal on the host (csrc/simt.h), as a GPU runs it."""
-    return tuple(_ext.kernel_store_rows(keys, values, value_bits, group, THREADS))
+    dim = keys.shape[-1]
+    dims = store_dims(keys.size // dim, dim, value_bits, group)
+    none = mx.zeros((1,))
+    out = _ext.kernel_store_rows(keys, values, none, list(dims), none, none, THREADS)
+    return tuple(out[:4])
 
 
 def dense_rows(

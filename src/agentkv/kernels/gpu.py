@@ -29,7 +29,7 @@ import numpy as np
 
 from ..format.quant import FLOAT_BITS, KVQuant
 from .types import THREADGROUP as PAGED_THREADGROUP
-from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units
+from .types import ExtractRow, Launch, PagedQuery, RowSource, as_units, from_units, store_dims
 
 THREADGROUP = (256, 1, 1)
 CUDA_THREAD_ID = (
@@ -103,13 +103,13 @@ INPUTS = {
     ],
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
-    "store_rows": ["k_in", "v_in", "dims", "scale"],
+    "store_rows": ["k_in", "v_in", "q_in", "dims", "scale", "starts", "rope"],
     "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims", "scale"],
     "quantize_groups": ["x", "dims"],
 }  # fmt: skip
 OUTPUTS = {
     "paged_attention": ["out", "stats"],
-    "store_rows": ["k_out", "vw", "vs", "vb"],
+    "store_rows": ["k_out", "vw", "vs", "vb", "q_out"],
     "dense_rows": ["k_out", "v_out"],
     "quantize_groups": ["words", "scales", "biases"],
 }
@@ -147,13 +147,26 @@ def stores_rows(quant: KVQuant, keys: mx.array, values: mx.array) -> bool:
     per-channel keys) with 2/4/8-bit values, keys and values of one head dim with 8
     channels a lane (32 to 256), value groups of a multiple of 8 dividing it; not with
     ``AGENTKV_GPU_STORE=0``."""
-    dim = keys.shape[-1]
+    return values.shape == keys.shape and _stores(quant, keys.shape[-1])
+
+
+# AGENTKV_GPU_PROLOGUE=0: a layer's queries and keys roped by MLX's RoPE, not by the store
+# kernel from the joint q/k/v projection (the lab's A/B)
+PROLOGUE_ENV = "AGENTKV_GPU_PROLOGUE"
+
+
+def stores_prologue(quant: KVQuant, dim: int) -> bool:
+    """Whether ``store_prologue`` takes a layer of head dim ``dim`` in this format: where
+    ``store_rows`` stores it; not with ``AGENTKV_GPU_PROLOGUE=0``."""
+    return os.environ.get(PROLOGUE_ENV) != "0" and _stores(quant, dim)
+
+
+def _stores(quant: KVQuant, dim: int) -> bool:
     return (
         os.environ.get(STORE_ENV) != "0"
         and quant.rotate
         and quant.channel_keys
         and quant.value_bits in (2, 4, 8)
-        and values.shape == keys.shape
         and dim in (32, 64, 128, 256)
         and quant.group_size % 8 == 0
         and dim % quant.group_size == 0
@@ -310,32 +323,52 @@ def store_rows(
     (H k float16 [N, D], H v's words, scales and biases [N, ...]), N the rows."""
     dim = keys.shape[-1]
     n = keys.size // dim
+    dims = store_dims(n, dim, value_bits, group)
+    one = _zeros(1, keys.dtype)
+    return _store(backend, keys, values, one, dims, _zeros(1, mx.int32), _zeros(1))[:4]
+
+
+def store_prologue(
+    backend: str,
+    qkv: mx.array,
+    heads: tuple[int, int],
+    starts: mx.array,
+    rope: mx.array,
+    rope_mode: int,
+    value_bits: int,
+    group: int,
+) -> tuple[mx.array, ...]:
+    """The prologue of a layer's attention in the same pass (store_rows.metal): from the
+    joint q/k/v projection ``qkv`` [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq, Hkv)), the
+    queries and keys roped at ``starts[b] + t`` (``rope``: D / 2 inverse frequencies, then
+    the positions' scale), the keys and values stored as ``store_rows`` stores them:
+    (H k float16 [N, D], H v's words, scales, biases, the roped queries [B, Hq, L, D])."""
+    B, L, width = qkv.shape
+    q_heads, kv_heads = heads
+    dim = width // (q_heads + 2 * kv_heads)
+    dims = store_dims(B * kv_heads * L, dim, value_bits, group,
+                      prologue=(L, kv_heads, q_heads), rope_mode=rope_mode)  # fmt: skip
+    *stored, queries = _store(backend, qkv, qkv, qkv, dims, starts, rope)
+    return (*stored, queries.reshape(B, q_heads, L, dim))
+
+
+def _store(backend, k_in, v_in, q_in, dims, starts, rope) -> list[mx.array]:
+    n, dim, value_bits, group, n_queries = dims[:5]
     lanes = dim // 8
     rows_a_group = PAGED_THREADGROUP // lanes
-    return tuple(
-        _kernel(backend, "store_rows")(
-            inputs=[
-                keys.reshape(-1),
-                values.reshape(-1),
-                _ints((n, dim, value_bits, group)),
-                _floats((1 / math.sqrt(dim),)),
-            ],
-            template=[
-                ("T", keys.dtype),
-                ("H", mx.float16),
-                ("KL", lanes),
-                ("TG", PAGED_THREADGROUP),
-            ],
-            grid=(-(-n // rows_a_group) * PAGED_THREADGROUP, 1, 1),
-            threadgroup=(PAGED_THREADGROUP, 1, 1),
-            output_shapes=[
-                (n, dim),
-                (n, dim * value_bits // 32),
-                (n, dim // group),
-                (n, dim // group),
-            ],
-            output_dtypes=[mx.float16, mx.uint32, mx.float16, mx.float16],
-        )
+    return _kernel(backend, "store_rows")(
+        inputs=[k_in, v_in, q_in, _ints(dims), _floats((1 / math.sqrt(dim),)), starts, rope],
+        template=[("T", k_in.dtype), ("H", mx.float16), ("KL", lanes), ("TG", PAGED_THREADGROUP)],
+        grid=(-(-(n + n_queries) // rows_a_group) * PAGED_THREADGROUP, 1, 1),
+        threadgroup=(PAGED_THREADGROUP, 1, 1),
+        output_shapes=[
+            (n, dim),
+            (n, dim * value_bits // 32),
+            (n, dim // group),
+            (n, dim // group),
+            (max(n_queries, 1) * dim,),
+        ],
+        output_dtypes=[mx.float16, mx.uint32, mx.float16, mx.float16, k_in.dtype],
     )
 
 
@@ -448,5 +481,6 @@ def for_backend(backend: str) -> SimpleNamespace:
     return SimpleNamespace(
         paged_attention=paged_attention, merge=merge, extract_rows=extract_rows,
         store_rows=partial(store_rows, backend), dense_rows=partial(dense_rows, backend),
+        store_prologue=partial(store_prologue, backend),
         quantize_groups=partial(quantize_groups, backend),
     )  # fmt: skip

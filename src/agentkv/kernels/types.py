@@ -12,6 +12,32 @@ import numpy as np
 from ..format.quant import FLOAT_BITS, V1, V2, KVQuant
 
 
+def store_dims(
+    rows: int,
+    dim: int,
+    value_bits: int,
+    group: int,
+    *,
+    prologue: tuple[int, int, int] | None = None,
+    rope_mode: int = 0,
+) -> tuple[int, ...]:
+    """kernels/store_rows.metal's ``dims``. Without ``prologue``: ``rows`` new keys and
+    values, each its own array of rows ``[rows, dim]``. With ``prologue`` = (L, Hkv, Hq): the
+    rows of one joint q/k/v projection ``[B, L, (Hq + 2 Hkv) dim]`` (``rows`` = B Hkv L),
+    its queries among them, roped by ``rope_mode`` (1: channel c with c + dim / 2; 2:
+    traditional)."""
+    if prologue is None:
+        return (rows, dim, value_bits, group, 0, 1, 1, 0, dim, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    seq, kv_heads, q_heads = prologue
+    width = (q_heads + 2 * kv_heads) * dim
+    batch = rows // (seq * kv_heads)
+    return (
+        rows, dim, value_bits, group, batch * q_heads * seq, seq, kv_heads, q_heads,
+        seq * width, dim, width, q_heads * dim, (q_heads + kv_heads) * dim,
+        seq * width, dim, width, 0, rope_mode,
+    )  # fmt: skip
+
+
 class HostIndex(NamedTuple):
     """A step's block tables, lengths and tail slots as the host built them."""
 

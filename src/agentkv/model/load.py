@@ -288,6 +288,7 @@ def load_model(
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights, Path(target))
     if mx.default_device() != mx.cpu:
         mlx_adapter.use_joint_projections(mlx_model)
+        mlx_adapter.use_gpu_prologue(mlx_model)
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
     # names a stream of the thread that built it, and no other thread can run it.

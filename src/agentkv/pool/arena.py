@@ -435,6 +435,29 @@ class KVArena:
                 self.write(layer, (*q.quantize(keys, q.key_bits), *value_parts), plan.rows)
                 return
             new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
+        self._place(layer, new, value_parts, plan)
+
+    def append_prologue(
+        self, layer: int, qkv: mx.array, heads: tuple[int, int], plan: WritePlan,
+        starts: mx.array, rope: tuple[mx.array, int],
+    ) -> mx.array:  # fmt: skip
+        """A GPU layer's prologue and store in one kernel (``gpu.store_prologue``; the caller
+        checked ``gpu.stores_prologue``): the joint q/k/v projection ``qkv`` [B, L, (Hq + 2
+        Hkv) D] (``heads`` = (Hq, Hkv)), its queries and keys roped at ``starts`` by
+        ``rope`` (its table and mode), the keys and values stored as ``append`` stores
+        them. Returns the roped queries [B, Hq, L, D]."""
+        q = self.layer_quants[layer]
+        prologue = gpu_kernels.for_backend(dispatch.backend()).store_prologue
+        table, mode = rope
+        *stored, queries = prologue(qkv, heads, starts, table, mode, q.value_bits, q.group_size)
+        self._place(layer, stored[0], stored[1:], plan)
+        return queries
+
+    def _place(self, layer: int, new: mx.array, value_parts, plan: WritePlan) -> None:
+        """Format 2's new rows into the pool: the values' parts at the plan's rows, the keys
+        (float16 rows, rotated) into their tails, and each completed channel group quantized."""
+        q = self.layer_quants[layer]
+        backend = dispatch.backend()
         arrays = self.arrays[layer]
         for target, part in zip(arrays[self.key_parts :], value_parts):
             target[plan.rows] = part.reshape(-1, part.shape[-1])

@@ -34,7 +34,8 @@ PRIVATE_DOMAIN = b"agentkv/private/v1"
 # 3: the merge pass adds its parts in 4 running sums (paged_attention_merge.metal), and a
 # team loads 2 keys at once at decode (the same order, but compiled anew); 4: the query, key
 # and value projections are one matmul (``mlx_adapter.use_joint_projections``), whose keys
-# and values MLX's kernels may sum in another order than three matmuls'.
+# and values MLX's kernels may sum in another order than three matmuls', and format 2's keys
+# are roped by the store kernel (``mlx_adapter.use_gpu_prologue``), not MLX's RoPE.
 BITS_VERSIONS = {"cpu": 1, "metal": 4, "cuda": 4}
 BACKENDS = tuple(BITS_VERSIONS)
 

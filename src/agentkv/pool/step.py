@@ -32,6 +32,8 @@ from ..format.geometry import BLOCK_TOKENS, blocks_for
 from ..format.quant import KVQuant, hadamard
 from ..format.spec import ModelCacheSpec
 from ..kernels import PagedQuery
+from ..kernels import attention as dispatch
+from ..kernels import gpu as gpu_kernels
 from ..kernels.attention import ENV as ATTENTION_ENV
 from ..kernels.attention import CacheBase, count_fused_attention, paged_attention
 from ..kernels.masks import NOT_OURS, mask_window, remember_mask
@@ -96,12 +98,11 @@ class PagedStep:
         # then take the next one's query weights, to predict its query)
         self.reading_ahead = any(s.swapset.reading_ahead for _, s in self.swapped)
         # the step's indices, the plan's with them: one array made from host data a step
-        also = [table, lengths]
-        also += [starts] if len(tables) > 1 else []  # RoPE's offsets
+        also = [table, lengths, starts]  # the starts: RoPE's offsets (the prologue's too)
         also += [ends] if self.swapped else []
         self.plan = WritePlan(arena, list(tables), starts, count, also)
-        self.tables, self.lengths, *rest = self.plan.also
-        self.offset = starts[0] if len(tables) == 1 else rest.pop(0)
+        self.tables, self.lengths, self.starts, *rest = self.plan.also
+        self.offset = starts[0] if len(tables) == 1 else self.starts
         self.positions = rest.pop(0) if self.swapped else None
         # the same on the host: the GPU paths plan by them without reading the device
         slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
@@ -188,6 +189,29 @@ class PagedLayerCache(CacheBase):
         if not return_array:
             return None if N == 1 else "causal"
         return remember_mask(mx.array(True), window_size or self.window)
+
+    def agentkv_prologue(
+        self, project, heads: tuple[int, int], dim: int, rope, *, scale: float, mask
+    ) -> mx.array | None:
+        """A GPU layer's attention with its prologue in one kernel (``KVArena.append_prologue``):
+        ``project()`` gives the joint q/k/v projection [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq,
+        Hkv), D = ``dim``), ``rope`` = (table, mode) the layer's RoPE; returns the attention's
+        output [B, Hq, L, D], or None where this step or layer does not take it (the caller
+        then runs the layer's own operations): a format the store kernel does not store, a
+        swapped row, a backend that is not a GPU's."""
+        step = self.step
+        if (
+            rope is None
+            or step.swapped
+            or not step.arena.ct
+            or dispatch.backend() not in ("metal", "cuda")
+            or not gpu_kernels.stores_prologue(self.quant, dim)
+        ):
+            return None
+        arena = step.arena
+        queries = arena.append_prologue(self.layer, project(), heads, step.plan, step.starts, rope)
+        keys, values = arena.keys(self.layer), arena.values(self.layer)
+        return self.agentkv_attention(queries, keys, values, scale=scale, mask=mask)
 
     def agentkv_attention(self, queries, keys, values, *, scale, mask, sinks=None, softcap=0.0):
         if mask_window(mask, queries.shape[-2]) == NOT_OURS:
