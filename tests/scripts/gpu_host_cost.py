@@ -20,7 +20,8 @@ their output shapes, and for each arm reports
 
 mlx-lm's own step (its float16 cache) is measured the same way, and so, with
 ``--arms``, are agentkv's steps with every projection its own matmul
-(``agentkv-q4-separate``, ``agentkv-kv16-separate``: ``AGENTKV_GPU_JOINT=0``);
+(``agentkv-q4-separate``, ``agentkv-kv16-separate``: ``AGENTKV_GPU_JOINT=0``) and
+with MLX's RoPE rather than the store kernel's (``agentkv-q4-noprologue``);
 ``--tokens N`` builds steps of a prefill chunk of N tokens instead (a hot turn's: on a
 GPU, 16 or more take the dense path, kernels/dense.py). Run:
 ``python tests/scripts/gpu_host_cost.py --context 320 --steps 40 [--json]`` (a context of
@@ -66,6 +67,7 @@ ARMS = {
     "mlx-lm-fp16": ("mlx-lm", {}),
     "agentkv-q4-separate": ("q4", SEPARATE),
     "agentkv-kv16-separate": ("kv16", SEPARATE),
+    "agentkv-q4-noprologue": ("q4", {"AGENTKV_GPU_PROLOGUE": "0"}),
 }
 CALLS: collections.Counter = collections.Counter()  # the stand-ins' calls, by kernel
 
