@@ -116,9 +116,9 @@ def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], va
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """
 
-def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, value_bits: int, group: int, threads: int = 2) -> list[mlx.core.array]:
+def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, queries: mlx.core.array, dims: Sequence[int], starts: mlx.core.array, rope: mlx.core.array, threads: int = 2) -> list[mlx.core.array]:
     """
-    kernels/store_rows.metal on CPU, each threadgroup's lanes as a loop: (H k float16, H v's words, scales, biases), as KV format 2 stores a step on a GPU (for tests).
+    kernels/store_rows.metal on CPU with the kernel's inputs, each threadgroup's lanes as a loop: (H k float16, H v's words, scales, biases, the roped queries float32), as KV format 2 stores a step on a GPU (for tests).
     """
 
 def kernel_dense_rows(keys: Sequence[mlx.core.array], values: Sequence[mlx.core.array], tail: mlx.core.array, done: mlx.core.array, src: mlx.core.array, dims: Sequence[int], scale: float = 1.0, threads: int = 2) -> list[mlx.core.array]:
