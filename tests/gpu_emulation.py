@@ -128,6 +128,8 @@ def _store_rows(inputs, template, grid, threadgroup):
     assert grid[0] * rows_a_group >= (n + n_queries) * template["TG"]
     assert grid[0] % threadgroup[0] == 0
     PROLOGUES["store_rows"] += n_queries > 0
+    # what a GPU reads them as (the CPU build would convert any dtype)
+    assert starts.dtype == mx.int32 and rope.dtype == mx.float32 and dims.dtype == mx.int32
     # the body's own bounds checks: every row it reads lies inside its array
     out = _ext.kernel_store_rows(keys, values, queries, d, starts, rope, THREADS)
     return [*out[:4], out[4].reshape(-1)]

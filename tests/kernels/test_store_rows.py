@@ -158,6 +158,34 @@ def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, k
     assert np.abs(np.array(bad[4]).reshape(q.shape) - q).max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_the_gpu_store_hands_mlx_a_call_for_every_activation_dtype(dtype, monkeypatch):
+    """``gpu.store_rows`` and ``gpu.store_prologue`` build their kernel call for a model's
+    every activation dtype (bfloat16 has no NumPy dtype to make a placeholder from); the call
+    itself recorded here, as no GPU runs it."""
+    calls = []
+
+    def kernel(backend, name, sources=0):
+        def run(*, inputs, output_shapes, output_dtypes, **_):
+            calls.append([a.dtype for a in inputs])
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return run
+
+    monkeypatch.setattr(gpu_kernels, "_kernel", kernel)
+    keys = mx.zeros((1, 2, 3, 64), dtype)
+    stored = gpu_kernels.store_rows("cuda", keys, keys, 4, 64)
+    assert [a.shape for a in stored] == [(6, 64), (6, 8), (6, 1), (6, 1)]
+    joint = mx.zeros((2, 3, (3 + 2) * 64), dtype)
+    *_, queries = gpu_kernels.store_prologue("cuda", joint, (3, 1), mx.zeros(2, mx.int32),
+                                             mx.zeros(33), 1, 4, 64)  # fmt: skip
+    assert queries.shape == (2, 3, 3, 64) and queries.dtype == dtype
+    assert [c[:3] for c in calls] == [[dtype] * 3] * 2
+    with pytest.raises(ValueError, match="mode 1 or 2"):
+        gpu_kernels.store_prologue("cuda", joint, (3, 1), mx.zeros(2, mx.int32), mx.zeros(33), 0,
+                                   4, 64)  # fmt: skip
+
+
 def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     keys = mx.zeros((1, 2, 3, 64))
     assert gpu_kernels.stores_rows(KVQuant(**V2), keys, keys)

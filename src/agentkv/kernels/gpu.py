@@ -324,8 +324,8 @@ def store_rows(
     dim = keys.shape[-1]
     n = keys.size // dim
     dims = store_dims(n, dim, value_bits, group)
-    one = _zeros(1, keys.dtype)
-    return _store(backend, keys, values, one, dims, _zeros(1, mx.int32), _zeros(1))[:4]
+    # no queries: the body never reads q_in (the keys stand in; NumPy has no bfloat16)
+    return _store(backend, keys, values, keys, dims, _zeros(1, mx.int32), _zeros(1))[:4]
 
 
 def store_prologue(
@@ -343,6 +343,8 @@ def store_prologue(
     queries and keys roped at ``starts[b] + t`` (``rope``: D / 2 inverse frequencies, then
     the positions' scale), the keys and values stored as ``store_rows`` stores them:
     (H k float16 [N, D], H v's words, scales, biases, the roped queries [B, Hq, L, D])."""
+    if rope_mode not in (1, 2):
+        raise ValueError(f"the prologue ropes in mode 1 or 2, not {rope_mode}")
     B, L, width = qkv.shape
     q_heads, kv_heads = heads
     dim = width // (q_heads + 2 * kv_heads)
