@@ -361,35 +361,40 @@ class FusedLayer:
 _FUSABLE_BLOCKS = ("llama", "qwen2", "qwen3")
 
 
+def _subclasses(names, attribute: str, class_name: str, make_call, doc) -> dict[type, type]:
+    """{mlx-lm's ``attribute`` class of each model module in ``names``: agentkv's subclass of
+    it, whose ``__call__`` is ``make_call(that class)`` and docstring ``doc(name)``}."""
+    import importlib
+
+    out = {}
+    for name in names:
+        base = getattr(importlib.import_module(f"mlx_lm.models.{name}"), attribute)
+        namespace = {"__call__": make_call(base), "__doc__": doc(name), "__module__": __name__}
+        out[base] = type(class_name, (base,), namespace)
+    return out
+
+
 @functools.cache
 def _fused_blocks() -> dict[type, type]:
     """{mlx-lm's TransformerBlock of each fusable architecture: agentkv's CPU subclass of it},
     made once."""
-    import importlib
 
-    out = {}
-    for name in _FUSABLE_BLOCKS:
-        block = importlib.import_module(f"mlx_lm.models.{name}").TransformerBlock
-
-        def __call__(self, x: mx.array, mask=None, cache=None, _block=block) -> mx.array:
+    def make_call(block):
+        def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
             run = getattr(cache, "fused_layer", None)
             if run is not None and x.dtype == mx.float32:
                 out = run(self.agentkv_fused, x)
                 if out is not None:
                     return out
-            return _block.__call__(self, x, mask, cache)
+            return block.__call__(self, x, mask, cache)
 
-        out[block] = type(
-            "CPUFusedBlock",
-            (block,),
-            {
-                "__call__": __call__,
-                "__doc__": f"mlx-lm's {name} block, run as one agentkv operation where its "
-                "cache offers one (``fused_layer``: the block pool's CPU steps), else as mlx-lm's.",
-                "__module__": __name__,
-            },
-        )
-    return out
+        return __call__
+
+    return _subclasses(
+        _FUSABLE_BLOCKS, "TransformerBlock", "CPUFusedBlock", make_call,
+        lambda name: f"mlx-lm's {name} block, run as one agentkv operation where its cache "
+        "offers one (``fused_layer``: the block pool's CPU steps), else as mlx-lm's.",
+    )  # fmt: skip
 
 
 def _fused_layer(block) -> FusedLayer | None:
@@ -600,13 +605,9 @@ def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, int] | None:
 @functools.cache
 def _prologue_classes() -> dict[type, type]:
     """{mlx-lm's Attention of each architecture above: agentkv's GPU subclass of it}."""
-    import importlib
 
-    out = {}
-    for name in _PROLOGUE_ATTENTION:
-        attention = importlib.import_module(f"mlx_lm.models.{name}").Attention
-
-        def __call__(self, x: mx.array, mask=None, cache=None, _attention=attention):
+    def make_call(attention):
+        def __call__(self, x: mx.array, mask=None, cache=None):
             run = getattr(cache, "agentkv_prologue", None)
             if run is not None:
                 B, L, _ = x.shape
@@ -616,20 +617,15 @@ def _prologue_classes() -> dict[type, type]:
                           scale=self.scale, mask=mask)  # fmt: skip
                 if out is not None:
                     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-            return _attention.__call__(self, x, mask, cache)
+            return attention.__call__(self, x, mask, cache)
 
-        out[attention] = type(
-            "GPUPrologueAttention",
-            (attention,),
-            {
-                "__call__": __call__,
-                "__doc__": f"mlx-lm's {name} attention, its RoPE and store in one kernel where "
-                "its cache offers that (``agentkv_prologue``: the block pool's GPU steps), else "
-                "as mlx-lm's.",
-                "__module__": __name__,
-            },
-        )
-    return out
+        return __call__
+
+    return _subclasses(
+        _PROLOGUE_ATTENTION, "Attention", "GPUPrologueAttention", make_call,
+        lambda name: f"mlx-lm's {name} attention, its RoPE and store in one kernel where its "
+        "cache offers that (``agentkv_prologue``: the block pool's GPU steps), else as mlx-lm's.",
+    )  # fmt: skip
 
 
 def use_gpu_prologue(model: nn.Module) -> int:
