@@ -535,32 +535,39 @@ def _joint_of(layers: list[nn.Module]) -> JointLinear | None:
     ):
         return None
     sizes = [m["weight"].shape[0] for m in layers]
-    inputs = first["weight"].shape[1] * (32 // first.bits if quantized else 1)
+    # 32-bit words of packed codes a row (3, 5 and 6 bits do not divide 32)
+    inputs = first["weight"].shape[1] * 32 // first.bits if quantized else first["weight"].shape[1]
     bias = "bias" in first
     joint = (
         nn.QuantizedLinear(inputs, sum(sizes), bias, first.group_size, first.bits, first.mode)
         if quantized
         else nn.Linear(inputs, sum(sizes), bias)
-    )
-    joint.update({k: mx.concatenate([m[k] for m in layers]) for k in keys})
-    if any(k not in keys for k in joint.keys()):  # a part the layers do not have
+    )  # its own (lazy, never computed) weights replaced below
+    if sorted(joint.keys()) != keys:  # parts the layers do not have, or the other way round
         return None
+    joint.update({k: mx.concatenate([m[k] for m in layers]) for k in keys})
     return JointLinear(joint, sizes)
 
 
 def use_joint_projections(model: nn.Module) -> int:
     """On a GPU, let each module's query, key and value projections run as one matmul, and
     its MLP's gate and up projections as another (``JointLinear``): 3 kernels a layer fewer
-    to encode each step, where a small model's decode is bound by encoding them
-    (docs/gpu-attention.md, "Profile"). Layers that differ in kind, quantization, dtype or
-    bias stay as they are. Returns how many groups were joined (0 with
-    ``AGENTKV_GPU_JOINT=0``)."""
+    (5 where q/k/v have biases, each its own add) to encode each step, where a small
+    model's decode is bound by encoding them (docs/gpu-attention.md, "Profile"). Layers
+    that differ in kind, quantization, dtype or bias stay as they are. Returns how many
+    groups were joined (0 with ``AGENTKV_GPU_JOINT=0``)."""
     import os
 
     if os.environ.get(JOINT_ENV) == "0":
         return 0
     joined = 0
-    for _, module in list(model.named_modules()):
+    # the modules holding a group, not every module: the list would keep each replaced layer
+    # (and its weights, besides the joint's) alive until the end
+    holders = [
+        m for _, m in model.named_modules()
+        if any(isinstance(getattr(m, names[0], None), nn.Module) for names in _JOINT_GROUPS)
+    ]  # fmt: skip
+    for module in holders:
         for names in _JOINT_GROUPS:
             layers = [getattr(module, n, None) for n in names]
             if any(not isinstance(m, nn.Module) for m in layers):

@@ -412,6 +412,27 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
         assert len(joints) == joined and all(j._held == [None, None, 0] for j in joints)
 
 
+@pytest.mark.parametrize("bits,group,mode", [(2, 64, "affine"), (3, 32, "affine"),
+                                             (5, 32, "affine"), (6, 64, "affine"),
+                                             (8, 32, "affine"), (4, 32, "mxfp4")])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_joint_projection_is_its_layers_side_by_side(bits, group, mode, bias):
+    """``_joint_of`` over quantized layers of every bit width a model may ship (3, 5 and 6
+    bits pack rows into words that 32 // bits does not count; a GGUF's Q5 imports are 5-bit),
+    an input width no power of two (Qwen2.5's 896): each part gives its own layer's bits."""
+    mx.random.seed(bits)
+    layers = []
+    for out in (128, 64, 64):
+        layer = nn.Linear(896, out, bias=bias)
+        layers.append(nn.QuantizedLinear.from_linear(layer, group, bits, mode=mode))
+    joint = mlx_adapter._joint_of(layers)
+    assert joint is not None
+    x = mx.random.normal((2, 3, 896))
+    for i, layer in enumerate(layers):
+        assert mx.array_equal(mlx_adapter.JointPart(joint, i)(x), layer(x))
+    assert mlx_adapter._joint_of([layers[0], nn.Linear(896, 64)]) is None  # another kind
+
+
 @pytest.mark.parametrize(
     "scaling",
     [None, {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 1024}],
