@@ -80,8 +80,7 @@ def emulate_gpu() -> None:
 
     def prepare(model, *_):  # mlx-lm's own layers, float32 (float16 matmuls crawl on a CPU)
         model.set_dtype(mx.float32)
-        load.mlx_adapter.use_joint_projections(model)  # as load_model does on a GPU
-        load.mlx_adapter.use_gpu_prologue(model)
+        load._prepare_for_gpu(model)  # as load_model does on a GPU
         return False
 
     load._prepare_for_cpu = prepare

@@ -275,6 +275,13 @@ def _prepare_for_cpu(model, weights: Weights, path: Path) -> bool:
     return ours > 0
 
 
+def _prepare_for_gpu(model) -> None:
+    """Ready ``model`` for a GPU: each block's q/k/v and gate/up projections one matmul each,
+    and Llama's and Qwen2's RoPE in format 2's store kernel (docs/gpu-attention.md)."""
+    mlx_adapter.use_joint_projections(model)
+    mlx_adapter.use_gpu_prologue(model)
+
+
 def load_model(
     model: str | os.PathLike | None = None, *, weights: Weights | None = None
 ) -> LoadedModel:
@@ -287,8 +294,7 @@ def load_model(
         raise _load_error(model, target, exc) from exc
     cpu_qmm = mx.default_device() == mx.cpu and _prepare_for_cpu(mlx_model, weights, Path(target))
     if mx.default_device() != mx.cpu:
-        mlx_adapter.use_joint_projections(mlx_model)
-        mlx_adapter.use_gpu_prologue(mlx_model)
+        _prepare_for_gpu(mlx_model)
     mlx_adapter.install_attention_dispatch()
     # Nothing lazy crosses to the engine's threads: on a GPU an array still to be computed
     # names a stream of the thread that built it, and no other thread can run it.
