@@ -230,12 +230,12 @@ def test_the_arena_stores_the_same_bytes_through_the_kernel(monkeypatch, count):
             t.grow(count, pool.arena.copy_rows)
         rng = np.random.default_rng(5)
         k, v = (mx.array(rng.standard_normal((2, 2, count, 64)).astype(np.float32)) for _ in "kv")
-        step = PagedStep(pool.arena, spec, tables, count, fused=False)
-        if fused:
+        if fused:  # the step looks its backend up once, as it is made
             monkeypatch.setattr(arena_module.dispatch, "backend", lambda: "cuda")
             monkeypatch.setattr(arena_module.gpu_kernels, "for_backend",
                                 lambda name: through)  # fmt: skip
         try:
+            step = PagedStep(pool.arena, spec, tables, count, fused=False)
             step.caches[0].update_and_fetch(k, v)
         finally:
             monkeypatch.undo()

@@ -74,6 +74,7 @@ CALLS: collections.Counter = collections.Counter()  # the stand-ins' calls, by k
 
 def emulate_gpu() -> None:
     """Route everything as a GPU would, with stand-ins for the kernels (module docstring)."""
+    from agentkv import kernels
     from agentkv.kernels import attention, gpu
     from agentkv.model import load
     from agentkv.pool import step
@@ -86,7 +87,9 @@ def emulate_gpu() -> None:
     load._prepare_for_cpu = prepare
     step.fuses = lambda arena: False
     attention.fused_takes = lambda quant, queries: False
-    attention.backend = lambda: "cuda"
+    # the backend looked up as on a CUDA machine (its availability said, not asked of MLX)
+    gpu.cuda_available, gpu.metal_available = (lambda: True), (lambda: False)
+    kernels.set_backend("cuda")
 
     def kernel(backend, name, sources=0):
         def run(*, inputs, output_shapes, output_dtypes, **_):

@@ -149,28 +149,49 @@ def paged_attention(queries: mx.array, paged: PagedQuery, *, scale: float) -> mx
     """
     if paged.channel_tokens and (paged.tail is None or paged.tail_slots is None):
         raise ValueError("per-channel keys need their tails and tail slots")
-    quant = paged.quant()
-    if fused_takes(quant, queries):
+    path, rotates, where = _path_of(queries, paged)
+    if paged.rotate and not rotates:
+        # q.(H k) == (H q).(H k); values are stored as H v
+        plain = paged._replace(rotate=False)
+        return hadamard(_run_path(path, hadamard(queries), plain, scale, where))
+    return _run_path(path, queries, paged, scale, where)
+
+
+def _path_of(queries: mx.array, paged: PagedQuery) -> tuple[str, bool, str]:
+    """(the path these queries take, whether it rotates them itself where ``paged.rotate``,
+    the backend); from the step's memo where a layer of the same shape decided
+    (``HostIndex.memo``)."""
+    memo = paged.host.memo if paged.host is not None else None
+    if memo is not None:
+        key = ("path", queries.shape, queries.dtype, paged.key_bits, paged.value_bits,
+               paged.group, paged.channel_tokens, paged.rotate, paged.keys[0].shape[-1],
+               paged.values[0].shape[-1])  # fmt: skip
+        decided = memo.get(key)
+        if decided is not None:
+            return decided
+    where = backend()
+    if fused_takes(paged.quant(), queries):
         path = FUSED
-    elif os.environ.get(ENV) != "reference" and backend() in ("metal", "cuda"):
+    elif os.environ.get(ENV) != "reference" and where in ("metal", "cuda"):
         path = DENSE if dense.takes(queries, paged) else KERNEL
     else:
         path = REFERENCE
     inside = path == KERNEL or (path == DENSE and gpu.gathers_rows(paged))
-    if paged.rotate and not (inside and paged.rotates_inside(queries)):
-        # q.(H k) == (H q).(H k); values are stored as H v
-        plain = paged._replace(rotate=False)
-        return hadamard(_run_path(path, hadamard(queries), plain, scale))
-    return _run_path(path, queries, paged, scale)
+    decided = path, inside and paged.rotates_inside(queries), where
+    if memo is not None:
+        memo[key] = decided
+    return decided
 
 
-def _run_path(path: str, queries: mx.array, paged: PagedQuery, scale: float) -> mx.array:
+def _run_path(
+    path: str, queries: mx.array, paged: PagedQuery, scale: float, where: str
+) -> mx.array:
     _PATHS[path] += 1
     if path == FUSED:
         return cpu.fused_paged_attention(queries, paged, scale=scale)
     if path == DENSE:  # a chunk's rows by kernels/dense_rows.metal where it takes them
-        rows = gpu.for_backend(backend()).dense_rows if gpu.gathers_rows(paged) else None
+        rows = gpu.for_backend(where).dense_rows if gpu.gathers_rows(paged) else None
         return dense.paged_attention(queries, paged, scale=scale, rows_kernel=rows)
     if path == KERNEL:
-        return gpu.for_backend(backend()).paged_attention(queries, paged, scale=scale)
+        return gpu.for_backend(where).paged_attention(queries, paged, scale=scale)
     return reference.paged_attention(queries, paged, scale=scale)

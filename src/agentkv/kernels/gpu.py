@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from functools import cache, lru_cache, partial
 from importlib import resources
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -374,6 +375,73 @@ def _store(backend, k_in, v_in, q_in, dims, starts, rope) -> list[mx.array]:
     )
 
 
+class _PagedPlan(NamedTuple):
+    """What a paged-attention call hands MLX besides its arrays: the same for every layer
+    of one shape in a step, so a pool step makes it once (``HostIndex.memo``)."""
+
+    dims: mx.array
+    scales: mx.array
+    template: list
+    grid: tuple[int, int, int]
+    shapes: list
+    dtypes: list
+    sinks: mx.array  # the placeholders of absent inputs
+    no_tail: mx.array
+    no_slots: mx.array
+    no_done: mx.array
+    merge: mx.array | None  # pass 2's dims (None: one part, no pass 2)
+    merge_grid: tuple[int, int, int]
+
+
+def _paged_plan(
+    queries: mx.array, paged: PagedQuery, scale: float, launch: Launch | None
+) -> _PagedPlan:
+    """The call's launch, grid and constants (``_PagedPlan``), from the step's memo where
+    a layer of the same shape made them (``launch`` given: never memoized)."""
+    memo = paged.host.memo if paged.host is not None and launch is None else None
+    if memo is not None:
+        key = ("paged", queries.shape, queries.dtype, scale, paged.tables.shape,
+               paged.kv_heads, paged.block_tokens, paged.key_bits, paged.value_bits,
+               paged.group, paged.window, paged.sinks is None, paged.channel_tokens,
+               paged.rotate, paged.softcap, paged.keys[0].shape[-1],
+               paged.values[0].shape[-1])  # fmt: skip
+        plan = memo.get(key)
+        if plan is not None:
+            return plan
+    launch = launch or paged.launch(queries)
+    B, q_heads, L, _ = queries.shape
+    dim_v, splits = paged.value_dim, launch.splits
+    tiles = -(-L * (q_heads // paged.kv_heads) // launch.vectors)
+    vectors = B * q_heads * L
+    out_dtype = queries.dtype if splits == 1 else mx.float32
+    plan = _PagedPlan(
+        dims=_ints(paged.dims(queries, launch)),
+        scales=_floats(paged.kernel_scales(scale, queries)),
+        template=[
+            ("T", out_dtype),
+            ("NQ", launch.vectors),
+            ("KL", launch.lanes_per_key),
+            ("TG", PAGED_THREADGROUP),
+            ("KU", launch.keys_in_flight),
+        ],
+        grid=(splits * tiles * PAGED_THREADGROUP, paged.kv_heads, B),
+        shapes=[(vectors * splits * dim_v,), (vectors * splits * 2,)],
+        dtypes=[out_dtype, mx.float32],
+        sinks=_zeros(q_heads),
+        no_tail=_zeros(1, mx.float16),
+        no_slots=_zeros(B, mx.int32),
+        no_done=_ints((-1,) * B),
+        merge=(
+            None if splits == 1
+            else _ints((B, q_heads, L, dim_v, splits, int(paged.sinks is not None)))
+        ),
+        merge_grid=(dim_v, q_heads * L, B),
+    )  # fmt: skip
+    if memo is not None:
+        memo[key] = plan
+    return plan
+
+
 @cache  # called for every layer of every step: its functions made once a backend
 def for_backend(backend: str) -> SimpleNamespace:
     def paged_attention(
@@ -381,48 +449,36 @@ def for_backend(backend: str) -> SimpleNamespace:
     ) -> mx.array:
         """Pass 1 over (splits * tiles, KV heads, rows) threadgroups, then pass 2 where the
         keys were split; the result in the queries' dtype (docs/gpu-attention.md)."""
-        launch = launch or paged.launch(queries)
-        B, q_heads, L, _ = queries.shape
-        dim_v, splits = paged.value_dim, launch.splits
-        tiles = -(-L * (q_heads // paged.kv_heads) // launch.vectors)
-        sinks = paged.sinks.astype(mx.float32) if paged.sinks is not None else _zeros(q_heads)
-        vectors = B * q_heads * L
-        out_dtype = queries.dtype if splits == 1 else mx.float32
+        plan = _paged_plan(queries, paged, scale, launch)
+        sinks = plan.sinks if paged.sinks is None else paged.sinks.astype(mx.float32)
         first, stats = _kernel(backend, "paged_attention")(
             inputs=[
                 queries,
                 *paged.kernel_parts(),
                 paged.tables,
                 paged.lengths,
-                _ints(paged.dims(queries, launch)),
+                plan.dims,
                 sinks,
-                _floats(paged.kernel_scales(scale, queries)),
-                paged.tail if paged.tail is not None else _zeros(1, mx.float16),
-                paged.tail_slots if paged.tail_slots is not None else _zeros(B, mx.int32),
-                paged.done if paged.done is not None else _zeros(1, mx.float16),
-                paged.done_first if paged.done_first is not None else _ints((-1,) * B),
+                plan.scales,
+                paged.tail if paged.tail is not None else plan.no_tail,
+                paged.tail_slots if paged.tail_slots is not None else plan.no_slots,
+                paged.done if paged.done is not None else plan.no_tail,
+                paged.done_first if paged.done_first is not None else plan.no_done,
             ],
-            template=[
-                ("T", out_dtype),
-                ("NQ", launch.vectors),
-                ("KL", launch.lanes_per_key),
-                ("TG", PAGED_THREADGROUP),
-                ("KU", launch.keys_in_flight),
-            ],
-            grid=(splits * tiles * PAGED_THREADGROUP, paged.kv_heads, B),
+            template=plan.template,
+            grid=plan.grid,
             threadgroup=(PAGED_THREADGROUP, 1, 1),
-            output_shapes=[(vectors * splits * dim_v,), (vectors * splits * 2,)],
-            output_dtypes=[out_dtype, mx.float32],
+            output_shapes=plan.shapes,
+            output_dtypes=plan.dtypes,
         )
-        if splits == 1:
-            return first.reshape(B, q_heads, L, dim_v)
-        has_sinks = int(paged.sinks is not None)
+        if plan.merge is None:
+            return first.reshape(queries.shape[:3] + (paged.value_dim,))
         return _kernel(backend, "paged_attention_merge")(
-            inputs=[first, stats, sinks, _ints((B, q_heads, L, dim_v, splits, has_sinks))],
+            inputs=[first, stats, sinks, plan.merge],
             template=[("T", queries.dtype)],
-            grid=(dim_v, q_heads * L, B),
-            threadgroup=(dim_v, 1, 1),
-            output_shapes=[(B, q_heads, L, dim_v)],
+            grid=plan.merge_grid,
+            threadgroup=(plan.merge_grid[0], 1, 1),
+            output_shapes=[queries.shape[:3] + (paged.value_dim,)],
             output_dtypes=[queries.dtype],
         )[0]
 

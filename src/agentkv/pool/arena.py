@@ -418,13 +418,17 @@ class KVArena:
         for target, part in zip(self.arrays[layer], parts):
             target[rows] = part.reshape(-1, part.shape[-1])
 
-    def append(self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan) -> None:
+    def append(
+        self, layer: int, keys: mx.array, values: mx.array, plan: WritePlan,
+        backend: str | None = None,
+    ) -> None:  # fmt: skip
         """Store one step's new keys and values [B, heads, L, dim] (model space: rotated
         and quantized here) as ``plan`` says. On a GPU, format 2's rotations and the values'
         quantization are one kernel (``store_rows``), and the completed groups'
-        quantization another (``quantize_groups``): the same bits as the operations."""
+        quantization another (``quantize_groups``): the same bits as the operations.
+        ``backend``: where the step runs (None: ``dispatch.backend()``)."""
         q = self.layer_quants[layer]
-        backend = dispatch.backend()
+        backend = backend or dispatch.backend()
         if self.ct and backend in ("metal", "cuda") and gpu_kernels.stores_rows(q, keys, values):
             store = gpu_kernels.for_backend(backend).store_rows
             new, *value_parts = store(keys, values, q.value_bits, q.group_size)
@@ -435,11 +439,11 @@ class KVArena:
                 self.write(layer, (*q.quantize(keys, q.key_bits), *value_parts), plan.rows)
                 return
             new = keys.astype(mx.float16).reshape(-1, keys.shape[-1])
-        self._place(layer, new, value_parts, plan)
+        self._place(layer, new, value_parts, plan, backend)
 
     def append_prologue(
         self, layer: int, qkv: mx.array, heads: tuple[int, int], plan: WritePlan,
-        starts: mx.array, rope: tuple[mx.array, int],
+        starts: mx.array, rope: tuple[mx.array, int], backend: str | None = None,
     ) -> mx.array:  # fmt: skip
         """A GPU layer's prologue and store in one kernel (``gpu.store_prologue``; the caller
         checked ``gpu.stores_prologue``): the joint q/k/v projection ``qkv`` [B, L, (Hq + 2
@@ -447,17 +451,17 @@ class KVArena:
         ``rope`` (its table and mode), the keys and values stored as ``append`` stores
         them. Returns the roped queries [B, Hq, L, D]."""
         q = self.layer_quants[layer]
-        prologue = gpu_kernels.for_backend(dispatch.backend()).store_prologue
+        backend = backend or dispatch.backend()
+        prologue = gpu_kernels.for_backend(backend).store_prologue
         table, mode = rope
         *stored, queries = prologue(qkv, heads, starts, table, mode, q.value_bits, q.group_size)
-        self._place(layer, stored[0], stored[1:], plan)
+        self._place(layer, stored[0], stored[1:], plan, backend)
         return queries
 
-    def _place(self, layer: int, new: mx.array, value_parts, plan: WritePlan) -> None:
+    def _place(self, layer: int, new: mx.array, value_parts, plan: WritePlan, backend) -> None:
         """Format 2's new rows into the pool: the values' parts at the plan's rows, the keys
         (float16 rows, rotated) into their tails, and each completed channel group quantized."""
         q = self.layer_quants[layer]
-        backend = dispatch.backend()
         arrays = self.arrays[layer]
         for target, part in zip(arrays[self.key_parts :], value_parts):
             target[plan.rows] = part.reshape(-1, part.shape[-1])

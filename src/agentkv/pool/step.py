@@ -107,6 +107,8 @@ class PagedStep:
         # the same on the host: the GPU paths plan by them without reading the device
         slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
         self.host = HostIndex(table, lengths, slots, {}, self.plan.done_first_host)
+        # where this step's kernels run, looked up once rather than by every layer
+        self.backend = dispatch.backend()
         self.fused = fused and self._fusable()
         self.caches = [
             PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
@@ -159,6 +161,9 @@ def fuses(arena: KVArena) -> bool:
     )
 
 
+GPUS = ("metal", "cuda")
+
+
 class PagedLayerCache(CacheBase):
     """One layer of a ``PagedStep`` (mlx-lm's cache protocol, for one forward pass)."""
 
@@ -180,7 +185,7 @@ class PagedLayerCache(CacheBase):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         arena = self.step.arena
-        arena.append(self.layer, keys, values, self.step.plan)
+        arena.append(self.layer, keys, values, self.step.plan, backend=self.step.backend)
         return arena.keys(self.layer), arena.values(self.layer)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **_):
@@ -199,17 +204,19 @@ class PagedLayerCache(CacheBase):
         output [B, Hq, L, D], or None where this step or layer does not take it (the caller
         then runs the layer's own operations): a format the store kernel does not store, a
         swapped row, a backend that is not a GPU's."""
-        step = self.step
-        if (
-            rope is None
-            or step.swapped
-            or not step.arena.ct
-            or dispatch.backend() not in ("metal", "cuda")
-            or not gpu_kernels.stores_prologue(self.quant, dim)
-        ):
+        step, quant = self.step, self.quant
+        if rope is None or step.swapped or not step.arena.ct or step.backend not in GPUS:
+            return None
+        key = ("prologue", id(quant), dim)  # the step's layers of one format decide alike
+        takes = step.host.memo.get(key)
+        if takes is None:
+            takes = step.host.memo[key] = gpu_kernels.stores_prologue(quant, dim)
+        if not takes:
             return None
         arena = step.arena
-        queries = arena.append_prologue(self.layer, project(), heads, step.plan, step.starts, rope)
+        queries = arena.append_prologue(
+            self.layer, project(), heads, step.plan, step.starts, rope, backend=step.backend
+        )
         keys, values = arena.keys(self.layer), arena.values(self.layer)
         return self.agentkv_attention(queries, keys, values, scale=scale, mask=mask)
 
