@@ -1,6 +1,6 @@
 """GPU: agentkv against mlx-lm on the same GPU, side by side in one process.
 
-Random-weight llama models of real shapes (4-bit weights, group 64, float16 scales; the
+Random-weight models of real shapes (4-bit weights, group 64, float16 scales; the
 embedded tokenizer; built here, nothing downloaded), natural text as prompts (Python's help
 topics), greedy decoding, times taken from outside as a user sees them:
 
@@ -25,7 +25,9 @@ topics), greedy decoding, times taken from outside as a user sees them:
 
 ``shapes``: ``smollm2-135m`` (SmolLM2-135M's shape: 30 layers, 9 query / 3 KV heads of 64)
 and ``llama3-8b`` (Llama-3-8B's: 32 layers, 32 / 8 heads of 128, vocabulary cut to 49,152).
-``tiny`` (2 layers) only checks the harness, on any device.
+``qwen3-0.6b`` is Qwen3-0.6B's (28 layers, 16 / 8 heads of 128, each query and key head
+RMS-normed before RoPE). ``tiny`` (2 layers) only checks the harness, on any device;
+``tiny-qwen3`` is its Qwen3 (the tests' GPU emulation runs it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                       rope_theta=500000.0, tie_word_embeddings=False),
+    # Qwen3's attention: an RMS norm of each query and key head before RoPE
+    "tiny-qwen3": dict(model_type="qwen3", hidden_size=128, num_hidden_layers=2,
+                       intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, rope_theta=1000000.0),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
+                       intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True),
 }  # fmt: skip
 CALLS = 20  # kernel calls per timed evaluation in the kernel rows
 # Nominal memory bandwidth (GB/s) by the GPU's name as nvidia-smi gives it
@@ -71,13 +80,14 @@ def tokenizer_dir(given: str | None) -> Path:
 
 
 def build_model(shape: str, root: Path, tokenizer: Path) -> Path:
-    """A random-weight 4-bit llama of ``shape`` as an mlx-lm directory."""
+    """A random-weight 4-bit model of ``shape`` (a llama unless it names another
+    ``model_type``) as an mlx-lm directory."""
+    import importlib
     import shutil
 
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
 
     config = {
         "model_type": "llama",
@@ -87,8 +97,9 @@ def build_model(shape: str, root: Path, tokenizer: Path) -> Path:
         "max_position_embeddings": 65536,
         **SHAPES[shape],
     }
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.float16)
     nn.quantize(model, group_size=64, bits=4)
     config["quantization"] = {"group_size": 64, "bits": 4}

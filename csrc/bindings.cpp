@@ -669,7 +669,7 @@ NB_MODULE(_ext, m) {
         "kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each "
         "threadgroup's lanes as a loop (for tests against the others).");
   m.def("kernel_store_rows", &agentkv::kernels::store_rows, "keys"_a, "values"_a, "queries"_a,
-        "dims"_a, "starts"_a, "rope"_a, "threads"_a = 2,
+        "dims"_a, "starts"_a, "rope"_a, "norm"_a, "eps"_a = 0.0f, "threads"_a = 2,
         "kernels/store_rows.metal on CPU with the kernel's inputs, each threadgroup's lanes as "
         "a loop: (H k float16, H v's words, scales, biases, the roped queries float32), as "
         "KV format 2 stores a step on a GPU (for tests).");

@@ -50,6 +50,9 @@ inline float kv_cos(float x) {
 inline float kv_sin(float x) {
   return std::sin(x);
 }
+inline float kv_rsqrt(float x) {
+  return 1.0f / std::sqrt(x);
+}
 inline float kv_round(float x) {
   return std::round(x);
 }
@@ -88,7 +91,8 @@ template <int KL, int TG>
 simt::Thread store_rows_thread(unsigned int kv_tid, uint3 kv_group, const float* k_in,
                                const float* v_in, const float* q_in, const int* dims,
                                const float* scale, const int* starts, const float* rope,
-                               float* k_out, uint32_t* vw, float* vs, float* vb, float* q_out) {
+                               const float* norm, float* k_out, uint32_t* vw, float* vs, float* vb,
+                               float* q_out) {
   using T = float;
   using H = float;
 #include "kernels/store_rows.metal"
@@ -263,6 +267,7 @@ struct StoreArgs {
   const float* scale;
   const int* starts;
   const float* rope;
+  const float* norm;
   float* k_out;
   uint32_t* vw;
   float* vs;
@@ -275,8 +280,8 @@ void run_store_group(const StoreArgs& a, unsigned int group) {
   simt::Group g;
   g.run(kThreadgroup, [&](int t) {
     return store_rows_thread<KL, kThreadgroup>(static_cast<unsigned>(t), uint3{group, 0, 0}, a.k,
-                                               a.v, a.q, a.dims, a.scale, a.starts, a.rope, a.k_out,
-                                               a.vw, a.vs, a.vb, a.q_out);
+                                               a.v, a.q, a.dims, a.scale, a.starts, a.rope, a.norm,
+                                               a.k_out, a.vw, a.vs, a.vb, a.q_out);
   });
 }
 
@@ -442,17 +447,18 @@ int64_t last_read(int batch, int heads, int seq, const int* layout, int off, int
 std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& values_in,
                                   const mx::array& queries_in, const std::vector<int>& d,
                                   const mx::array& starts_in, const mx::array& rope_in,
-                                  int threads) {
-  if (d.size() != 18) {
-    throw std::invalid_argument("store rows: dims holds 18 ints");
+                                  const mx::array& norm_in, float eps, int threads) {
+  if (d.size() != 19) {
+    throw std::invalid_argument("store rows: dims holds 19 ints");
   }
   const int n = d[0], dim = d[1], value_bits = d[2], group = d[3], nq = d[4], seq = d[5],
-            kv_heads = d[6], q_heads = d[7], rope_mode = d[17];
+            kv_heads = d[6], q_heads = d[7], rope_mode = d[17], norm_mode = d[18];
   const int kl = dim / 8;
   if (dim % 8 || !power_of_two_in(kl, 4, 32) ||
       (value_bits != 2 && value_bits != 4 && value_bits != 8) || group < 8 || group % 8 ||
       dim % group || n < 1 || seq < 1 || kv_heads < 1 || n % (seq * kv_heads) || nq < 0 ||
-      rope_mode < 0 || rope_mode > 2) {
+      rope_mode < 0 || rope_mode > 2 || norm_mode < 0 || norm_mode > 1 ||
+      (norm_mode && !rope_mode)) {
     throw std::invalid_argument("store rows: bad dims");
   }
   const int batch = n / (seq * kv_heads);
@@ -475,18 +481,22 @@ std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& val
                     static_cast<int>(rope_in.size()) < dim / 2 + 1)) {
     throw std::invalid_argument("store rows: RoPE needs each row's start and D / 2 + 1 floats");
   }
+  if (norm_mode && (static_cast<int>(norm_in.size()) < 2 * dim || !(eps > 0.0f))) {
+    throw std::invalid_argument("store rows: the norm needs 2 D weights and an epsilon > 0");
+  }
   mx::array k = mx::contiguous(mx::astype(mx::flatten(keys_in), mx::float32));
   mx::array v = mx::contiguous(mx::astype(mx::flatten(values_in), mx::float32));
   mx::array q = mx::contiguous(mx::astype(mx::flatten(queries_in), mx::float32));
   mx::array starts = mx::contiguous(mx::astype(mx::flatten(starts_in), mx::int32));
   mx::array rope = mx::contiguous(mx::astype(mx::flatten(rope_in), mx::float32));
-  mx::eval({k, v, q, starts, rope});
+  mx::array norm = mx::contiguous(mx::astype(mx::flatten(norm_in), mx::float32));
+  mx::eval({k, v, q, starts, rope, norm});
   mx::array k_out = new_array({n, dim}, mx::float32);
   mx::array vw = new_array({n, dim * value_bits / 32}, mx::uint32);
   mx::array vs = new_array({n, dim / group}, mx::float32);
   mx::array vb = new_array({n, dim / group}, mx::float32);
   mx::array q_out = new_array({std::max(nq, 1), dim}, mx::float32);
-  const float scale[1] = {1.0f / std::sqrt(static_cast<float>(dim))};
+  const float scale[2] = {1.0f / std::sqrt(static_cast<float>(dim)), eps};
   StoreArgs args{k.data<float>(),
                  v.data<float>(),
                  q.data<float>(),
@@ -494,6 +504,7 @@ std::vector<mx::array> store_rows(const mx::array& keys_in, const mx::array& val
                  scale,
                  starts.data<int>(),
                  rope.data<float>(),
+                 norm.data<float>(),
                  k_out.data<float>(),
                  vw.data<uint32_t>(),
                  vs.data<float>(),

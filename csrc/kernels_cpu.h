@@ -31,14 +31,16 @@ mx::array paged_attention(const mx::array& q, const std::vector<mx::array>& keys
 
 // kernels/store_rows.metal over its grid (each threadgroup's lanes as a loop), with the
 // kernel's own inputs (its header says what `dims` holds: the rows' layouts in `keys`,
-// `values` and `queries`, and the prologue's RoPE; `starts` and `rope` are read only with
-// RoPE) -> (H k as float16 [N, D], H v quantized as mx.quantize does: words uint32
+// `values` and `queries`, and the prologue's RoPE and norm; `starts` and `rope` are read
+// only with RoPE, `norm` (the queries' then the keys' 2 D weights) and `eps` only with the
+// norm) -> (H k as float16 [N, D], H v quantized as mx.quantize does: words uint32
 // [N, D * value_bits / 32], scales and biases float16 [N, D / group], the roped queries
 // float32 [max(NQ, 1), D]). Every row it reads is checked to lie inside its array. KV
 // format 2's store of a step on a GPU, for tests.
 std::vector<mx::array> store_rows(const mx::array& keys, const mx::array& values,
                                   const mx::array& queries, const std::vector<int>& dims,
-                                  const mx::array& starts, const mx::array& rope, int threads);
+                                  const mx::array& starts, const mx::array& rope,
+                                  const mx::array& norm, float eps, int threads);
 
 // kernels/dense_rows.metal over its grid: the keys [N, D] and values [N, Dv] (float32) that
 // `src` (int32 [3 + N * 3]: N, 0, 0, then a row's key source 0 arena / 1 tail / 2 done, key

@@ -13,6 +13,7 @@ __device__ inline float kv_max(float a, float b) { return fmaxf(a, b); }
 __device__ inline float kv_tanh(float x) { return tanhf(x); }
 __device__ inline float kv_cos(float x) { return cosf(x); }
 __device__ inline float kv_sin(float x) { return sinf(x); }
+__device__ inline float kv_rsqrt(float x) { return rsqrtf(x); }
 __device__ inline float kv_round(float x) { return roundf(x); }
 __device__ inline float kv_rint(float x) { return rintf(x); }
 __device__ inline float kv_to_half(float x) { return __half2float(__float2half_rn(x)); }

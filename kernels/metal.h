@@ -9,6 +9,7 @@ inline float kv_max(float a, float b) { return metal::max(a, b); }
 inline float kv_tanh(float x) { return metal::precise::tanh(x); }
 inline float kv_cos(float x) { return metal::precise::cos(x); }
 inline float kv_sin(float x) { return metal::precise::sin(x); }
+inline float kv_rsqrt(float x) { return metal::precise::rsqrt(x); }
 inline float kv_round(float x) { return metal::round(x); }
 inline float kv_rint(float x) { return metal::rint(x); }
 inline float kv_to_half(float x) { return float(half(x)); }

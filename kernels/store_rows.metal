@@ -12,13 +12,15 @@
 //          v_in   T[...]     new values: the keys' layout, + dims[12] in place of dims[11]
 //          q_in   T[...]     (the prologue) queries: row (b, h, t) at b * dims[13] + h * dims[14]
 //                             + t * dims[15] + dims[16]
-//          dims   int[18]    N (= B Hkv L), D, vbits (2, 4 or 8), group (a multiple of 8
+//          dims   int[19]    N (= B Hkv L), D, vbits (2, 4 or 8), group (a multiple of 8
 //                             dividing D), NQ (= B Hq L; 0: no queries), L, Hkv, Hq, the
 //                             layouts above, RoPE (0: none; 1: channel c with c + D / 2; 2:
-//                             traditional, 2 j with 2 j + 1)
-//          scale  float[1]   1 / sqrt(D)
+//                             traditional, 2 j with 2 j + 1), the heads' RMS norm (0: none;
+//                             1: before RoPE, Qwen3's)
+//          scale  float[2]   1 / sqrt(D), the norm's epsilon
 //          starts int[B]     each row's first position (RoPE)
 //          rope   float[D/2+1] inverse frequencies, then the positions' scale
+//          norm   [2 D]      (the norm) the queries' weights, then the keys' ones
 // outputs: k_out  H[N * D]                (H k): format 2's float16 tail rows, (b, h, t) order
 //          vw     uint32[N * D * vbits / 32]   (H v) quantized as mx.quantize does (affine,
 //          vs, vb H[N * D / group]            in groups of `group`): words, scales, biases
@@ -28,8 +30,11 @@
 //          8 i .. 8 i + 7 of its vectors.
 //
 // The prologue (RoPE mode > 0: keys, values and queries read where the joint q/k/v
-// projection left them): queries and keys roped first, as mx.fast.rope does (theta = position *
-// scale * inverse frequency, in float, each result rounded to T); a query row stops there.
+// projection left them): where dims[18] says so, each query and key head first normed as
+// mx.fast.rms_norm does (the sum of squares in float over the team, x * rsqrt(mean + eps)
+// rounded to T, times the weight, rounded to T); then queries and keys roped, as
+// mx.fast.rope does (theta = position * scale * inverse frequency, in float, each result
+// rounded to T); a query row stops there.
 // The transform: three butterfly stages in the lane's registers, then log2(KL) across its
 // team by shuffles (the query's in paged_attention.metal), times 1 / sqrt(D); each result
 // rounded to T, as MLX's transform of a T input returns it. The quantization follows
@@ -72,6 +77,21 @@ const unsigned int k_at = (real ? kv_at : lane8) + (unsigned int)dims[11];
 for (int e = 0; e < 8; ++e) {
   x[e] = query ? kv_float(q_in[q_at + (unsigned int)e]) : kv_float(k_in[k_at + (unsigned int)e]);
   y[e] = kv_float(v_in[v_at + (unsigned int)e]);
+}
+if (dims[18] != 0) {  // uniform across the grid, as RoPE's mode
+  float squares = 0.0f;
+  for (int e = 0; e < 8; ++e) {
+    squares += x[e] * x[e];
+  }
+  for (int s = 1; s < KL; s *= 2) {
+    squares += KV_SHUFFLE_XOR(squares, s);
+  }
+  const float inverse = kv_rsqrt(squares / (float)dim + scale[1]);
+  const unsigned int w_at = (query ? 0u : (unsigned int)dim) + lane8;
+  for (int e = 0; e < 8; ++e) {
+    const float normed = kv_float((T)(x[e] * inverse));
+    x[e] = kv_float((T)(kv_float(norm[w_at + (unsigned int)e]) * normed));
+  }
 }
 if (rope_mode != 0) {  // uniform across the grid: every lane shuffles or none
   const float position = (float)(starts[b] + t) * rope[dim / 2];

@@ -119,11 +119,13 @@ def _merge(inputs, template, grid, threadgroup):
 
 
 def _store_rows(inputs, template, grid, threadgroup):
-    keys, values, queries, dims, scale, starts, rope = inputs
+    keys, values, queries, dims, scale, starts, rope, norm = inputs
     d = _ints(dims)
     n, dim, n_queries = d[0], d[1], d[4]
     assert template["KL"] == dim // 8
-    assert math.isclose(_floats(scale)[0], 1 / math.sqrt(dim), rel_tol=1e-6)
+    scales = _floats(scale)
+    assert math.isclose(scales[0], 1 / math.sqrt(dim), rel_tol=1e-6) and len(scales) == 2
+    PROLOGUES["normed"] += d[18] == 1
     rows_a_group = template["TG"] // template["KL"]
     assert grid[0] * rows_a_group >= (n + n_queries) * template["TG"]
     assert grid[0] % threadgroup[0] == 0
@@ -131,7 +133,7 @@ def _store_rows(inputs, template, grid, threadgroup):
     # what a GPU reads them as (the CPU build would convert any dtype)
     assert starts.dtype == mx.int32 and rope.dtype == mx.float32 and dims.dtype == mx.int32
     # the body's own bounds checks: every row it reads lies inside its array
-    out = _ext.kernel_store_rows(keys, values, queries, d, starts, rope, THREADS)
+    out = _ext.kernel_store_rows(keys, values, queries, d, starts, rope, norm, scales[1], THREADS)
     return [*out[:4], out[4].reshape(-1)]
 
 

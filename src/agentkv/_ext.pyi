@@ -116,7 +116,7 @@ def kernel_paged_attention(q: mlx.core.array, keys: Sequence[mlx.core.array], va
     kernels/paged_attention.metal (then paged_attention_merge.metal) on CPU, each threadgroup's lanes as a loop (for tests against the others).
     """
 
-def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, queries: mlx.core.array, dims: Sequence[int], starts: mlx.core.array, rope: mlx.core.array, threads: int = 2) -> list[mlx.core.array]:
+def kernel_store_rows(keys: mlx.core.array, values: mlx.core.array, queries: mlx.core.array, dims: Sequence[int], starts: mlx.core.array, rope: mlx.core.array, norm: mlx.core.array, eps: float = 0.0, threads: int = 2) -> list[mlx.core.array]:
     """
     kernels/store_rows.metal on CPU with the kernel's inputs, each threadgroup's lanes as a loop: (H k float16, H v's words, scales, biases, the roped queries float32), as KV format 2 stores a step on a GPU (for tests).
     """

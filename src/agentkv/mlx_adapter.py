@@ -584,8 +584,9 @@ def use_joint_projections(model: nn.Module) -> int:
 
 
 # mlx-lm modules whose Attention is Llama's: the joint q/k/v projection, RoPE over whole
-# heads, the cache, attention, the output projection (Qwen2's adds biases to the projection)
-_PROLOGUE_ATTENTION = ("llama", "qwen2")
+# heads, the cache, attention, the output projection (Qwen2's adds biases to the projection,
+# Qwen3's an RMS norm of each query and key head before RoPE)
+_PROLOGUE_ATTENTION = ("llama", "qwen2", "qwen3")
 
 
 def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, int] | None:
@@ -621,7 +622,7 @@ def _prologue_classes() -> dict[type, type]:
                 heads = (self.n_heads, self.n_kv_heads)
                 joint = self.agentkv_q_k_v.linear
                 out = run(lambda: joint(x), heads, self.agentkv_head_dim, self.agentkv_rope,
-                          scale=self.scale, mask=mask)  # fmt: skip
+                          scale=self.scale, mask=mask, norms=self.agentkv_norms)  # fmt: skip
                 if out is not None:
                     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
             return attention.__call__(self, x, mask, cache)
@@ -635,12 +636,32 @@ def _prologue_classes() -> dict[type, type]:
     )  # fmt: skip
 
 
+def head_norms(module: nn.Module, head_dim: int):
+    """Qwen3's RMS norm of each query and key head before RoPE as the store kernel's
+    prologue applies it (``gpu.Norms``: both weights in one array, their epsilon); None for
+    an attention without one (Llama, Qwen2); False where it has one the kernel cannot apply
+    (another norm module, weights of another width or epsilon)."""
+    from .kernels.gpu import Norms
+
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return None
+    if not all(type(n) is nn.RMSNorm for n in (q_norm, k_norm)) or q_norm.eps != k_norm.eps:
+        return False
+    if q_norm.weight.shape != (head_dim,) or k_norm.weight.shape != (head_dim,):
+        return False
+    weights = mx.concatenate([q_norm.weight, k_norm.weight])
+    mx.eval(weights)
+    return Norms(weights, float(q_norm.eps))
+
+
 def use_gpu_prologue(model: nn.Module) -> int:
-    """On a GPU, let each Llama or Qwen2 attention whose q/k/v projections are joint
-    (``use_joint_projections``) and whose RoPE the store kernel applies (``rope_table``)
-    hand its joint projection to the block pool's step, which ropes its queries and keys
-    and stores its keys and values in one kernel (``PagedLayerCache.agentkv_prologue``;
-    docs/gpu-attention.md, "The prologue"). Returns how many layers were switched (0 with
+    """On a GPU, let each Llama, Qwen2 or Qwen3 attention whose q/k/v projections are joint
+    (``use_joint_projections``) and whose RoPE (and Qwen3's norm of each head:
+    ``head_norms``) the store kernel applies (``rope_table``) hand its joint projection to
+    the block pool's step, which norms and ropes its queries and keys and stores its keys
+    and values in one kernel (``PagedLayerCache.agentkv_prologue``; docs/gpu-attention.md,
+    "The prologue"). Returns how many layers were switched (0 with
     ``AGENTKV_GPU_PROLOGUE=0``, which the step also reads)."""
     import os
 
@@ -654,11 +675,12 @@ def use_gpu_prologue(model: nn.Module) -> int:
         if cls is None or not isinstance(joint, JointLinear):
             continue
         head_dim = joint._cuts[0] // module.n_heads  # the queries' part over their heads
-        table = rope_table(module.rope, head_dim)
-        if table is not None:
+        table, norms = rope_table(module.rope, head_dim), head_norms(module, head_dim)
+        if table is not None and norms is not False:
             module.__class__ = cls
             object.__setattr__(module, "agentkv_rope", table)
             object.__setattr__(module, "agentkv_head_dim", head_dim)
+            object.__setattr__(module, "agentkv_norms", norms)
             switched += 1
     return switched
 

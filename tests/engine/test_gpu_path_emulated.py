@@ -183,3 +183,34 @@ def test_the_prologue_kernel_gives_the_tokens_of_mlx_lm_s_rope_and_store(
     for want, got in zip(runs["0"], runs["1"]):
         assert agree(want, got, 0.02) == len(want.tokens)
     assert runs["1"][1].stats.cache == "hot"
+
+
+def test_qwen3_norms_each_head_inside_the_prologue(engines, monkeypatch, tmp_path):
+    """Qwen3's attention norms each query and key head (``q_norm``, ``k_norm``) before RoPE;
+    on a GPU the store kernel's prologue does both (``mlx_adapter.head_norms``). A
+    random-weight Qwen3 (``bench gpu``'s ``tiny-qwen3``) with 8-bit KV, against the same
+    engine with ``AGENTKV_GPU_PROLOGUE=0`` (mlx-lm's norms and RoPE, then the store kernel):
+    the same greedy tokens but at a near tie, log-probabilities within 0.02 nats, a turn and
+    a hot one after it."""
+    from agentkv.benchmarks import gpu as bench_gpu
+
+    path = bench_gpu.build_model("tiny-qwen3", tmp_path, bench_gpu.tokenizer_dir(None))
+    runs = {}
+    for prologue in ("0", "1"):
+        monkeypatch.setenv("AGENTKV_GPU_PROLOGUE", prologue)
+        engine = emulated_engine(engines, monkeypatch, model=str(path),
+                                 cache_dir=tmp_path / prologue, kv_bits=8)  # fmt: skip
+        PROLOGUES.clear()
+        first = engine.generate("q", PROMPTS[1], max_tokens=24, logprobs=3)
+        again = engine.generate("q", PROMPTS[1] + first.text + MORE, max_tokens=8, logprobs=3)
+        runs[prologue] = [first, again]
+        layers = engine.spec.num_layers
+        # every layer's store normed its heads: each turn's one chunk, then each decode step
+        steps = len(first.tokens) + len(again.tokens)
+        assert PROLOGUES["normed"] == (PROLOGUES["store_rows"] if prologue == "1" else 0)
+        assert PROLOGUES["normed"] >= steps * layers * (prologue == "1")
+        let_go(engine)
+        del engine
+    agreed = [agree(want, got, 0.02) for want, got in zip(runs["0"], runs["1"])]
+    assert agreed[0] >= 8, agreed
+    assert runs["1"][1].stats.cache == "hot"

@@ -286,16 +286,18 @@ def test_store_rows_stores_what_the_transform_and_mx_quantize_store(gpu, dim, bi
     np.testing.assert_allclose(got[3], want[3], rtol=2e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("traditional,normed", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("dim,q_heads,kv_heads,L", [(64, 3, 1, 1), (128, 4, 2, 7)])
 def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
-    gpu, dim, q_heads, kv_heads, L, traditional
+    gpu, dim, q_heads, kv_heads, L, traditional, normed
 ):
     """The store kernel's prologue on the GPU (docs/gpu-attention.md, "The prologue"): from a
     joint q/k/v projection (float16), the queries as MLX's RoPE ropes them on the same GPU
     (within float16 steps), and the keys and values as ``store_rows`` stores MLX-roped keys
-    (the keys' tails within float16 steps, the values' words the same bits)."""
+    (the keys' tails within float16 steps, the values' words the same bits); ``normed``:
+    each query and key head RMS-normed first, as ``mx.fast.rms_norm`` norms it (Qwen3's)."""
     from agentkv.format.quant import V2
+    from agentkv.kernels.gpu import Norms
 
     rng = np.random.default_rng(dim + L)
     B, base, starts = 2, 10000.0, [5, 2000]
@@ -309,7 +311,12 @@ def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
         part = joint[..., first * dim : (first + count) * dim]
         return part.reshape(B, L, count, dim).transpose(0, 2, 1, 3)
 
-    def roped(x):
+    weights = mx.array(rng.uniform(0.2, 2.0, (2, dim)).astype(np.float16))
+    norms = Norms(weights.reshape(-1), 1e-6) if normed else None
+
+    def roped(x, which):
+        if normed:
+            x = mx.fast.rms_norm(x, weights[which], 1e-6)
         return mx.concatenate([
             mx.fast.rope(x[b : b + 1], dim, traditional=traditional, base=base, scale=1.0,
                          offset=starts[b])
@@ -318,10 +325,11 @@ def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
 
     def run():
         impl = gpu_impl(gpu)
-        keys, values = roped(heads(q_heads, kv_heads)), heads(q_heads + kv_heads, kv_heads)
+        keys, values = roped(heads(q_heads, kv_heads), 1), heads(q_heads + kv_heads, kv_heads)
         want = impl.store_rows(keys, values, 4, 64)
-        got = impl.store_prologue(joint, (q_heads, kv_heads), mx.array(starts), table, mode, 4, 64)
-        return [roped(heads(0, q_heads)), *want], got
+        got = impl.store_prologue(joint, (q_heads, kv_heads), mx.array(starts), table, mode, 4, 64,
+                                  norms)  # fmt: skip
+        return [roped(heads(0, q_heads), 0), *want], got
 
     (queries, *want), got = on(gpu, run)
     f32 = [np.array(a.astype(mx.float32)) for a in (queries, got[4], want[0], got[0])]

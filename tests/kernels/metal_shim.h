@@ -32,7 +32,7 @@ float exp(float); half exp(half);
 float max(float, float); int max(int, int); uint max(uint, uint); half max(half, half);
 float min(float, float); int min(int, int); uint min(uint, uint); half min(half, half);
 float round(float); float rint(float); float abs(float); int abs(int);
-namespace precise { float tanh(float); float cos(float); float sin(float); float exp(float); }
+namespace precise { float tanh(float); float cos(float); float sin(float); float exp(float); float rsqrt(float); }
 namespace fast { float tanh(float); float cos(float); float sin(float); float exp(float); }
 float simd_shuffle_xor(float, ushort); int simd_shuffle_xor(int, ushort);
 uint simd_shuffle_xor(uint, ushort); half simd_shuffle_xor(half, ushort);

@@ -138,7 +138,7 @@ __global__ void paged_attention_merge_{n}(const float* parts, const float* stats
 CUDA_STORE = """
 __global__ void store_rows_{n}(const {t}* k_in, const {t}* v_in, const {t}* q_in,
     const int32_t* dims, const float* scale, const int32_t* starts, const float* rope,
-    __half* k_out, uint32_t* vw, __half* vs, __half* vb, {t}* q_out) {{
+    const {t}* norm, __half* k_out, uint32_t* vw, __half* vs, __half* vb, {t}* q_out) {{
   using T = {t};
   using H = __half;
   constexpr int KL = {kl};

@@ -96,11 +96,13 @@ def _calls():
     def store(dtype):
         k, v = kv[0].astype(dtype), kv[1].astype(dtype)
         starts = mx.array([3, 9], dtype=mx.int32)
+        norms = gpu.Norms(mx.ones((128,), dtype), 1e-6)  # Qwen3's heads' norm
         return [
             *metal.store_rows(k, v, 4, 64),
             *metal.store_rows(k, v, 8, 32),
             *metal.store_prologue(qkv.astype(dtype), (6, 2), starts, rope, 1, 4, 64),
             *metal.store_prologue(qkv.astype(dtype), (6, 2), starts, rope, 2, 2, 64),
+            *metal.store_prologue(qkv.astype(dtype), (6, 2), starts, rope, 1, 4, 64, norms),
         ]
 
     def rows(dtype):

@@ -130,7 +130,7 @@ def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, k
     rope = mx.array(np.append(inverse, scale).astype(np.float32))
     dims = store_dims(B * kv_heads * L, dim, 4, 32, prologue=(L, kv_heads, q_heads),
                       rope_mode=2 if traditional else 1)  # fmt: skip
-    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope)
+    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, rope)
 
     def heads(first, count):
         part = joint[..., first * dim : (first + count) * dim]
@@ -154,8 +154,65 @@ def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, k
     assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
     # a mutation the check sees: the positions' scale left out
     wrong = mx.array(np.append(inverse, 1.0).astype(np.float32))
-    bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), wrong)
+    bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), wrong, wrong)
     assert np.abs(np.array(bad[4]).reshape(q.shape) - q).max() > 0.1
+
+
+@pytest.mark.parametrize("dim,q_heads,kv_heads,L", [(128, 4, 2, 1), (64, 3, 1, 4)])
+def test_the_prologue_norms_each_head_before_rope(dim, q_heads, kv_heads, L):
+    """Qwen3's prologue (dims[18]): each query and key head RMS-normed by its own weights
+    before RoPE, as ``mx.fast.rms_norm`` then ``mx.fast.rope`` give them (within float16
+    steps: the reference rounds to float16 between them); the values untouched by the norm
+    (the same bits as the plain store's)."""
+    rng = np.random.default_rng(dim + q_heads)
+    B, base, eps, starts = 2, 1_000_000.0, 1e-6, [5, 2000]
+    joint = mx.array(rng.standard_normal((B, L, (q_heads + 2 * kv_heads) * dim)) * 3, mx.float16)
+    inverse = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    rope = mx.array(np.append(inverse, 1.0).astype(np.float32))
+    weights = rng.uniform(0.2, 2.0, (2, dim)).astype(np.float16)
+    norm = mx.array(weights.reshape(-1))
+    dims = store_dims(B * kv_heads * L, dim, 4, 32, prologue=(L, kv_heads, q_heads),
+                      rope_mode=1, norm=True)  # fmt: skip
+    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, norm, eps)
+
+    def heads(first, count):
+        part = joint[..., first * dim : (first + count) * dim]
+        return part.reshape(B, L, count, dim).transpose(0, 2, 1, 3)
+
+    def normed_roped(x, weight):
+        x = mx.fast.rms_norm(x, mx.array(weight), eps)
+        return mx.concatenate([
+            mx.fast.rope(x[b : b + 1], dim, traditional=False, base=base, scale=1.0,
+                         offset=starts[b])
+            for b in range(B)
+        ])  # fmt: skip
+
+    queries = normed_roped(heads(0, q_heads), weights[0])
+    keys = normed_roped(heads(q_heads, kv_heads), weights[1])
+    want = cpu.store_rows(keys, heads(q_heads + kv_heads, kv_heads), 4, 32)
+    for g, w in zip(got[1:4], want[1:4]):
+        assert mx.array_equal(g, w)
+    tails = np.array(got[0], np.float32) - np.array(want[0], np.float32)
+    assert np.abs(tails).max() <= 4e-3 * np.abs(np.array(want[0], np.float32)).max()
+    q = np.array(got[4]).reshape(B, q_heads, L, dim)
+    assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
+    # mutations the check sees: the two weights swapped, the norm left out
+    swapped = mx.array(weights[::-1].reshape(-1))
+    bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, swapped,
+                                 eps)  # fmt: skip
+    assert np.abs(np.array(bad[4]).reshape(q.shape) - q).max() > 0.1
+    plain = store_dims(B * kv_heads * L, dim, 4, 32, prologue=(L, kv_heads, q_heads), rope_mode=1)
+    bad = _ext.kernel_store_rows(joint, joint, joint, list(plain), mx.array(starts), rope, norm)
+    assert np.abs(np.array(bad[4]).reshape(q.shape) - q).max() > 0.1
+    # refused: a norm without its weights or its epsilon, a norm without RoPE
+    with pytest.raises(ValueError, match="norm"):
+        _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, norm[:dim],
+                               eps)  # fmt: skip
+    with pytest.raises(ValueError, match="norm"):
+        _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, norm)
+    with pytest.raises(ValueError, match="bad dims"):
+        _ext.kernel_store_rows(joint, joint, joint, list(dims[:17]) + [0, 1], mx.array(starts),
+                               rope, norm, eps)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
@@ -199,15 +256,15 @@ def test_what_the_kernel_cannot_store_is_refused(monkeypatch):
     assert not gpu_kernels.stores_rows(KVQuant(4, 16, 64, **V2), keys, keys)  # float values
     none = mx.zeros((1,))
     with pytest.raises(ValueError, match="bad dims"):  # 3-bit values
-        _ext.kernel_store_rows(keys, keys, none, list(store_dims(6, 64, 3, 64)), none, none)
+        _ext.kernel_store_rows(keys, keys, none, list(store_dims(6, 64, 3, 64)), none, none, none)
     with pytest.raises(ValueError, match="outside its array"):  # 7 rows of 6
-        _ext.kernel_store_rows(keys, keys, none, list(store_dims(7, 64, 4, 64)), none, none)
+        _ext.kernel_store_rows(keys, keys, none, list(store_dims(7, 64, 4, 64)), none, none, none)
     joint = mx.zeros((2, 3, (4 + 2 * 2) * 64))
     dims = store_dims(2 * 2 * 3, 64, 4, 64, prologue=(3, 2, 4), rope_mode=1)
     with pytest.raises(ValueError, match="outside its array"):  # one row too few
-        _ext.kernel_store_rows(joint[:, :2], joint, joint, list(dims), none, mx.zeros(33))
+        _ext.kernel_store_rows(joint[:, :2], joint, joint, list(dims), none, mx.zeros(33), none)
     with pytest.raises(ValueError, match="RoPE needs"):  # one start for two rows
-        _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.zeros(1), mx.zeros(33))
+        _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.zeros(1), mx.zeros(33), none)
     with pytest.raises(ValueError, match="bad dims"):  # 70 rows: not whole groups of 64
         _ext.kernel_quantize_groups(mx.zeros((70, 64), dtype=mx.float16), 4, 64)
     monkeypatch.setenv(gpu_kernels.STORE_ENV, "0")

@@ -392,10 +392,10 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
         joined = mlx_adapter.use_joint_projections(joint)
         # q/k/v in every block; gate/up where the MLP has them (gpt-oss's experts do not)
         assert joined == COMMON["num_hidden_layers"] * (1 if name == "gpt_oss" else 2)
-        # Llama's and Qwen2's attention hand the store kernel their RoPE (with no agentkv cache,
-        # as here, they run as mlx-lm's)
+        # Llama's, Qwen2's and Qwen3's attention hand the store kernel their RoPE (Qwen3's its
+        # heads' norm too; with no agentkv cache, as here, they run as mlx-lm's)
         switched = mlx_adapter.use_gpu_prologue(joint)
-        assert switched == COMMON["num_hidden_layers"] * (name in ("llama", "qwen2"))
+        assert switched == COMMON["num_hidden_layers"] * (name in ("llama", "qwen2", "qwen3"))
         ids = mx.array([tokenizer.encode(log_prompt("lint", 2)[0]["content"])[:24]] * 2)
         ids[1] = ids[1][::-1]
         a, b = separate(ids), joint(ids)
@@ -457,7 +457,7 @@ def test_the_prologue_s_rope_table_gives_mlx_lm_s_rope(scaling, traditional):
     assert mlx_adapter.rope_table(nn.Linear(2, 2), dim) is None
     joint = mx.random.normal((1, L, 3 * dim), key=mx.random.key(1))
     dims = store_dims(L, dim, 4, 32, prologue=(L, 1, 1), rope_mode=mode)
-    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array([3000]), table)[4]
+    got = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array([3000]), table, table)[4]
     want = rope(joint[..., :dim].reshape(1, L, 1, dim).transpose(0, 2, 1, 3), offset=3000)
     assert np.abs(np.array(got) - np.array(want).reshape(L, dim)).max() < 1e-3
 
@@ -814,3 +814,20 @@ def test_gemma2_over_agentkv_caches_gives_mlx_lm_s_own_soft_capped_attention(
         monkeypatch.setattr(layer.self_attn, "attn_logit_softcapping", 1e9)
     uncapped = np.abs(np.array(model(tokens)) - want).max() / spread
     assert uncapped > 20 * error, (uncapped, error)  # measured: ~6e-3 against ~6
+
+
+def test_the_prologue_takes_qwen3_s_head_norms_and_no_other_norm():
+    """``head_norms``: Qwen3's two RMS norms as one array of weights (the queries' first) and
+    their epsilon; None for an attention without them; False (the layer keeps mlx-lm's
+    operations) for norms the kernel cannot apply: another kind, epsilon or width."""
+    from types import SimpleNamespace
+
+    q_norm, k_norm = nn.RMSNorm(64, eps=1e-6), nn.RMSNorm(64, eps=1e-6)
+    q_norm.weight, k_norm.weight = mx.arange(64) / 64, mx.arange(64) / 32
+    norms = mlx_adapter.head_norms(SimpleNamespace(q_norm=q_norm, k_norm=k_norm), 64)
+    assert norms.eps == 1e-6
+    assert mx.array_equal(norms.weights, mx.concatenate([q_norm.weight, k_norm.weight]))
+    assert mlx_adapter.head_norms(SimpleNamespace(), 64) is None
+    other = nn.RMSNorm(64, eps=1e-5)
+    for q, k, dim in ((q_norm, other, 64), (q_norm, nn.LayerNorm(64), 64), (q_norm, k_norm, 128)):
+        assert mlx_adapter.head_norms(SimpleNamespace(q_norm=q, k_norm=k), dim) is False

@@ -164,7 +164,7 @@ def _kernels(kernels: argparse.ArgumentParser) -> None:
 
 @_bench("gpu", "agentkv vs mlx-lm on this machine's GPU: decode, prefill, hot turns, batches")
 def _gpu(gpu: argparse.ArgumentParser) -> None:
-    """Random-weight 4-bit llama models of real shapes built on the spot, agentkv (its default
+    """Random-weight 4-bit models of real shapes built on the spot, agentkv (its default
     4-bit KV and kv_bits=16) and mlx-lm (float16 KV; its 4-bit KV where the backend runs it)
     side by side in one process: decode and time to first token per context, a hot turn, a
     batch of agents, and the paged attention kernel alone against MLX's attention as a
@@ -172,7 +172,8 @@ def _gpu(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument(
         "--shapes",
         default="smollm2-135m,llama3-8b",
-        help="model shapes: smollm2-135m, llama3-8b, tiny (default the first two)",
+        help="model shapes: smollm2-135m, llama3-8b (llamas), qwen3-0.6b, tiny, tiny-qwen3 "
+        "(default the first two)",
     )
     gpu.add_argument(
         "--contexts",

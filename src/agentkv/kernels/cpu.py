@@ -57,7 +57,7 @@ def store_rows(
     dim = keys.shape[-1]
     dims = store_dims(keys.size // dim, dim, value_bits, group)
     none = mx.zeros((1,))
-    out = _ext.kernel_store_rows(keys, values, none, list(dims), none, none, THREADS)
+    out = _ext.kernel_store_rows(keys, values, none, list(dims), none, none, none, 0.0, THREADS)
     return tuple(out[:4])
 
 

@@ -104,7 +104,7 @@ INPUTS = {
     ],
     "paged_attention_merge": ["parts", "stats", "sinks", "dims"],
     "extract": ["batch", "meta", "dims"],
-    "store_rows": ["k_in", "v_in", "q_in", "dims", "scale", "starts", "rope"],
+    "store_rows": ["k_in", "v_in", "q_in", "dims", "scale", "starts", "rope", "norm"],
     "dense_rows": ["kw", "ks", "kb", "vw", "vs", "vb", "tail", "done", "src", "dims", "scale"],
     "quantize_groups": ["x", "dims"],
 }  # fmt: skip
@@ -329,6 +329,14 @@ def store_rows(
     return _store(backend, keys, values, keys, dims, _zeros(1, mx.int32), _zeros(1))[:4]
 
 
+class Norms(NamedTuple):
+    """A layer's RMS norm of each query and key head before RoPE (Qwen3's ``q_norm`` and
+    ``k_norm``), as the store kernel's prologue applies it."""
+
+    weights: mx.array  # [2 D]: the queries' weights, then the keys'
+    eps: float
+
+
 def store_prologue(
     backend: str,
     qkv: mx.array,
@@ -338,29 +346,33 @@ def store_prologue(
     rope_mode: int,
     value_bits: int,
     group: int,
+    norms: Norms | None = None,
 ) -> tuple[mx.array, ...]:
     """The prologue of a layer's attention in the same pass (store_rows.metal): from the
     joint q/k/v projection ``qkv`` [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq, Hkv)), the
-    queries and keys roped at ``starts[b] + t`` (``rope``: D / 2 inverse frequencies, then
-    the positions' scale), the keys and values stored as ``store_rows`` stores them:
-    (H k float16 [N, D], H v's words, scales, biases, the roped queries [B, Hq, L, D])."""
+    queries and keys (RMS-normed first by ``norms`` where given) roped at ``starts[b] + t``
+    (``rope``: D / 2 inverse frequencies, then the positions' scale), the keys and values
+    stored as ``store_rows`` stores them: (H k float16 [N, D], H v's words, scales, biases,
+    the roped queries [B, Hq, L, D])."""
     if rope_mode not in (1, 2):
         raise ValueError(f"the prologue ropes in mode 1 or 2, not {rope_mode}")
     B, L, width = qkv.shape
     q_heads, kv_heads = heads
     dim = width // (q_heads + 2 * kv_heads)
-    dims = store_dims(B * kv_heads * L, dim, value_bits, group,
-                      prologue=(L, kv_heads, q_heads), rope_mode=rope_mode)  # fmt: skip
-    *stored, queries = _store(backend, qkv, qkv, qkv, dims, starts, rope)
+    dims = store_dims(B * kv_heads * L, dim, value_bits, group, prologue=(L, kv_heads, q_heads),
+                      rope_mode=rope_mode, norm=norms is not None)  # fmt: skip
+    *stored, queries = _store(backend, qkv, qkv, qkv, dims, starts, rope, norms)
     return (*stored, queries.reshape(B, q_heads, L, dim))
 
 
-def _store(backend, k_in, v_in, q_in, dims, starts, rope) -> list[mx.array]:
+def _store(backend, k_in, v_in, q_in, dims, starts, rope, norms=None) -> list[mx.array]:
     n, dim, value_bits, group, n_queries = dims[:5]
     lanes = dim // 8
     rows_a_group = PAGED_THREADGROUP // lanes
+    weights, eps = (_zeros(1), 0.0) if norms is None else norms
+    scales = _floats((1 / math.sqrt(dim), eps))
     return _kernel(backend, "store_rows")(
-        inputs=[k_in, v_in, q_in, _ints(dims), _floats((1 / math.sqrt(dim),)), starts, rope],
+        inputs=[k_in, v_in, q_in, _ints(dims), scales, starts, rope, weights],
         template=[("T", k_in.dtype), ("H", mx.float16), ("KL", lanes), ("TG", PAGED_THREADGROUP)],
         grid=(-(-(n + n_queries) // rows_a_group) * PAGED_THREADGROUP, 1, 1),
         threadgroup=(PAGED_THREADGROUP, 1, 1),

@@ -20,21 +20,22 @@ def store_dims(
     *,
     prologue: tuple[int, int, int] | None = None,
     rope_mode: int = 0,
+    norm: bool = False,
 ) -> tuple[int, ...]:
     """kernels/store_rows.metal's ``dims``. Without ``prologue``: ``rows`` new keys and
     values, each its own array of rows ``[rows, dim]``. With ``prologue`` = (L, Hkv, Hq): the
     rows of one joint q/k/v projection ``[B, L, (Hq + 2 Hkv) dim]`` (``rows`` = B Hkv L),
     its queries among them, roped by ``rope_mode`` (1: channel c with c + dim / 2; 2:
-    traditional)."""
+    traditional), each query and key head RMS-normed first where ``norm`` (Qwen3's)."""
     if prologue is None:
-        return (rows, dim, value_bits, group, 0, 1, 1, 0, dim, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return (rows, dim, value_bits, group, 0, 1, 1, 0, dim, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     seq, kv_heads, q_heads = prologue
     width = (q_heads + 2 * kv_heads) * dim
     batch = rows // (seq * kv_heads)
     return (
         rows, dim, value_bits, group, batch * q_heads * seq, seq, kv_heads, q_heads,
         seq * width, dim, width, q_heads * dim, (q_heads + kv_heads) * dim,
-        seq * width, dim, width, 0, rope_mode,
+        seq * width, dim, width, 0, rope_mode, int(norm),
     )  # fmt: skip
 
 

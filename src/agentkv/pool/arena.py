@@ -444,17 +444,20 @@ class KVArena:
     def append_prologue(
         self, layer: int, qkv: mx.array, heads: tuple[int, int], plan: WritePlan,
         starts: mx.array, rope: tuple[mx.array, int], backend: str | None = None,
+        norms=None,
     ) -> mx.array:  # fmt: skip
         """A GPU layer's prologue and store in one kernel (``gpu.store_prologue``; the caller
         checked ``gpu.stores_prologue``): the joint q/k/v projection ``qkv`` [B, L, (Hq + 2
-        Hkv) D] (``heads`` = (Hq, Hkv)), its queries and keys roped at ``starts`` by
-        ``rope`` (its table and mode), the keys and values stored as ``append`` stores
-        them. Returns the roped queries [B, Hq, L, D]."""
+        Hkv) D] (``heads`` = (Hq, Hkv)), its queries and keys normed by ``norms`` (where
+        given) and roped at ``starts`` by ``rope`` (its table and mode), the keys and values
+        stored as ``append`` stores them. Returns the roped queries [B, Hq, L, D]."""
         q = self.layer_quants[layer]
         backend = backend or dispatch.backend()
         prologue = gpu_kernels.for_backend(backend).store_prologue
         table, mode = rope
-        *stored, queries = prologue(qkv, heads, starts, table, mode, q.value_bits, q.group_size)
+        *stored, queries = prologue(
+            qkv, heads, starts, table, mode, q.value_bits, q.group_size, norms
+        )
         self._place(layer, stored[0], stored[1:], plan, backend)
         return queries
 

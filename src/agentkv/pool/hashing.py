@@ -35,8 +35,9 @@ PRIVATE_DOMAIN = b"agentkv/private/v1"
 # team loads 2 keys at once at decode (the same order, but compiled anew); 4: the query, key
 # and value projections are one matmul (``mlx_adapter.use_joint_projections``), whose keys
 # and values MLX's kernels may sum in another order than three matmuls', and format 2's keys
-# are roped by the store kernel (``mlx_adapter.use_gpu_prologue``), not MLX's RoPE.
-BITS_VERSIONS = {"cpu": 1, "metal": 4, "cuda": 4}
+# are roped by the store kernel (``mlx_adapter.use_gpu_prologue``), not MLX's RoPE; 5:
+# Qwen3's heads are RMS-normed by the store kernel too (``mlx_adapter.head_norms``).
+BITS_VERSIONS = {"cpu": 1, "metal": 5, "cuda": 5}
 BACKENDS = tuple(BITS_VERSIONS)
 
 

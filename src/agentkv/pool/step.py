@@ -196,11 +196,12 @@ class PagedLayerCache(CacheBase):
         return remember_mask(mx.array(True), window_size or self.window)
 
     def agentkv_prologue(
-        self, project, heads: tuple[int, int], dim: int, rope, *, scale: float, mask
+        self, project, heads: tuple[int, int], dim: int, rope, *, scale: float, mask, norms=None
     ) -> mx.array | None:
         """A GPU layer's attention with its prologue in one kernel (``KVArena.append_prologue``):
         ``project()`` gives the joint q/k/v projection [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq,
-        Hkv), D = ``dim``), ``rope`` = (table, mode) the layer's RoPE; returns the attention's
+        Hkv), D = ``dim``), ``rope`` = (table, mode) the layer's RoPE, ``norms`` its heads'
+        RMS norm before RoPE (``gpu.Norms``: Qwen3's; None: none); returns the attention's
         output [B, Hq, L, D], or None where this step or layer does not take it (the caller
         then runs the layer's own operations): a format the store kernel does not store, a
         swapped row, a backend that is not a GPU's."""
@@ -215,7 +216,7 @@ class PagedLayerCache(CacheBase):
             return None
         arena = step.arena
         queries = arena.append_prologue(
-            self.layer, project(), heads, step.plan, step.starts, rope, backend=step.backend
+            self.layer, project(), heads, step.plan, step.starts, rope, step.backend, norms
         )
         keys, values = arena.keys(self.layer), arena.values(self.layer)
         return self.agentkv_attention(queries, keys, values, scale=scale, mask=mask)
