@@ -27,7 +27,8 @@ topics), greedy decoding, times taken from outside as a user sees them:
 and ``llama3-8b`` (Llama-3-8B's: 32 layers, 32 / 8 heads of 128, vocabulary cut to 49,152).
 ``qwen3-0.6b`` is Qwen3-0.6B's (28 layers, 16 / 8 heads of 128, each query and key head
 RMS-normed before RoPE). ``tiny`` (2 layers) only checks the harness, on any device;
-``tiny-qwen3`` is its Qwen3 (the tests' GPU emulation runs it).
+``tiny-qwen3`` and ``tiny-gemma3`` are its Qwen3 and Gemma 3 (the tests' GPU emulation runs
+them).
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
                        intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True),
+    # Gemma 3's: the same norms (of 1 + weight), a sliding window every other layer here
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=2,
+                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
+                        sliding_window_pattern=2),
 }  # fmt: skip
 CALLS = 20  # kernel calls per timed evaluation in the kernel rows
 # Nominal memory bandwidth (GB/s) by the GPU's name as nvidia-smi gives it

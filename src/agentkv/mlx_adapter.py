@@ -585,8 +585,8 @@ def use_joint_projections(model: nn.Module) -> int:
 
 # mlx-lm modules whose Attention is Llama's: the joint q/k/v projection, RoPE over whole
 # heads, the cache, attention, the output projection (Qwen2's adds biases to the projection,
-# Qwen3's an RMS norm of each query and key head before RoPE)
-_PROLOGUE_ATTENTION = ("llama", "qwen2", "qwen3")
+# Qwen3's and Gemma 3's an RMS norm of each query and key head before RoPE)
+_PROLOGUE_ATTENTION = ("llama", "qwen2", "qwen3", "gemma3_text")
 
 
 def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, int] | None:
@@ -636,28 +636,39 @@ def _prologue_classes() -> dict[type, type]:
     )  # fmt: skip
 
 
+def _rms_weight(norm) -> mx.array | None:
+    """The weight ``norm`` hands ``mx.fast.rms_norm``: ``nn.RMSNorm``'s own, Gemma 3's
+    ``1 + weight`` (its RMSNorm's, in the weight's dtype as it computes it); None for any
+    other module."""
+    if type(norm) is nn.RMSNorm:
+        return norm.weight
+    kind = type(norm)
+    if kind.__name__ == "RMSNorm" and kind.__module__ == "mlx_lm.models.gemma3_text":
+        return 1.0 + norm.weight
+    return None
+
+
 def head_norms(module: nn.Module, head_dim: int):
-    """Qwen3's RMS norm of each query and key head before RoPE as the store kernel's
-    prologue applies it (``gpu.Norms``: both weights in one array, their epsilon); None for
-    an attention without one (Llama, Qwen2); False where it has one the kernel cannot apply
-    (another norm module, weights of another width or epsilon)."""
+    """Qwen3's and Gemma 3's RMS norm of each query and key head before RoPE as the store
+    kernel's prologue applies it (``gpu.Norms``: both weights in one array, their epsilon);
+    None for an attention without one (Llama, Qwen2); False where it has one the kernel
+    cannot apply (another norm module, weights of another width or epsilon)."""
     from .kernels.gpu import Norms
 
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if q_norm is None and k_norm is None:
         return None
-    if not all(type(n) is nn.RMSNorm for n in (q_norm, k_norm)) or q_norm.eps != k_norm.eps:
+    weights = [_rms_weight(n) for n in (q_norm, k_norm)]
+    if any(w is None or w.shape != (head_dim,) for w in weights) or q_norm.eps != k_norm.eps:
         return False
-    if q_norm.weight.shape != (head_dim,) or k_norm.weight.shape != (head_dim,):
-        return False
-    weights = mx.concatenate([q_norm.weight, k_norm.weight])
-    mx.eval(weights)
-    return Norms(weights, float(q_norm.eps))
+    joint = mx.concatenate(weights)
+    mx.eval(joint)
+    return Norms(joint, float(q_norm.eps))
 
 
 def use_gpu_prologue(model: nn.Module) -> int:
-    """On a GPU, let each Llama, Qwen2 or Qwen3 attention whose q/k/v projections are joint
-    (``use_joint_projections``) and whose RoPE (and Qwen3's norm of each head:
+    """On a GPU, let each Llama, Qwen2, Qwen3 or Gemma 3 attention whose q/k/v projections
+    are joint (``use_joint_projections``) and whose RoPE (and the norm of each head:
     ``head_norms``) the store kernel applies (``rope_table``) hand its joint projection to
     the block pool's step, which norms and ropes its queries and keys and stores its keys
     and values in one kernel (``PagedLayerCache.agentkv_prologue``; docs/gpu-attention.md,

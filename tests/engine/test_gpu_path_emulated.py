@@ -185,16 +185,18 @@ def test_the_prologue_kernel_gives_the_tokens_of_mlx_lm_s_rope_and_store(
     assert runs["1"][1].stats.cache == "hot"
 
 
-def test_qwen3_norms_each_head_inside_the_prologue(engines, monkeypatch, tmp_path):
-    """Qwen3's attention norms each query and key head (``q_norm``, ``k_norm``) before RoPE;
-    on a GPU the store kernel's prologue does both (``mlx_adapter.head_norms``). A
-    random-weight Qwen3 (``bench gpu``'s ``tiny-qwen3``) with 8-bit KV, against the same
+@pytest.mark.parametrize("shape", ["tiny-qwen3", "tiny-gemma3"])
+def test_qwen3_and_gemma3_norm_each_head_inside_the_prologue(engines, monkeypatch, tmp_path, shape):
+    """Qwen3's and Gemma 3's attention norm each query and key head (``q_norm``, ``k_norm``)
+    before RoPE; on a GPU the store kernel's prologue does both (``mlx_adapter.head_norms``).
+    A random-weight model (``bench gpu``'s ``tiny-qwen3``, ``tiny-gemma3``: Gemma's norm by
+    1 + weight, a sliding layer, its own attention scale) with 8-bit KV, against the same
     engine with ``AGENTKV_GPU_PROLOGUE=0`` (mlx-lm's norms and RoPE, then the store kernel):
     the same greedy tokens but at a near tie, log-probabilities within 0.02 nats, a turn and
     a hot one after it."""
     from agentkv.benchmarks import gpu as bench_gpu
 
-    path = bench_gpu.build_model("tiny-qwen3", tmp_path, bench_gpu.tokenizer_dir(None))
+    path = bench_gpu.build_model(shape, tmp_path, bench_gpu.tokenizer_dir(None))
     runs = {}
     for prologue in ("0", "1"):
         monkeypatch.setenv("AGENTKV_GPU_PROLOGUE", prologue)

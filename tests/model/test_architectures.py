@@ -392,10 +392,12 @@ def test_joint_projections_give_the_logits_of_the_separate_ones(quantized_arch, 
         joined = mlx_adapter.use_joint_projections(joint)
         # q/k/v in every block; gate/up where the MLP has them (gpt-oss's experts do not)
         assert joined == COMMON["num_hidden_layers"] * (1 if name == "gpt_oss" else 2)
-        # Llama's, Qwen2's and Qwen3's attention hand the store kernel their RoPE (Qwen3's its
-        # heads' norm too; with no agentkv cache, as here, they run as mlx-lm's)
+        # Llama's, Qwen2's, Qwen3's and Gemma 3's attention hand the store kernel their RoPE
+        # (the last two their heads' norm too; with no agentkv cache, as here, they run as
+        # mlx-lm's)
         switched = mlx_adapter.use_gpu_prologue(joint)
-        assert switched == COMMON["num_hidden_layers"] * (name in ("llama", "qwen2", "qwen3"))
+        prologue = ("llama", "qwen2", "qwen3", "gemma3_text")
+        assert switched == COMMON["num_hidden_layers"] * (name in prologue)
         ids = mx.array([tokenizer.encode(log_prompt("lint", 2)[0]["content"])[:24]] * 2)
         ids[1] = ids[1][::-1]
         a, b = separate(ids), joint(ids)
@@ -818,9 +820,12 @@ def test_gemma2_over_agentkv_caches_gives_mlx_lm_s_own_soft_capped_attention(
 
 def test_the_prologue_takes_qwen3_s_head_norms_and_no_other_norm():
     """``head_norms``: Qwen3's two RMS norms as one array of weights (the queries' first) and
-    their epsilon; None for an attention without them; False (the layer keeps mlx-lm's
-    operations) for norms the kernel cannot apply: another kind, epsilon or width."""
+    their epsilon, Gemma 3's as the 1 + weight it norms by; None for an attention without
+    them; False (the layer keeps mlx-lm's operations) for norms the kernel cannot apply:
+    another kind, epsilon or width."""
     from types import SimpleNamespace
+
+    from mlx_lm.models import gemma3_text
 
     q_norm, k_norm = nn.RMSNorm(64, eps=1e-6), nn.RMSNorm(64, eps=1e-6)
     q_norm.weight, k_norm.weight = mx.arange(64) / 64, mx.arange(64) / 32
@@ -828,6 +833,10 @@ def test_the_prologue_takes_qwen3_s_head_norms_and_no_other_norm():
     assert norms.eps == 1e-6
     assert mx.array_equal(norms.weights, mx.concatenate([q_norm.weight, k_norm.weight]))
     assert mlx_adapter.head_norms(SimpleNamespace(), 64) is None
+    gemma = gemma3_text.RMSNorm(64, eps=1e-6)
+    gemma.weight = mx.arange(64) / 16
+    norms = mlx_adapter.head_norms(SimpleNamespace(q_norm=gemma, k_norm=q_norm), 64)
+    assert mx.array_equal(norms.weights, mx.concatenate([1.0 + gemma.weight, q_norm.weight]))
     other = nn.RMSNorm(64, eps=1e-5)
     for q, k, dim in ((q_norm, other, 64), (q_norm, nn.LayerNorm(64), 64), (q_norm, k_norm, 128)):
         assert mlx_adapter.head_norms(SimpleNamespace(q_norm=q, k_norm=k), dim) is False

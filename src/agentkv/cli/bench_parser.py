@@ -172,8 +172,8 @@ def _gpu(gpu: argparse.ArgumentParser) -> None:
     gpu.add_argument(
         "--shapes",
         default="smollm2-135m,llama3-8b",
-        help="model shapes: smollm2-135m, llama3-8b (llamas), qwen3-0.6b, tiny, tiny-qwen3 "
-        "(default the first two)",
+        help="model shapes: smollm2-135m, llama3-8b (llamas), qwen3-0.6b, tiny, tiny-qwen3, "
+        "tiny-gemma3 (default the first two)",
     )
     gpu.add_argument(
         "--contexts",

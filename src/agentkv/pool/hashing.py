@@ -36,7 +36,8 @@ PRIVATE_DOMAIN = b"agentkv/private/v1"
 # and value projections are one matmul (``mlx_adapter.use_joint_projections``), whose keys
 # and values MLX's kernels may sum in another order than three matmuls', and format 2's keys
 # are roped by the store kernel (``mlx_adapter.use_gpu_prologue``), not MLX's RoPE; 5:
-# Qwen3's heads are RMS-normed by the store kernel too (``mlx_adapter.head_norms``).
+# Qwen3's and Gemma 3's heads are RMS-normed by the store kernel too
+# (``mlx_adapter.head_norms``).
 BITS_VERSIONS = {"cpu": 1, "metal": 5, "cuda": 5}
 BACKENDS = tuple(BITS_VERSIONS)
 
