@@ -57,10 +57,10 @@ SHAPES = {
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28,
                        intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True),
-    # Gemma 3's: the same norms (of 1 + weight), a sliding window every other layer here
+    # Gemma 3's: the same norms (of 1 + weight), a 32-token window every other layer here
     "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=2,
                         intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=64, query_pre_attn_scalar=64, sliding_window=64,
+                        head_dim=64, query_pre_attn_scalar=64, sliding_window=32,
                         sliding_window_pattern=2),
 }  # fmt: skip
 CALLS = 20  # kernel calls per timed evaluation in the kernel rows
