@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -648,13 +649,20 @@ def _rms_weight(norm) -> mx.array | None:
     return None
 
 
+class HeadNorms(NamedTuple):
+    """A layer's RMS norm of each query and key head before RoPE (Qwen3's and Gemma 3's
+    ``q_norm`` and ``k_norm``), as the store kernel's prologue applies it
+    (``kernels.gpu.store_prologue``'s ``norms``)."""
+
+    weights: mx.array  # [2 D]: the queries' weights, then the keys'
+    eps: float
+
+
 def head_norms(module: nn.Module, head_dim: int):
     """Qwen3's and Gemma 3's RMS norm of each query and key head before RoPE as the store
-    kernel's prologue applies it (``gpu.Norms``: both weights in one array, their epsilon);
+    kernel's prologue applies it (``HeadNorms``: both weights in one array, their epsilon);
     None for an attention without one (Llama, Qwen2); False where it has one the kernel
     cannot apply (another norm module, weights of another width or epsilon)."""
-    from .kernels.gpu import Norms
-
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if q_norm is None and k_norm is None:
         return None
@@ -663,7 +671,7 @@ def head_norms(module: nn.Module, head_dim: int):
         return False
     joint = mx.concatenate(weights)
     mx.eval(joint)
-    return Norms(joint, float(q_norm.eps))
+    return HeadNorms(joint, float(q_norm.eps))
 
 
 def use_gpu_prologue(model: nn.Module) -> int:

@@ -216,3 +216,45 @@ def test_qwen3_and_gemma3_norm_each_head_inside_the_prologue(engines, monkeypatc
     agreed = [agree(want, got, 0.02) for want, got in zip(runs["0"], runs["1"])]
     assert agreed[0] >= 8, agreed
     assert runs["1"][1].stats.cache == "hot"
+
+
+def test_without_agentkv_s_gpu_kernels_every_path_runs_on_mlx_s_operations(
+    engines, monkeypatch, tmp_path
+):
+    """Where a GPU's compiler refuses one of agentkv's kernels (nothing has run on a Mac),
+    the engine's warm-up says so and names the way around: ``AGENTKV_GPU_KERNELS=0``, which
+    launches none of them (stores, groups and gathers by MLX's operations, attention through
+    the dense path at every step). With it the engine answers, two turns, and gives the
+    tokens of the engine with its kernels (8-bit KV: log-probabilities within 0.05 nats)."""
+    from gpu_emulation import _emulated_kernel
+
+    from agentkv.errors import AgentKVError
+    from agentkv.kernels import gpu
+
+    def refused(backend, name, sources=0):
+        def run(**_):
+            raise RuntimeError(
+                "[metal::Device] Unable to build metal library from source\n"
+                f"program_source:7:3: error: use of undeclared identifier (in {name})"
+            )
+
+        return run
+
+    runs = {}
+    for kernels in ("1", "0"):
+        emulated_gpu(monkeypatch)
+        monkeypatch.setattr(gpu, "_kernel", refused if kernels == "0" else _emulated_kernel)
+        if kernels == "0":
+            with pytest.raises(AgentKVError, match="AGENTKV_GPU_KERNELS=0") as refusal:
+                engines(cache_dir=tmp_path / "refused", kv_bits=8)
+            assert "Unable to build metal library" in str(refusal.value)
+            monkeypatch.setenv(gpu.KERNELS_ENV, "0")
+        engine = engines(cache_dir=tmp_path / kernels, kv_bits=8)
+        first = engine.generate("p", PROMPTS[0], max_tokens=24, logprobs=3)
+        again = engine.generate("p", PROMPTS[0] + first.text + MORE, max_tokens=8, logprobs=3)
+        runs[kernels] = [first, again]
+        let_go(engine)
+        del engine
+    for want, got in zip(runs["1"], runs["0"]):
+        assert agree(want, got, 0.05) >= 8
+    assert runs["0"][1].stats.cache == "hot"

@@ -297,7 +297,6 @@ def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
     (the keys' tails within float16 steps, the values' words the same bits); ``normed``:
     each query and key head RMS-normed first, as ``mx.fast.rms_norm`` norms it (Qwen3's)."""
     from agentkv.format.quant import V2
-    from agentkv.kernels.gpu import Norms
 
     rng = np.random.default_rng(dim + L)
     B, base, starts = 2, 10000.0, [5, 2000]
@@ -312,7 +311,7 @@ def test_the_prologue_ropes_as_mx_fast_rope_and_stores_as_store_rows(
         return part.reshape(B, L, count, dim).transpose(0, 2, 1, 3)
 
     weights = mx.array(rng.uniform(0.2, 2.0, (2, dim)).astype(np.float16))
-    norms = Norms(weights.reshape(-1), 1e-6) if normed else None
+    norms = (weights.reshape(-1), 1e-6) if normed else None
 
     def roped(x, which):
         if normed:

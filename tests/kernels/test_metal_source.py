@@ -96,7 +96,7 @@ def _calls():
     def store(dtype):
         k, v = kv[0].astype(dtype), kv[1].astype(dtype)
         starts = mx.array([3, 9], dtype=mx.int32)
-        norms = gpu.Norms(mx.ones((128,), dtype), 1e-6)  # Qwen3's heads' norm
+        norms = (mx.ones((128,), dtype), 1e-6)  # Qwen3's heads' norm: weights, epsilon
         return [
             *metal.store_rows(k, v, 4, 64),
             *metal.store_rows(k, v, 8, 32),

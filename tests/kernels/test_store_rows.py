@@ -320,3 +320,18 @@ def test_the_arena_stores_the_same_bytes_through_the_kernel(monkeypatch, count):
     assert sum(a.size for a in ops[-1 if count == 70 else 0 :]) > 0  # the step's groups
     for a, b in zip(ops, fused):
         assert mx.array_equal(a, b)
+
+
+def test_a_gpu_compilers_refusal_is_told_with_the_way_around():
+    """``gpu.compile_failure``: MLX's reports of a kernel a GPU's compiler refused or could not
+    launch (Metal's and CUDA's wording) become a message naming ``AGENTKV_GPU_KERNELS=0``;
+    any other error is left alone."""
+    for said in (
+        "[metal::Device] Unable to build metal library from source\nerror: no member 'x'",
+        "Failed to compile kernel: agentkv_paged_attention(12): error: expected a ';'.",
+        "Thread group size (128) is greater than  the maximum allowed threads (96).",
+    ):
+        told = gpu_kernels.compile_failure(RuntimeError(said))
+        assert "AGENTKV_GPU_KERNELS=0" in told and said.strip()[:40] in told
+    assert gpu_kernels.compile_failure(RuntimeError("[malloc] out of memory")) is None
+    assert gpu_kernels.compile_failure(ValueError("Unable to build metal library")) is None

@@ -35,6 +35,7 @@ from ..agent_id import validate_agent_id
 from ..errors import AgentKVError, CacheFormatError, InvalidRequestError
 from ..format.choice import choose_kv_quant
 from ..format.quant import KVQuant
+from ..kernels import gpu as gpu_kernels
 from ..model.load import LoadedModel, load_model
 from ..model.wide_layers import with_wide_layers
 from ..paths import kv_dir
@@ -692,6 +693,10 @@ class Engine:
             for _ in range(2):
                 token = int(mx.argmax(logits, axis=-1).item())
                 logits = self.runner.forward([table], [[token]], reservations=[reservation])
+        except RuntimeError as exc:
+            if (refused := gpu_kernels.compile_failure(exc)) is not None:
+                raise AgentKVError(refused) from exc
+            raise
         finally:
             reservation.close()
             table.release()

@@ -51,7 +51,8 @@ from collections import Counter, deque
 
 import mlx.core as mx
 
-from ..errors import EngineBusyError
+from ..errors import AgentKVError, EngineBusyError
+from ..kernels import gpu as gpu_kernels
 from ..pool import PoolExhaustedError
 from .job import Job, Phase
 from .planner import Plan, Planner, plan_of
@@ -529,6 +530,10 @@ class Scheduler:
             self._release(job)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
+        if (refused := gpu_kernels.compile_failure(exc)) is not None:
+            # a kernel shape the warm-up did not compile, refused (kernels/gpu.py)
+            refusal, exc = exc, AgentKVError(refused)
+            exc.__cause__ = refusal
         self.runner.finish(job, failed=True)
         if job in self._prefilling:
             self._prefilling.remove(job)

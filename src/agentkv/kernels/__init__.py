@@ -113,7 +113,7 @@ def _impl():
     name = backend()
     if name == "reference":
         return reference
-    if name == "cpu":
+    if name == "cpu" or not gpu.kernels_on():  # AGENTKV_GPU_KERNELS=0: their CPU builds
         return cpu
     return gpu.for_backend(name)
 

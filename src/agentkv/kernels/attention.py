@@ -173,7 +173,10 @@ def _path_of(queries: mx.array, paged: PagedQuery) -> tuple[str, bool, str]:
     if fused_takes(paged.quant(), queries):
         path = FUSED
     elif os.environ.get(ENV) != "reference" and where in ("metal", "cuda"):
-        path = DENSE if dense.takes(queries, paged) else KERNEL
+        # without agentkv's GPU kernels (AGENTKV_GPU_KERNELS=0), a pool step's every chunk
+        # and decode step takes the dense path, by MLX's operations
+        off = not gpu.kernels_on() and paged.host is not None
+        path = DENSE if off or dense.takes(queries, paged) else KERNEL
     else:
         path = REFERENCE
     inside = path == KERNEL or (path == DENSE and gpu.gathers_rows(paged))

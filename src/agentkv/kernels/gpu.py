@@ -138,6 +138,40 @@ def _kernel(backend: str, name: str, sources: int = 0):
     )
 
 
+# AGENTKV_GPU_KERNELS=0: none of agentkv's own GPU kernels: every GPU path by MLX's
+# operations (a step's store and groups, the dense path's gather, and attention itself
+# through the dense path at every step, decode included; the batch cache's merge and
+# extract by the CPU build). Slower: the way around a GPU compiler that refuses a kernel
+# (the engine's warm-up names it where one does: ``compile_failure``).
+KERNELS_ENV = "AGENTKV_GPU_KERNELS"
+
+
+def kernels_on() -> bool:
+    """Whether agentkv's own GPU kernels run (not with ``AGENTKV_GPU_KERNELS=0``)."""
+    return os.environ.get(KERNELS_ENV) != "0"
+
+
+# What MLX says where a GPU's compiler refuses a custom kernel or cannot launch it (Metal:
+# mlx/backend/metal/device.cpp and custom_kernel.cpp; CUDA: mlx/backend/cuda/jit_module.cpp)
+COMPILE_FAILURES = (
+    "Unable to build metal library", "Unable to load kernel", "Thread group size",
+    "Failed to compile kernel", "Failed to load compiled",
+)  # fmt: skip
+
+
+def compile_failure(exc: BaseException) -> str | None:
+    """Where ``exc`` is MLX's report of a GPU kernel its compiler refused or could not launch
+    (``COMPILE_FAILURES``): what to tell the user, the way around named; else None."""
+    if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in COMPILE_FAILURES):
+        return None
+    return (
+        f"agentkv: this machine's GPU could not compile or launch one of agentkv's kernels "
+        f"({str(exc).strip()[:2000]}). Start agentkv again with {KERNELS_ENV}=0 to run every "
+        "GPU path on MLX's own operations instead (slower), and please report this with "
+        "`agentkv doctor`'s output."
+    )
+
+
 # AGENTKV_GPU_STORE=0: format 2 stores a step by MLX's operations (its transform and
 # mx.quantize), not by kernels/store_rows.metal (the lab's A/B; a way around the kernel)
 STORE_ENV = "AGENTKV_GPU_STORE"
@@ -165,6 +199,7 @@ def stores_prologue(quant: KVQuant, dim: int) -> bool:
 def _stores(quant: KVQuant, dim: int) -> bool:
     return (
         os.environ.get(STORE_ENV) != "0"
+        and kernels_on()
         and quant.rotate
         and quant.channel_keys
         and quant.value_bits in (2, 4, 8)
@@ -187,6 +222,7 @@ def gathers_rows(paged: PagedQuery) -> bool:
     bits = (paged.key_bits, paged.value_bits)
     return (
         os.environ.get(GATHER_ENV) != "0"
+        and kernels_on()
         and paged.key_bits in DENSE_ROWS_BITS
         and paged.value_bits in DENSE_ROWS_BITS
         and paged.key_dim % 8 == 0
@@ -229,6 +265,7 @@ def quantizes_groups(quant: KVQuant, dim: int) -> bool:
     operations, as for the step's store)."""
     return (
         os.environ.get(STORE_ENV) != "0"
+        and kernels_on()
         and quant.channel_keys
         and quant.key_bits in (2, 4, 8)
         and dim % quant.channel_tokens == 0
@@ -329,14 +366,6 @@ def store_rows(
     return _store(backend, keys, values, keys, dims, _zeros(1, mx.int32), _zeros(1))[:4]
 
 
-class Norms(NamedTuple):
-    """A layer's RMS norm of each query and key head before RoPE (Qwen3's ``q_norm`` and
-    ``k_norm``), as the store kernel's prologue applies it."""
-
-    weights: mx.array  # [2 D]: the queries' weights, then the keys'
-    eps: float
-
-
 def store_prologue(
     backend: str,
     qkv: mx.array,
@@ -346,11 +375,12 @@ def store_prologue(
     rope_mode: int,
     value_bits: int,
     group: int,
-    norms: Norms | None = None,
+    norms: tuple[mx.array, float] | None = None,
 ) -> tuple[mx.array, ...]:
     """The prologue of a layer's attention in the same pass (store_rows.metal): from the
     joint q/k/v projection ``qkv`` [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq, Hkv)), the
-    queries and keys (RMS-normed first by ``norms`` where given) roped at ``starts[b] + t``
+    queries and keys (RMS-normed first where ``norms`` = (the queries' then the keys'
+    weights [2 D], epsilon) is given: Qwen3's, Gemma 3's) roped at ``starts[b] + t``
     (``rope``: D / 2 inverse frequencies, then the positions' scale), the keys and values
     stored as ``store_rows`` stores them: (H k float16 [N, D], H v's words, scales, biases,
     the roped queries [B, Hq, L, D])."""

@@ -201,10 +201,10 @@ class PagedLayerCache(CacheBase):
         """A GPU layer's attention with its prologue in one kernel (``KVArena.append_prologue``):
         ``project()`` gives the joint q/k/v projection [B, L, (Hq + 2 Hkv) D] (``heads`` = (Hq,
         Hkv), D = ``dim``), ``rope`` = (table, mode) the layer's RoPE, ``norms`` its heads'
-        RMS norm before RoPE (``gpu.Norms``: Qwen3's; None: none); returns the attention's
-        output [B, Hq, L, D], or None where this step or layer does not take it (the caller
-        then runs the layer's own operations): a format the store kernel does not store, a
-        swapped row, a backend that is not a GPU's."""
+        RMS norm before RoPE (``mlx_adapter.HeadNorms``: Qwen3's, Gemma 3's; None: none);
+        returns the attention's output [B, Hq, L, D], or None where this step or layer does
+        not take it (the caller then runs the layer's own operations): a format the store
+        kernel does not store, a swapped row, a backend that is not a GPU's."""
         step, quant = self.step, self.quant
         if rope is None or step.swapped or not step.arena.ct or step.backend not in GPUS:
             return None
