@@ -8,7 +8,9 @@
 //   in a kernel's scope, is a static local here (Clang refuses an automatic variable in an
 //   address space).
 // - Metal's keywords stay keywords (half is a macro: a variable of that name fails).
-// - Only the functions of metal:: the helpers call are declared, with Metal's overloads.
+// - Only the functions of metal:: the helpers call are declared, with Metal's overloads;
+//   as_type only between types of one size; bfloat never from a float implicitly (the
+//   test keeps -Wimplicit-float-conversion's reports for bfloat, Metal allows them for half).
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
 #define threadgroup static __attribute__((address_space(3)))
@@ -39,5 +41,8 @@ uint simd_shuffle_xor(uint, ushort); half simd_shuffle_xor(half, ushort);
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 void threadgroup_barrier(mem_flags);
 }  // namespace metal
-template <typename T, typename U> T as_type(U);
+template <typename T, typename U> T as_type(U u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: Metal reinterprets types of one size only");
+  return __builtin_bit_cast(T, u);
+}
 using namespace metal;

@@ -7,14 +7,17 @@ when it first runs. Outside a Metal device MLX still writes a call inside an exp
 where a graph is recorded without being run. So these tests drive agentkv's own Metal entry
 points (``gpu.for_backend("metal")``) on the shapes and dtypes the engine gives them, take the
 source MLX writes (``verbose``), and parse it with libclang in C++14 (what MSL 3.1 is based
-on) after ``metal_shim.h``, a model of what Metal puts in front: its address spaces as
-Clang's (a pointer does not leave its space), its keywords kept, the functions the helpers
-call declared with Metal's overloads. Every template instantiation is compiled; no
-diagnostic may come back, warnings included (a C++17 feature warns here).
+on) after ``metal_shim.h``, a model of what Metal puts in front (standing in for MLX's own
+prelude too): its address spaces as Clang's (a pointer does not leave its space), its
+keywords kept, the functions the helpers call declared with Metal's overloads, ``as_type``
+between types of one size, no float made bfloat implicitly. Every template instantiation is
+compiled; no diagnostic may come back, warnings included (a C++17 feature warns here).
 
 What the parse also refuses, as the Metal Shading Language does: lambdas, ``goto``,
-``new``/``delete``, exceptions, RTTI, virtual functions, and ``double`` (Apple's GPUs have
-none; every floating literal in the bodies is a float).
+``new``/``delete``, exceptions, RTTI, virtual functions, threadgroup arrays initialized or
+outside the kernel; and ``double`` (Apple's GPUs have none; stricter than Apple's compiler,
+which may take an unsuffixed literal as a float: the bodies suffix theirs). The AST walk
+sees templates' patterns, not their instantiations (Clang's diagnostics see both).
 
 What only Apple's compiler can say: its own diagnostics, its register use and its code
 (docs/gpu-attention.md, "What only a Mac can confirm").
@@ -64,6 +67,8 @@ def _calls():
     _, _, q16, paged16 = jagged_batch(KVQuant(16, 16, **V1), [300, 5], q_heads=4, dim=128)
     _, _, q256, paged256 = jagged_batch(KVQuant(8, 4, **V1), [300], heads=2, q_heads=2, dim=256)
     _, _, q32, paged32 = jagged_batch(KVQuant(4, 4, 32, **V1), [40], heads=2, q_heads=2, dim=32)
+    # 9 rows: the lengths (fewer than 8 elements go in Metal's constant space) in device
+    _, _, q9, paged9 = jagged_batch(KVQuant(**V1), [70 + 9 * i for i in range(9)], q_heads=4)
     sinks = mx.zeros((6,))
     rng = np.random.default_rng(0)
     kv = mx.array(rng.standard_normal((2, 1, 2, 1, 64)).astype(np.float32))
@@ -91,6 +96,7 @@ def _calls():
                 launch=paged256.launch(q256, keys_in_flight=4),
             ),
             metal.paged_attention(q32.astype(dtype), paged32, scale=0.125),
+            metal.paged_attention(q9.astype(dtype), paged9, scale=0.125),
         ]
 
     def store(dtype):
@@ -164,15 +170,22 @@ def metal_sources(tmp_path_factory) -> dict[str, str]:
         os.close(saved)
         mx.fast.metal_kernel = real
         gpu._kernel.cache_clear()
-    sources = [m.group(2) for m in SOURCE.finditer(out.read_text())]
-    return {re.search(r"\[\[kernel\]\] void (\w+)\(", s).group(1): s for s in sources}
+    text = out.read_text()
+    sources = [m.group(2) for m in SOURCE.finditer(text)]
+    assert len(sources) == text.count("Generated source code for `")  # every one read
+    named: dict[str, str] = {}
+    for s in sources:  # MLX's name says its constants and input kinds: one source a name
+        name = re.search(r"\[\[kernel\]\] void (\w+)\(", s).group(1)
+        assert named.setdefault(name, s) == s, name
+    return named
 
 
 def parse(source: str):
     """libclang's translation unit of ``source`` after the shim, in C++14."""
     text = SHIM + HOST_NAME.sub("template decltype", source)
     index = clang.Index.create()
-    args = ["-x", "c++", "-std=c++14", "-fsyntax-only", "-Wno-unknown-attributes"]
+    args = ["-x", "c++", "-std=c++14", "-fsyntax-only", "-Wno-unknown-attributes",
+            "-Wimplicit-float-conversion"]  # fmt: skip
     return index.parse("kernel.metal.cpp", args=args, unsaved_files=[("kernel.metal.cpp", text)])
 
 
@@ -184,6 +197,8 @@ def problems(source: str) -> list[str]:
         f"line {d.location.line}: {d.spelling} | {lines[d.location.line - 1].strip()[:100]}"
         for d in unit.diagnostics
         if d.severity >= clang.Diagnostic.Warning
+        # a float made half implicitly is Metal's rule too; made bfloat, it is not
+        and (d.option != "-Wimplicit-float-conversion" or "__bf16" in d.spelling)
     ]
     shim_lines = SHIM.count("\n")
     for node in unit.cursor.walk_preorder():
@@ -191,6 +206,13 @@ def problems(source: str) -> list[str]:
             continue
         kind = node.kind.name
         where = f"line {node.location.line}"
+        if node.kind == clang.CursorKind.VAR_DECL and "address_space(3)" in node.type.spelling:
+            # a threadgroup array: declared in the kernel, never initialized (Metal's rules)
+            text = "\n".join(lines[node.extent.start.line - 1 : node.extent.end.line])
+            if re.search(r"(?<![=!<>])=(?!=)", text):  # (its macro's tokens: the lines')
+                found.append(f"{where}: a threadgroup array with an initializer")
+            if not node.semantic_parent.spelling.startswith("custom_kernel_"):
+                found.append(f"{where}: a threadgroup array outside the kernel function")
         if kind in FORBIDDEN:
             found.append(f"{where}: {FORBIDDEN[kind]}, which Metal does not have")
         elif node.kind == clang.CursorKind.CXX_METHOD and node.is_virtual_method():
@@ -213,10 +235,17 @@ def test_every_kernel_call_is_written_for_metal(metal_sources):
     shape = re.compile(r"\w+?__(float|float16_t|bfloat16_t)_(\d+_\d+_\d+_\d+)_")
     shapes = {shape.match(n).groups() for n in paged}
     constants = {c for _, c in shapes}
-    assert constants == {"1_32_128_4", "1_4_128_2", "2_16_128_2", "4_8_128_2", "8_8_128_1"}
+    assert constants == {
+        "1_32_128_4", "1_4_128_2", "2_16_128_2", "2_8_128_2", "4_8_128_2", "8_8_128_1"
+    }  # fmt: skip
     assert {t for t, _ in shapes} == {"float", "float16_t", "bfloat16_t"}
-    # inputs of fewer than 8 elements go in Metal's constant space, others in device
+    # inputs of fewer than 8 elements go in Metal's constant space, others in device: a
+    # batch's lengths in both (4 rows and 9)
     assert all(" device " in s and " constant " in s for s in metal_sources.values())
+    lengths = {
+        re.search(r"const (\w+) int32_t\* lengths", metal_sources[n]).group(1) for n in paged
+    }
+    assert lengths == {"constant", "device"}
 
 
 def test_metal_source_parses_as_metal(metal_sources):
@@ -236,6 +265,9 @@ def test_metal_source_parses_as_metal(metal_sources):
         ("auto f = [](int x) { return x; };", "a lambda"),
         ("if constexpr (true) {}", "C++17"),
         ("float twice = 2.0 * kv_max(1.0f, 2.0f);", "a double"),
+        ("bfloat16_t b = kv_max(1.0f, 2.5f);", "implicit conversion"),
+        ("float f = as_type<float>((ushort)1);", "as_type"),
+        ("KV_SHARED_ARRAY(float, shared, 4) = {0.0f};", "initializer"),
     ],
 )
 def test_the_parse_refuses_what_metal_refuses(metal_sources, change, says):

@@ -169,7 +169,8 @@ def _path_of(queries: mx.array, paged: PagedQuery) -> tuple[str, bool, str]:
         decided = memo.get(key)
         if decided is not None:
             return decided
-    where = backend()
+    where = memo.get("backend") if memo is not None else None
+    where = where or backend()  # a pool step's own (PagedStep.backend)
     if fused_takes(paged.quant(), queries):
         path = FUSED
     elif os.environ.get(ENV) != "reference" and where in ("metal", "cuda"):

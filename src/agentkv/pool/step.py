@@ -107,8 +107,9 @@ class PagedStep:
         # the same on the host: the GPU paths plan by them without reading the device
         slots = np.asarray([t.tail for t in tables], np.int32) if arena.ct else None
         self.host = HostIndex(table, lengths, slots, {}, self.plan.done_first_host)
-        # where this step's kernels run, looked up once rather than by every layer
-        self.backend = dispatch.backend()
+        # where this step's kernels run, looked up once rather than by every layer (its store
+        # and its attention alike: attention reads it from the memo)
+        self.backend = self.host.memo["backend"] = dispatch.backend()
         self.fused = fused and self._fusable()
         self.caches = [
             PagedLayerCache(self, i, layer.window) for i, layer in enumerate(spec.layers)
