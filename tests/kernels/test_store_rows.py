@@ -113,6 +113,20 @@ def test_the_groups_body_gives_the_bits_of_quantize_channels(dim, bits, ct, grou
     assert gpu_kernels.quantizes_groups(KVQuant(bits, 4, 32, **V2, channel_tokens=ct), dim)
 
 
+def _stored_as(got, want, queries) -> np.ndarray:
+    """The prologue's outputs ``got`` against the plain store's ``want`` of the reference's
+    keys and values and the reference's ``queries`` [B, Hq, L, D]: the values' words,
+    scales and biases the same bits, the keys' tails and the queries within float16 steps
+    (the reference rounds between its operations). Returns the queries, as NumPy."""
+    for g, w in zip(got[1:4], want[1:4]):
+        assert mx.array_equal(g, w)
+    tails = np.array(got[0], np.float32) - np.array(want[0], np.float32)
+    assert np.abs(tails).max() <= 4e-3 * np.abs(np.array(want[0], np.float32)).max()
+    q = np.array(got[4]).reshape(queries.shape)
+    assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
+    return q
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dim,q_heads,kv_heads,L", [(64, 3, 1, 1), (128, 4, 2, 5), (32, 2, 2, 3)])
 def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, kv_heads, L,
@@ -146,12 +160,7 @@ def test_the_prologue_ropes_and_stores_from_the_joint_projection(dim, q_heads, k
     queries, keys = roped(heads(0, q_heads)), roped(heads(q_heads, kv_heads))
     values = heads(q_heads + kv_heads, kv_heads)
     want = cpu.store_rows(keys, values, 4, 32)
-    for g, w in zip(got[1:4], want[1:4]):
-        assert mx.array_equal(g, w)
-    tails = np.array(got[0], np.float32) - np.array(want[0], np.float32)
-    assert np.abs(tails).max() <= 4e-3 * np.abs(np.array(want[0], np.float32)).max()
-    q = np.array(got[4]).reshape(B, q_heads, L, dim)
-    assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
+    q = _stored_as(got, want, queries)
     # a mutation the check sees: the positions' scale left out
     wrong = mx.array(np.append(inverse, 1.0).astype(np.float32))
     bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), wrong, wrong)
@@ -190,12 +199,7 @@ def test_the_prologue_norms_each_head_before_rope(dim, q_heads, kv_heads, L):
     queries = normed_roped(heads(0, q_heads), weights[0])
     keys = normed_roped(heads(q_heads, kv_heads), weights[1])
     want = cpu.store_rows(keys, heads(q_heads + kv_heads, kv_heads), 4, 32)
-    for g, w in zip(got[1:4], want[1:4]):
-        assert mx.array_equal(g, w)
-    tails = np.array(got[0], np.float32) - np.array(want[0], np.float32)
-    assert np.abs(tails).max() <= 4e-3 * np.abs(np.array(want[0], np.float32)).max()
-    q = np.array(got[4]).reshape(B, q_heads, L, dim)
-    assert np.abs(q - np.array(queries, np.float32)).max() <= 4e-3 * np.abs(q).max()
+    q = _stored_as(got, want, queries)
     # mutations the check sees: the two weights swapped, the norm left out
     swapped = mx.array(weights[::-1].reshape(-1))
     bad = _ext.kernel_store_rows(joint, joint, joint, list(dims), mx.array(starts), rope, swapped,
