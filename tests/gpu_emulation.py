@@ -57,6 +57,25 @@ def emulated_gpu(monkeypatch) -> None:
     gpu.device_index.cache_clear()
 
 
+def refusing_gpu(monkeypatch):
+    """A ``gpu._kernel`` (to patch in after ``emulated_gpu``) whose kernels fail where a GPU's
+    compiler refuses one: when MLX evaluates it, after the pool's arrays were written from
+    it. An inverse that fails stands in, its words taken for a compiler's until the test
+    ends (``gpu.COMPILE_FAILURES``; the real ones: tests/kernels/test_store_rows.py), as is
+    the refusal ``gpu.refuse`` records."""
+    monkeypatch.setattr(gpu, "_refused", None)
+    monkeypatch.setattr(gpu, "COMPILE_FAILURES", ("LU factorization failed",))
+
+    def refused(backend, name, sources=0):
+        def run(*, output_shapes, output_dtypes, **_):
+            fails = mx.linalg.inv(mx.zeros((2, 2)), stream=mx.cpu)[0, 0]
+            return [mx.zeros(s, d) + fails.astype(d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return run
+
+    return refused
+
+
 def _emulated_kernel(backend: str, name: str, sources: int = 0):
     assert backend == "cuda", backend
     if name not in RUNS:

@@ -119,6 +119,26 @@ def _backend() -> dict:
     return info
 
 
+def _attention(warnings: list[str]) -> dict:
+    """``measure_attention``, and on a GPU what runs it (``gpu_kernels``); where the GPU
+    refuses agentkv's kernel, a warning, and the measure without them (as an engine does)."""
+    from .kernels import gpu
+
+    try:
+        out = measure_attention()
+    except RuntimeError as exc:
+        if (words := gpu.refusal(exc)) is None or not gpu.kernels_on():
+            raise
+        warnings.append(
+            f"this GPU refused one of agentkv's kernels ({words}); engines run every GPU path "
+            "on MLX's own operations instead, slower: please report this with this output"
+        )
+        gpu.refuse(words)
+        out = measure_attention()
+    out["gpu_kernels"] = None if mx.default_device() == mx.cpu else gpu.kernels_state()
+    return out
+
+
 def report() -> dict:
     """Everything ``agentkv doctor`` prints, as data; ``warnings`` lists what needs action."""
     warnings = []
@@ -136,6 +156,7 @@ def report() -> dict:
             "4-bit weights run on the portable C++ path: this CPU (or AGENTKV_QMM=portable) "
             "gives agentkv no AVX2/FMA/F16C, so decoding is slower"
         )
+    attention = _attention(warnings)
     home = agentkv_home()
     writable = os.access(home if home.exists() else home.parent, os.W_OK)
     if not writable:
@@ -151,7 +172,7 @@ def report() -> dict:
             "preloaded_before_mlx": BLAS_STATUS.preloaded,
             "matmul_gflops": round(gflops, 1),
         },
-        "kernels": {"quantized_matmul": matmul, "attention": measure_attention()},
+        "kernels": {"quantized_matmul": matmul, "attention": attention},
         "extension": _ext.build_info(),
         "home": {"path": str(home), "writable": writable},
         "warnings": warnings,

@@ -218,43 +218,67 @@ def test_qwen3_and_gemma3_norm_each_head_inside_the_prologue(engines, monkeypatc
     assert runs["1"][1].stats.cache == "hot"
 
 
-def test_without_agentkv_s_gpu_kernels_every_path_runs_on_mlx_s_operations(
-    engines, monkeypatch, tmp_path
+def test_a_gpu_that_refuses_agentkv_s_kernels_runs_on_mlx_s_operations(
+    engines, monkeypatch, tmp_path, caplog
 ):
     """Where a GPU's compiler refuses one of agentkv's kernels (nothing has run on a Mac),
-    the engine's warm-up says so and names the way around: ``AGENTKV_GPU_KERNELS=0``, which
-    launches none of them (stores, groups and gathers by MLX's operations, attention through
-    the dense path at every step). With it the engine answers, two turns, and gives the
-    tokens of the engine with its kernels (8-bit KV: log-probabilities within 0.05 nats)."""
-    from gpu_emulation import _emulated_kernel
+    the engine's warm-up says so, builds its pool again and runs without them
+    (``gpu.refuse``): stores, groups and gathers by MLX's operations, attention through the
+    dense path at every step. Two turns then give the tokens of the engine with its kernels
+    (8-bit KV: log-probabilities within 0.05 nats), with none of them called. With
+    ``AGENTKV_GPU_KERNELS=1`` the refusal is an error that names the way around."""
+    from gpu_emulation import _emulated_kernel, refusing_gpu
 
     from agentkv.errors import AgentKVError
     from agentkv.kernels import gpu
 
-    def refused(backend, name, sources=0):
-        def run(**_):
-            raise RuntimeError(
-                "[metal::Device] Unable to build metal library from source\n"
-                f"program_source:7:3: error: use of undeclared identifier (in {name})"
-            )
-
-        return run
-
+    refused = refusing_gpu(monkeypatch)
     runs = {}
-    for kernels in ("1", "0"):
+    for kernels in ("on", "refused"):
         emulated_gpu(monkeypatch)
-        monkeypatch.setattr(gpu, "_kernel", refused if kernels == "0" else _emulated_kernel)
-        if kernels == "0":
+        monkeypatch.setattr(gpu, "_kernel", refused if kernels == "refused" else _emulated_kernel)
+        if kernels == "refused":
+            monkeypatch.setenv(gpu.KERNELS_ENV, "1")
             with pytest.raises(AgentKVError, match="AGENTKV_GPU_KERNELS=0") as refusal:
-                engines(cache_dir=tmp_path / "refused", kv_bits=8)
-            assert "Unable to build metal library" in str(refusal.value)
-            monkeypatch.setenv(gpu.KERNELS_ENV, "0")
-        engine = engines(cache_dir=tmp_path / kernels, kv_bits=8)
+                engines(cache_dir=tmp_path / "required", kv_bits=8)
+            assert "LU factorization failed" in str(refusal.value)
+            assert gpu.kernels_on()
+            monkeypatch.delenv(gpu.KERNELS_ENV)
+        with caplog.at_level("WARNING", logger="agentkv.engine"):
+            engine = engines(cache_dir=tmp_path / kernels, kv_bits=8)
+        warned = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert bool(warned) == (kernels == "refused"), warned
+        assert gpu.kernels_on() == (kernels == "on")
+        assert "LU factorization" in gpu.kernels_state() or kernels == "on"
         first = engine.generate("p", PROMPTS[0], max_tokens=24, logprobs=3)
         again = engine.generate("p", PROMPTS[0] + first.text + MORE, max_tokens=8, logprobs=3)
         runs[kernels] = [first, again]
         let_go(engine)
         del engine
-    for want, got in zip(runs["1"], runs["0"]):
+    for want, got in zip(runs["on"], runs["refused"]):
         assert agree(want, got, 0.05) >= 8
-    assert runs["0"][1].stats.cache == "hot"
+    assert runs["refused"][1].stats.cache == "hot"
+
+
+def test_doctor_on_a_gpu_that_refuses_agentkv_s_kernel_warns_and_measures_without_it(
+    monkeypatch,
+):
+    """``agentkv doctor`` on a GPU measures decode attention through agentkv's kernel and says
+    so; where the GPU refuses it, a warning with MLX's words, and the measure by MLX's
+    operations, as an engine would then run."""
+    from gpu_emulation import refusing_gpu
+
+    from agentkv import doctor
+    from agentkv.kernels import gpu
+
+    emulated_gpu(monkeypatch)
+    info = doctor.report()
+    attention = info["kernels"]["attention"]
+    assert (attention["path"], attention["gpu_kernels"]) == ("gpu_kernel", "agentkv's kernels")
+    assert not any("refused" in w for w in info["warnings"]), info["warnings"]
+    monkeypatch.setattr(gpu, "_kernel", refusing_gpu(monkeypatch))
+    info = doctor.report()
+    attention = info["kernels"]["attention"]
+    assert attention["path"] == "quantized_matmul" and attention["kv_gbps"] > 0, attention
+    assert "refused" in attention["gpu_kernels"] and not gpu.kernels_on()
+    assert [w for w in info["warnings"] if "LU factorization failed" in w], info["warnings"]

@@ -39,6 +39,8 @@ def run_doctor(args) -> int:
         f"weights); decode attention on {attention['path']} ({attention['implementation']}, "
         f"{attention['kv_gbps']} GB/s of KV)"
     )
+    if attention["gpu_kernels"]:
+        print(f"GPU: attention, stores and gathers on {attention['gpu_kernels']}")
     writable = "writable" if info["home"]["writable"] else "NOT writable"
     print(f"home: {info['home']['path']} ({writable})")
     for warning in info["warnings"]:

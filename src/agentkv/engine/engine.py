@@ -188,7 +188,7 @@ class Engine:
             bar.advance()
             self._build_parts()
             if self.config.warmup:
-                self._warmup()
+                self._start()
             bar.advance()
         self.scheduler = Scheduler(
             self.runner,
@@ -676,6 +676,44 @@ class Engine:
 
         return ChatStream(pieces())
 
+    def _start(self) -> None:
+        """Warm up. Where this GPU's compiler refuses one of agentkv's kernels (Metal has not
+        run them yet: docs/platforms.md), run without them, slower, and say so: the parts
+        are built again, since a refused kernel leaves the pool's arrays unreadable (unless
+        ``AGENTKV_GPU_KERNELS=1``, which makes the refusal an error)."""
+        try:
+            try:
+                self._warmup()
+            except RuntimeError as exc:
+                words = gpu_kernels.refusal(exc)
+                if words is None or not gpu_kernels.kernels_on():
+                    raise
+                if gpu_kernels.kernels_required():
+                    raise AgentKVError(gpu_kernels.compile_failure(exc)) from exc
+                log.warning(
+                    "agentkv: this machine's GPU refused one of agentkv's kernels (%s); "
+                    "running every GPU path on MLX's own operations instead, slower. Please "
+                    "report this with `agentkv doctor`'s output; %s=0 skips the attempt.",
+                    words, gpu_kernels.KERNELS_ENV,
+                )  # fmt: skip
+                gpu_kernels.refuse(words)
+                self._drop_parts()
+                self._build_parts()
+                self._warmup()
+        except BaseException as exc:
+            self._drop_parts()
+            if (words := gpu_kernels.refusal(exc)) is not None:  # MLX's own kernels too
+                told = f"agentkv: this machine's GPU refused a kernel of MLX's own: {words}"
+                raise AgentKVError(told) from exc
+            raise
+
+    def _drop_parts(self) -> None:
+        """Stop what ``_build_parts`` started (the writer's and the fleet's threads)."""
+        self.writer.close()
+        if self.fleet is not None:
+            self.fleet.close()
+        self.residency.save = None
+
     def _warmup(self) -> None:
         """Run the model once on scratch blocks so the first real turn pays no one-time
         costs; the blocks go back to the pool."""
@@ -693,10 +731,6 @@ class Engine:
             for _ in range(2):
                 token = int(mx.argmax(logits, axis=-1).item())
                 logits = self.runner.forward([table], [[token]], reservations=[reservation])
-        except RuntimeError as exc:
-            if (refused := gpu_kernels.compile_failure(exc)) is not None:
-                raise AgentKVError(refused) from exc
-            raise
         finally:
             reservation.close()
             table.release()

@@ -174,10 +174,13 @@ def _path_of(queries: mx.array, paged: PagedQuery) -> tuple[str, bool, str]:
     if fused_takes(paged.quant(), queries):
         path = FUSED
     elif os.environ.get(ENV) != "reference" and where in ("metal", "cuda"):
-        # without agentkv's GPU kernels (AGENTKV_GPU_KERNELS=0), a pool step's every chunk
-        # and decode step takes the dense path, by MLX's operations
-        off = not gpu.kernels_on() and paged.host is not None
-        path = DENSE if off or dense.takes(queries, paged) else KERNEL
+        # without agentkv's GPU kernels (AGENTKV_GPU_KERNELS=0, or refused), a pool step's
+        # every chunk and decode step takes the dense path, by MLX's operations (queries
+        # without a step's host tables: the reference's)
+        if not gpu.kernels_on():
+            path = DENSE if paged.host is not None else REFERENCE
+        else:
+            path = DENSE if dense.takes(queries, paged) else KERNEL
     else:
         path = REFERENCE
     inside = path == KERNEL or (path == DENSE and gpu.gathers_rows(paged))

@@ -141,14 +141,39 @@ def _kernel(backend: str, name: str, sources: int = 0):
 # AGENTKV_GPU_KERNELS=0: none of agentkv's own GPU kernels: every GPU path by MLX's
 # operations (a step's store and groups, the dense path's gather, and attention itself
 # through the dense path at every step, decode included; the batch cache's merge and
-# extract by the CPU build). Slower: the way around a GPU compiler that refuses a kernel
-# (the engine's warm-up names it where one does: ``compile_failure``).
+# extract by the CPU build). Slower: the way around a GPU compiler that refuses a kernel.
+# Unset, an engine whose warm-up finds one refused turns them off for the process itself
+# (``refuse``) and says so; AGENTKV_GPU_KERNELS=1 makes that refusal an error instead.
 KERNELS_ENV = "AGENTKV_GPU_KERNELS"
+_refused: str | None = None  # MLX's report of the refusal that turned the kernels off
 
 
 def kernels_on() -> bool:
-    """Whether agentkv's own GPU kernels run (not with ``AGENTKV_GPU_KERNELS=0``)."""
-    return os.environ.get(KERNELS_ENV) != "0"
+    """Whether agentkv's own GPU kernels run: not with ``AGENTKV_GPU_KERNELS=0``, nor once
+    this process has seen a GPU refuse one (``refuse``)."""
+    return os.environ.get(KERNELS_ENV) != "0" and _refused is None
+
+
+def kernels_required() -> bool:
+    """``AGENTKV_GPU_KERNELS=1``: a refused kernel is an error, never a way around."""
+    return os.environ.get(KERNELS_ENV) == "1"
+
+
+def refuse(report: str) -> None:
+    """Turn agentkv's GPU kernels off for the rest of this process: this machine's GPU
+    refused one (``report``: MLX's words). Arenas written by a refused kernel are lost; the
+    caller builds fresh ones (``Engine``'s warm-up does)."""
+    global _refused
+    _refused = report
+
+
+def kernels_state() -> str:
+    """What runs attention, stores and gathers on a GPU, in words (``doctor``, the log)."""
+    if os.environ.get(KERNELS_ENV) == "0":
+        return f"MLX's operations ({KERNELS_ENV}=0)"
+    if _refused is not None:
+        return f"MLX's operations (this GPU refused one of agentkv's kernels: {_refused[:300]})"
+    return "agentkv's kernels"
 
 
 # What MLX says where a GPU's compiler refuses a custom kernel or cannot launch it (Metal:
@@ -159,15 +184,23 @@ COMPILE_FAILURES = (
 )  # fmt: skip
 
 
-def compile_failure(exc: BaseException) -> str | None:
-    """Where ``exc`` is MLX's report of a GPU kernel its compiler refused or could not launch
-    (``COMPILE_FAILURES``): what to tell the user, the way around named; else None."""
+def refusal(exc: BaseException) -> str | None:
+    """MLX's words where ``exc`` is its report of a GPU kernel its compiler refused or could
+    not launch (``COMPILE_FAILURES``); else None."""
     if not isinstance(exc, RuntimeError) or not any(m in str(exc) for m in COMPILE_FAILURES):
+        return None
+    return str(exc).strip()[:2000]
+
+
+def compile_failure(exc: BaseException) -> str | None:
+    """Where ``exc`` is MLX's report of a refused kernel (``refusal``): what to tell the
+    user, the way around named; else None."""
+    if (words := refusal(exc)) is None:
         return None
     return (
         f"agentkv: this machine's GPU could not compile or launch one of agentkv's kernels "
-        f"({str(exc).strip()[:2000]}). Start agentkv again with {KERNELS_ENV}=0 to run every "
-        "GPU path on MLX's own operations instead (slower), and please report this with "
+        f"({words}). Start agentkv again with {KERNELS_ENV}=0 to run every GPU path on "
+        "MLX's own operations instead (slower), and please report this with "
         "`agentkv doctor`'s output."
     )
 
