@@ -220,6 +220,8 @@ def run(
             )  # fmt: skip
             rows += measure_shape(shape, path, Path(tmp) / f"kv-{shape}", extra, **settings)
             mx.clear_cache()
+    # what ran agentkv's attention (its kernels, unless the warm-up's check turned them off)
+    extra["gpu_kernels"] = kernels.gpu.kernels_state()
     emit("gpu", rows, as_json, extra)
     return rows
 

@@ -129,11 +129,12 @@ def _attention(warnings: list[str]) -> dict:
     except RuntimeError as exc:
         if (words := gpu.refusal(exc)) is None or not gpu.kernels_on():
             raise
+        problem = f"this GPU's compiler refused one of agentkv's kernels ({words})"
         warnings.append(
-            f"this GPU refused one of agentkv's kernels ({words}); engines run every GPU path "
-            "on MLX's own operations instead, slower: please report this with this output"
+            f"{problem}; engines run every GPU path on MLX's own operations instead, slower: "
+            "please report this with this output"
         )
-        gpu.refuse(words)
+        gpu.refuse(problem)
         out = measure_attention()
     out["gpu_kernels"] = None if mx.default_device() == mx.cpu else gpu.kernels_state()
     return out

@@ -282,3 +282,56 @@ def test_doctor_on_a_gpu_that_refuses_agentkv_s_kernel_warns_and_measures_withou
     assert attention["path"] == "quantized_matmul" and attention["kv_gbps"] > 0, attention
     assert "refused" in attention["gpu_kernels"] and not gpu.kernels_on()
     assert [w for w in info["warnings"] if "LU factorization failed" in w], info["warnings"]
+
+
+def test_the_warm_up_checks_agentkv_s_kernels_against_mlx_s_operations(
+    engines, monkeypatch, tmp_path, caplog
+):
+    """On a GPU the warm-up runs again without agentkv's kernels and compares (nothing has
+    run them on Metal): right kernels pass it (default 4-bit KV) and keep running; a paged
+    kernel that reads its neighbour KV head's keys and values is told apart, with a
+    warning, and the engine then runs on MLX's operations, never calling the wrong kernel
+    again: its turn gives the right kernels' tokens (log-probabilities within 0.1 nats: at 4
+    bits the two store the same codes but where float rounding moves one)."""
+    import gpu_emulation
+
+    from agentkv.engine import warmup
+    from agentkv.kernels import gpu
+
+    monkeypatch.setattr(gpu, "_refused", None)  # put back as it was at the end
+    monkeypatch.setattr(warmup, "_agreed", set())
+    emulated_gpu(monkeypatch)
+    with caplog.at_level("INFO", logger="agentkv.engine"):
+        engine = engines(cache_dir=tmp_path / "right")
+    said = [r.getMessage() for r in caplog.records if "kernels within" in r.getMessage()]
+    assert len(said) == 1 and gpu.kernels_on(), said
+    apart = float(said[0].split("within ")[1].split()[0])
+    assert apart < 0.1 * warmup.TOLERANCE_NATS, said
+    want = engine.generate("p", PROMPTS[1], max_tokens=16, logprobs=3)
+    let_go(engine)
+    del engine
+
+    right = gpu_emulation._paged_attention
+    wrong_calls = []
+
+    def neighbour_head(inputs, template, grid, threadgroup):
+        wrong_calls.append(1)
+        dims = gpu_emulation._ints(inputs[9])
+        B, q_heads, kv_heads, L, _, Dv = dims[:6]
+        padded, stats = right(inputs, template, grid, threadgroup)
+        out = padded[: B * q_heads * L * Dv].reshape(B, q_heads, L, Dv)
+        out = mx.roll(out, q_heads // kv_heads, axis=1).reshape(-1)
+        return [mx.concatenate([out, padded[out.size :]]), stats]
+
+    monkeypatch.setitem(gpu_emulation.RUNS, "paged_attention", neighbour_head)
+    monkeypatch.setattr(warmup, "_agreed", set())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="agentkv.engine"):
+        engine = engines(cache_dir=tmp_path / "wrong")
+    warned = [r.getMessage() for r in caplog.records if "nats away" in r.getMessage()]
+    assert len(warned) == 1 and not gpu.kernels_on(), warned
+    assert "nats away" in gpu.kernels_state()
+    calls = len(wrong_calls)
+    got = engine.generate("p", PROMPTS[1], max_tokens=16, logprobs=3)
+    assert len(wrong_calls) == calls
+    assert agree(want, got, 0.1) >= 8

@@ -25,6 +25,7 @@ from helpers import (
 from agentkv import Engine, kernels
 from agentkv.format.quant import V1, KVQuant, hadamard
 from agentkv.kernels import RowSource, attention
+from agentkv.kernels import gpu as gpu_kernels
 
 GPUS = [name for name in ("metal", "cuda") if name in kernels.available_backends()]
 pytestmark = pytest.mark.skipif(not GPUS, reason="MLX sees no GPU here (Metal or CUDA)")
@@ -381,6 +382,7 @@ def test_an_engine_turn_runs_its_attention_through_the_gpu_body(tmp_path):
     assert [len(r.tokens) for r in both] == [4, 4]
     assert len(sampled.tokens) == 4  # sampling (MLX's random state) on the scheduler's thread
     assert used[attention.FUSED] == 0 and used[attention.KERNEL] > 0
+    assert gpu_kernels.kernels_on(), gpu_kernels.kernels_state()  # the warm-up's check passed
 
 
 def test_the_pipelined_decode_loop_gives_the_tokens_of_steps_one_after_another(tmp_path):

@@ -48,7 +48,8 @@ class EngineConfig:
     chunks run through MLX's fused attention); ``max_batch``: turns decoded together;
     ``max_queue``: turns waiting before ``submit_chat`` raises ``EngineBusyError``;
     ``schedule``: one of ``scheduler.POLICIES``; ``warmup``: run the model once at start so
-    the first turn pays no one-time costs.
+    the first turn pays no one-time costs (on a GPU, and checks agentkv's kernels there
+    against MLX's operations: ``engine/warmup.py``).
     ``kv_swap_budget``: KVSwap (docs/kvswap.md): tokens of KV per layer an agent keeps in
     memory while it decodes (at least 512); the rest of its context stays in its block files
     and the groups each step's attention needs are read back. Prefill stays exact. None

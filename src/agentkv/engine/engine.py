@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +59,7 @@ from .runner import TurnRunner
 from .scheduler import Scheduler
 from .state import AgentState
 from .swapping import Swapper
+from .warmup import kernels_problem, warm_up
 
 log = logging.getLogger("agentkv.engine")
 
@@ -677,29 +677,31 @@ class Engine:
         return ChatStream(pieces())
 
     def _start(self) -> None:
-        """Warm up. Where this GPU's compiler refuses one of agentkv's kernels (Metal has not
-        run them yet: docs/platforms.md), run without them, slower, and say so: the parts
-        are built again, since a refused kernel leaves the pool's arrays unreadable (unless
-        ``AGENTKV_GPU_KERNELS=1``, which makes the refusal an error)."""
+        """Warm up (``engine/warmup.py``). Where this GPU refuses one of agentkv's
+        kernels or computes something else with it (Metal has not run them yet:
+        docs/platforms.md), say so and run without them, slower: the parts are built again,
+        since such a kernel leaves the pool's arrays unreadable or wrong (unless
+        ``AGENTKV_GPU_KERNELS=1``, which makes it an error)."""
         try:
-            try:
-                self._warmup()
-            except RuntimeError as exc:
-                words = gpu_kernels.refusal(exc)
-                if words is None or not gpu_kernels.kernels_on():
-                    raise
+            key = (self.pool.bits, self.loaded.spec.fingerprint, self.quant.identity)
+            problem = kernels_problem(self.runner, self.pool, self.token_text, key)
+            if problem is not None:
                 if gpu_kernels.kernels_required():
-                    raise AgentKVError(gpu_kernels.compile_failure(exc)) from exc
+                    raise AgentKVError(
+                        f"agentkv: {problem}. Start agentkv with {gpu_kernels.KERNELS_ENV}=0 "
+                        "to run every GPU path on MLX's own operations instead (slower), and "
+                        "please report this with `agentkv doctor`'s output."
+                    )
                 log.warning(
-                    "agentkv: this machine's GPU refused one of agentkv's kernels (%s); "
-                    "running every GPU path on MLX's own operations instead, slower. Please "
-                    "report this with `agentkv doctor`'s output; %s=0 skips the attempt.",
-                    words, gpu_kernels.KERNELS_ENV,
+                    "agentkv: %s; running every GPU path on MLX's own operations instead, "
+                    "slower. Please report this with `agentkv doctor`'s output; %s=0 skips "
+                    "the attempt.",
+                    problem, gpu_kernels.KERNELS_ENV,
                 )  # fmt: skip
-                gpu_kernels.refuse(words)
+                gpu_kernels.refuse(problem)
                 self._drop_parts()
                 self._build_parts()
-                self._warmup()
+                warm_up(self.runner, self.pool, self.token_text)
         except BaseException as exc:
             self._drop_parts()
             if (words := gpu_kernels.refusal(exc)) is not None:  # MLX's own kernels too
@@ -713,28 +715,6 @@ class Engine:
         if self.fleet is not None:
             self.fleet.close()
         self.residency.save = None
-
-    def _warmup(self) -> None:
-        """Run the model once on scratch blocks so the first real turn pays no one-time
-        costs; the blocks go back to the pool."""
-        t0 = time.perf_counter()
-        table = self.pool.new_table(self.pool.seed("agentkv/warmup"))
-        text = "Warm up the kernels."
-        if mx.default_device() != mx.cpu:
-            # A GPU compiles each kernel at its first use: a prefill chunk long enough for
-            # the fused path, decode steps over more keys than one part (docs/gpu-attention.md)
-            text = " ".join([text] * 24)
-        ids = self.token_text.encode(text).ids or [0]
-        reservation = self.pool.reserve(min(self.pool.capacity, 2))
-        try:
-            logits = self.runner.forward([table], [ids], reservations=[reservation])
-            for _ in range(2):
-                token = int(mx.argmax(logits, axis=-1).item())
-                logits = self.runner.forward([table], [[token]], reservations=[reservation])
-        finally:
-            reservation.close()
-            table.release()
-        log.info("agentkv: warm-up took %.0f ms", (time.perf_counter() - t0) * 1000)
 
 
 def _drain(stream: ChatStream) -> ChatResult:

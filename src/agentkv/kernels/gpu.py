@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from functools import cache, lru_cache, partial
 from importlib import resources
 from types import SimpleNamespace
@@ -145,13 +147,29 @@ def _kernel(backend: str, name: str, sources: int = 0):
 # Unset, an engine whose warm-up finds one refused turns them off for the process itself
 # (``refuse``) and says so; AGENTKV_GPU_KERNELS=1 makes that refusal an error instead.
 KERNELS_ENV = "AGENTKV_GPU_KERNELS"
-_refused: str | None = None  # MLX's report of the refusal that turned the kernels off
+_refused: str | None = None  # what turned the kernels off (``refuse``)
+_here = threading.local()  # ``without_kernels`` on this thread
 
 
 def kernels_on() -> bool:
     """Whether agentkv's own GPU kernels run: not with ``AGENTKV_GPU_KERNELS=0``, nor once
-    this process has seen a GPU refuse one (``refuse``)."""
-    return os.environ.get(KERNELS_ENV) != "0" and _refused is None
+    this process has found them wrong on its GPU (``refuse``), nor inside
+    ``without_kernels`` on this thread."""
+    return (
+        os.environ.get(KERNELS_ENV) != "0" and _refused is None and not getattr(_here, "off", False)
+    )
+
+
+@contextmanager
+def without_kernels():
+    """This thread runs no kernel of agentkv's inside (the warm-up's check against MLX's
+    operations: ``engine/warmup.py``)."""
+    before = getattr(_here, "off", False)
+    _here.off = True
+    try:
+        yield
+    finally:
+        _here.off = before
 
 
 def kernels_required() -> bool:
@@ -161,8 +179,8 @@ def kernels_required() -> bool:
 
 def refuse(report: str) -> None:
     """Turn agentkv's GPU kernels off for the rest of this process: this machine's GPU
-    refused one (``report``: MLX's words). Arenas written by a refused kernel are lost; the
-    caller builds fresh ones (``Engine``'s warm-up does)."""
+    refused one or computed something else with it (``report``, in words). Arenas written
+    by such a kernel are lost; the caller builds fresh ones (``Engine._start`` does)."""
     global _refused
     _refused = report
 
@@ -172,7 +190,7 @@ def kernels_state() -> str:
     if os.environ.get(KERNELS_ENV) == "0":
         return f"MLX's operations ({KERNELS_ENV}=0)"
     if _refused is not None:
-        return f"MLX's operations (this GPU refused one of agentkv's kernels: {_refused[:300]})"
+        return f"MLX's operations ({_refused[:300]})"
     return "agentkv's kernels"
 
 
