@@ -76,6 +76,24 @@ def refusing_gpu(monkeypatch):
     return refused
 
 
+def neighbour_head(monkeypatch) -> list[int]:
+    """Make the emulated paged kernel wrong until the test ends: it reads the next KV head's
+    keys and values (its result rolled by a GQA group along the query heads). A list that
+    grows by one at each call of it."""
+    right, calls = RUNS["paged_attention"], []
+
+    def wrong(inputs, template, grid, threadgroup):
+        calls.append(1)
+        B, q_heads, kv_heads, L, _, Dv = _ints(inputs[9])[:6]
+        padded, stats = right(inputs, template, grid, threadgroup)
+        out = padded[: B * q_heads * L * Dv].reshape(B, q_heads, L, Dv)
+        out = mx.roll(out, q_heads // kv_heads, axis=1).reshape(-1)
+        return [mx.concatenate([out, padded[out.size :]]), stats]
+
+    monkeypatch.setitem(RUNS, "paged_attention", wrong)
+    return calls
+
+
 def _emulated_kernel(backend: str, name: str, sources: int = 0):
     assert backend == "cuda", backend
     if name not in RUNS:

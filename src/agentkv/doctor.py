@@ -8,6 +8,7 @@ import sys
 import time
 
 import mlx.core as mx
+import numpy as np
 
 from . import BLAS_STATUS, __version__, _ext
 from ._numerics import tf32_allowed
@@ -17,6 +18,7 @@ from .paths import agentkv_home
 # OpenBLAS at ~180; a busy machine can pull OpenBLAS's figure down to ~10, so only a figure
 # near the reference BLAS's means the fast BLAS is not in use.
 SLOW_BLAS_GFLOPS = 5.0
+ATTENTION_ERROR = 0.01  # decode attention's largest gap from the reference, in its spread
 
 
 def measure_matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -77,7 +79,7 @@ def measure_attention(tokens: int = 4096, repeats: int = 5) -> dict:
     second."""
     from .format.geometry import BLOCK_TOKENS, blocks_for
     from .format.quant import V1, KVQuant
-    from .kernels import PagedQuery, attention
+    from .kernels import PagedQuery, attention, reference
 
     quant, heads, dim = KVQuant(4, 4, 64, **V1), 3, 64
     blocks = blocks_for(tokens)
@@ -103,10 +105,15 @@ def measure_attention(tokens: int = 4096, repeats: int = 5) -> dict:
     after = attention.paths_used()
     path = max(after, key=lambda k: after[k] - before[k])
     kv_bytes = sum(p.nbytes for p in parts) * tokens // (blocks * BLOCK_TOKENS)
+    got = np.array(attention.paged_attention(q, paged, scale=0.125).astype(mx.float32))
+    want = np.array(reference.paged_attention(q, paged, scale=0.125).astype(mx.float32))
     return {
         "path": path,
         "implementation": _ext.build_info()["attention"],  # the CPU kernel's lanes
         "kv_gbps": round(kv_bytes / seconds / 1e9, 2),
+        # its largest gap from the reference's MLX operations, in their spread: ~1e-5 on
+        # a CPU; a kernel that reads the wrong head or key is ~1
+        "error": float(np.max(np.abs(got - want)) / max(float(np.std(want)), 1e-30)),
     }
 
 
@@ -136,6 +143,12 @@ def _attention(warnings: list[str]) -> dict:
         )
         gpu.refuse(problem)
         out = measure_attention()
+    if out["error"] > ATTENTION_ERROR:
+        warnings.append(
+            f"decode attention ({out['path']}) lies {out['error']:.3g} of its spread from the "
+            "reference's MLX operations (at most "
+            f"{ATTENTION_ERROR}): please report this with this output"
+        )
     out["gpu_kernels"] = None if mx.default_device() == mx.cpu else gpu.kernels_state()
     return out
 

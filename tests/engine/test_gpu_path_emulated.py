@@ -282,6 +282,23 @@ def test_doctor_on_a_gpu_that_refuses_agentkv_s_kernel_warns_and_measures_withou
     assert attention["path"] == "quantized_matmul" and attention["kv_gbps"] > 0, attention
     assert "refused" in attention["gpu_kernels"] and not gpu.kernels_on()
     assert [w for w in info["warnings"] if "LU factorization failed" in w], info["warnings"]
+    assert attention["error"] < 1e-3, attention
+
+
+def test_doctor_on_a_gpu_whose_kernel_reads_the_wrong_head_says_so(monkeypatch):
+    """``agentkv doctor`` compares decode attention with the reference's MLX operations: a
+    paged kernel that reads its neighbour KV head lies ~0.2 of the outputs' spread away
+    (the right one ~1e-5; the warning from 0.01)."""
+    import gpu_emulation
+
+    from agentkv import doctor
+
+    emulated_gpu(monkeypatch)
+    gpu_emulation.neighbour_head(monkeypatch)
+    info = doctor.report()
+    attention = info["kernels"]["attention"]
+    assert attention["path"] == "gpu_kernel" and attention["error"] > 0.05, attention
+    assert [w for w in info["warnings"] if "from the reference" in w], info["warnings"]
 
 
 def test_the_warm_up_checks_agentkv_s_kernels_against_mlx_s_operations(
@@ -311,19 +328,7 @@ def test_the_warm_up_checks_agentkv_s_kernels_against_mlx_s_operations(
     let_go(engine)
     del engine
 
-    right = gpu_emulation._paged_attention
-    wrong_calls = []
-
-    def neighbour_head(inputs, template, grid, threadgroup):
-        wrong_calls.append(1)
-        dims = gpu_emulation._ints(inputs[9])
-        B, q_heads, kv_heads, L, _, Dv = dims[:6]
-        padded, stats = right(inputs, template, grid, threadgroup)
-        out = padded[: B * q_heads * L * Dv].reshape(B, q_heads, L, Dv)
-        out = mx.roll(out, q_heads // kv_heads, axis=1).reshape(-1)
-        return [mx.concatenate([out, padded[out.size :]]), stats]
-
-    monkeypatch.setitem(gpu_emulation.RUNS, "paged_attention", neighbour_head)
+    wrong_calls = gpu_emulation.neighbour_head(monkeypatch)
     monkeypatch.setattr(warmup, "_agreed", set())
     caplog.clear()
     with caplog.at_level("WARNING", logger="agentkv.engine"):

@@ -37,7 +37,8 @@ def run_doctor(args) -> int:
     print(
         f"kernels: 4-bit weights on {qmm['implementation']} ({qmm['weight_gbps']} GB/s of "
         f"weights); decode attention on {attention['path']} ({attention['implementation']}, "
-        f"{attention['kv_gbps']} GB/s of KV)"
+        f"{attention['kv_gbps']} GB/s of KV, {attention['error']:.1e} of its spread from the "
+        "reference)"
     )
     if attention["gpu_kernels"]:
         print(f"GPU: attention, stores and gathers on {attention['gpu_kernels']}")
