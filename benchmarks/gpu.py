@@ -220,8 +220,6 @@ def run(
             )  # fmt: skip
             rows += measure_shape(shape, path, Path(tmp) / f"kv-{shape}", extra, **settings)
             mx.clear_cache()
-    # what ran agentkv's attention (its kernels, unless the warm-up's check turned them off)
-    extra["gpu_kernels"] = kernels.gpu.kernels_state()
     emit("gpu", rows, as_json, extra)
     return rows
 
@@ -251,7 +249,7 @@ def guarded(rows: Rows, what: dict, fn) -> None:
 def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[dict]:
     import mlx_lm
 
-    from agentkv import Engine
+    from agentkv import Engine, kernels
 
     rows = Rows()
     longest = max(max(s["contexts"]), s["prefill_context"]) + s["decode_tokens"] + s["hot_tokens"]
@@ -265,6 +263,9 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
         engines[name] = Engine(model=str(path), cache_dir=kv / name, pool_bytes=pool, **options)
         rows.append({"shape": shape, "arm": name, "measure": "start_s",
                      "value": round(time.perf_counter() - start, 2)})  # fmt: skip
+    # what runs agentkv's attention for this shape: its kernels, unless the first engine's
+    # warm-up check (engine/warmup.py; its cost is in that arm's start_s) turned them off
+    extra.setdefault("gpu_kernels", {})[shape] = kernels.gpu.kernels_state()
     try:
         progress(f"gpu: {shape}: warming up every arm (the GPU compiles kernels at first use)...")
         _warm_up(model, tokenizer, engines)
@@ -296,7 +297,8 @@ def measure_shape(shape: str, path: Path, kv: Path, extra: dict, **s) -> list[di
         guarded(rows, what, lambda: _hot(shape, model, tokenizer, engines, replies, longest, s))
         guarded(rows, what, lambda: _batch(shape, model, tokenizer, engines, s))
         engine = engines["agentkv-q4"]
-        guarded(rows, what, lambda: _kernel(shape, engine, s["kernel_context"], extra))
+        if kernels.gpu.kernels_on():  # else there is no kernel of agentkv's to time
+            guarded(rows, what, lambda: _kernel(shape, engine, s["kernel_context"], extra))
         at = s["batch_context"]
         for name, engine in engines.items():
             guarded(rows, {**what, "arm": name}, lambda e=engine, n=name: _anatomy(shape, n, e, at))

@@ -20,6 +20,7 @@ def test_bench_gpu_runs_every_part(python_env):
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert result["bench"] == "gpu" and result["copy_gbps"] > 0
+    assert result["gpu_kernels"] == {"tiny": "agentkv's kernels"}  # what ran attention
     rows = result["rows"]
     errors = [r for r in rows if "error" in r]
     assert not errors, errors

@@ -282,7 +282,6 @@ def test_doctor_on_a_gpu_that_refuses_agentkv_s_kernel_warns_and_measures_withou
     assert attention["path"] == "quantized_matmul" and attention["kv_gbps"] > 0, attention
     assert "refused" in attention["gpu_kernels"] and not gpu.kernels_on()
     assert [w for w in info["warnings"] if "LU factorization failed" in w], info["warnings"]
-    assert attention["error"] < 1e-3, attention
 
 
 def test_doctor_on_a_gpu_whose_kernel_reads_the_wrong_head_says_so(monkeypatch):

@@ -21,6 +21,7 @@ memory), ``engine/runner.py`` (admission, forward passes, the end of a turn).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -700,6 +701,10 @@ class Engine:
                 )  # fmt: skip
                 gpu_kernels.refuse(problem)
                 self._drop_parts()
+                # the old pool's arrays go before the new pool takes as much memory again
+                self.pool = self.runner = self.residency = self.swapper = self.store = None
+                gc.collect()
+                mx.clear_cache()
                 self._build_parts()
                 warm_up(self.runner, self.pool, self.token_text)
         except BaseException as exc:
@@ -714,7 +719,8 @@ class Engine:
         self.writer.close()
         if self.fleet is not None:
             self.fleet.close()
-        self.residency.save = None
+        if self.residency is not None:  # None while the parts are built again
+            self.residency.save = None
 
 
 def _drain(stream: ChatStream) -> ChatResult:
