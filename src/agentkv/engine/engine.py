@@ -701,18 +701,23 @@ class Engine:
                 )  # fmt: skip
                 gpu_kernels.refuse(problem)
                 self._drop_parts()
-                # the old pool's arrays go before the new pool takes as much memory again
-                self.pool = self.runner = self.residency = self.swapper = self.store = None
-                gc.collect()
-                mx.clear_cache()
+                self._let_go()  # the old pool goes before the new one takes as much memory
                 self._build_parts()
                 warm_up(self.runner, self.pool, self.token_text)
         except BaseException as exc:
             self._drop_parts()
+            self._let_go()  # not held by the traceback
+            self.loaded = None
             if (words := gpu_kernels.refusal(exc)) is not None:  # MLX's own kernels too
                 told = f"agentkv: this machine's GPU refused a kernel of MLX's own: {words}"
                 raise AgentKVError(told) from exc
             raise
+
+    def _let_go(self) -> None:
+        """Drop the parts' memory (the pool's arrays first), whoever still holds the engine."""
+        self.pool = self.runner = self.residency = self.swapper = self.store = None
+        gc.collect()
+        mx.clear_cache()
 
     def _drop_parts(self) -> None:
         """Stop what ``_build_parts`` started (the writer's and the fleet's threads)."""
