@@ -688,11 +688,7 @@ class Engine:
             problem = kernels_problem(self.runner, self.pool, self.token_text, key)
             if problem is not None:
                 if gpu_kernels.kernels_required():
-                    raise AgentKVError(
-                        f"agentkv: {problem}. Start agentkv with {gpu_kernels.KERNELS_ENV}=0 "
-                        "to run every GPU path on MLX's own operations instead (slower), and "
-                        "please report this with `agentkv doctor`'s output."
-                    )
+                    raise AgentKVError(gpu_kernels.way_around(problem))
                 log.warning(
                     "agentkv: %s; running every GPU path on MLX's own operations instead, "
                     "slower. Please report this with `agentkv doctor`'s output; %s=0 skips "

@@ -215,10 +215,16 @@ def compile_failure(exc: BaseException) -> str | None:
     user, the way around named; else None."""
     if (words := refusal(exc)) is None:
         return None
+    return way_around(
+        f"this machine's GPU could not compile or launch one of agentkv's kernels ({words})"
+    )
+
+
+def way_around(problem: str) -> str:
+    """What to tell the user of ``problem`` with agentkv's kernels: the way around named."""
     return (
-        f"agentkv: this machine's GPU could not compile or launch one of agentkv's kernels "
-        f"({words}). Start agentkv again with {KERNELS_ENV}=0 to run every GPU path on "
-        "MLX's own operations instead (slower), and please report this with "
+        f"agentkv: {problem}. Start agentkv again with {KERNELS_ENV}=0 to run every GPU path "
+        "on MLX's own operations instead (slower), and please report this with "
         "`agentkv doctor`'s output."
     )
 
