@@ -691,6 +691,31 @@ def test_a_turn_cancelled_past_a_block_boundary_saves_its_prompt_as_its_own(fres
     assert r.stats.cache == "warm" and r.tokens == reference
 
 
+def test_a_step_that_fails_outside_its_turns_ends_them_and_the_engine_goes_on(
+    fresh_engine, monkeypatch
+):
+    """A decode step that fails outside any one turn's handling (here the planner, which
+    picks the step's turns) ends the turns it ran with its error, instead of running again
+    and again while their callers wait forever; their agents reload from disk, and the
+    engine's next turns run."""
+    eng = fresh_engine()
+    first = eng.chat("steady", convo("Plan the release."), max_tokens=4)
+    eng.flush()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the planner broke")
+
+    monkeypatch.setattr(eng.scheduler.planner, "plan", broken)
+    later = convo("Plan the release.", "And the tests?", replies=[first.text])
+    job = eng.submit_chat("steady", later, max_tokens=4, temperature=0)
+    with pytest.raises(RuntimeError, match="the planner broke"):
+        job.wait(timeout=120)  # TimeoutError: the caller would have waited forever
+    monkeypatch.undo()
+    again = eng.chat("steady", later, max_tokens=4)
+    assert again.stats.cache == "warm" and again.finish_reason == "length"
+    assert eng.chat("other", convo("Plan the tests."), max_tokens=2).stats.generated_tokens == 2
+
+
 def test_a_closed_engine_frees_its_model_and_pool_with_its_last_reference(tmp_path):
     """No reference cycle keeps a closed engine's weights and pool alive until the garbage
     collector happens to run (a server's model swap would hold two models)."""

@@ -217,8 +217,26 @@ class Scheduler:
                 self._prefill_one()
                 self._decode_all()
                 self._note_load()
-            except Exception:  # a bug here must not kill the engine's only thread
+            except Exception as exc:  # a bug here must not kill the engine's only thread
                 log.exception("agentkv: scheduler step failed")
+                self._fail_running(exc)
+
+    def _fail_running(self, exc: Exception) -> None:
+        """End every running turn with ``exc``: a step failed outside any one turn's
+        handling, so running it again would likely fail again, and the turns' callers would
+        wait forever. Their agents reload from disk (``runner.finish``); waiting turns stay."""
+        running = self._active()
+        if self._pipe is not None:
+            running += [j for j in self._pipe[0] if j not in running]
+        self._pipe = None
+        self._prefilling, self._decoding = [], []
+        for job in running:
+            try:
+                self._fail(job, exc)
+            except Exception:  # the caller hears of the failure whatever the turn's state
+                log.exception("agentkv: could not end the turn of %r cleanly", job.agent_id)
+                job.close(exc)
+                self._release(job)
 
     def _has_work(self) -> bool:
         return bool(self._pending or self._prefilling or self._decoding)
