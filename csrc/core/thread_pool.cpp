@@ -60,8 +60,16 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::drain(Job& job) {
   for (size_t i = job.next++; i < job.count; i = job.next++) {
-    (*job.f)(i);
-    job.finished.fetch_add(1, std::memory_order_release);
+    if (!job.failed.load(std::memory_order_relaxed)) {
+      try {
+        (*job.f)(i);
+      } catch (...) {  // (a worker's exception would end the process)
+        if (!job.failed.exchange(true)) {
+          job.error = std::current_exception();
+        }
+      }
+    }
+    job.finished.fetch_add(1, std::memory_order_release);  // publishes `error` too
   }
 }
 
@@ -115,6 +123,9 @@ void ThreadPool::run(size_t n, const std::function<void(size_t)>& f) {
   spin_until([&] { return job.finished.load(std::memory_order_acquire) == n; });
   current_.store(nullptr);
   spin_until([&] { return inside_.load() == 0; });  // a late worker may hold the job's address
+  if (job.error) {
+    std::rethrow_exception(job.error);
+  }
 }
 
 int ThreadPool::default_threads() {

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -27,7 +28,9 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   // Run f(0) .. f(n - 1) on the workers and the calling thread; returns when all are
-  // done. f must not throw. Jobs from different callers run one after another.
+  // done. Jobs from different callers run one after another. Where a task throws (on any
+  // thread), the tasks not yet started are skipped and run() rethrows the first exception,
+  // once no thread runs a task of the job any more: the pool goes on serving.
   void run(size_t n, const std::function<void(size_t)>& f);
   int size() const {
     return static_cast<int>(workers_.size()) + 1;
@@ -45,7 +48,9 @@ class ThreadPool {
     const std::function<void(size_t)>* f;
     size_t count;
     std::atomic<size_t> next{0};
-    std::atomic<size_t> finished{0};
+    std::atomic<size_t> finished{0};  // tasks run or skipped
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;  // the first task's exception (written by whoever set `failed`)
   };
 
   void work();
