@@ -6,6 +6,7 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -153,6 +154,16 @@ def _attention(warnings: list[str]) -> dict:
     return out
 
 
+def can_make(directory: Path) -> bool:
+    """Whether this process can write in ``directory``, or make it: agentkv makes a missing
+    home and its missing parents (``~/.cache`` on a new machine), so the nearest existing
+    one must be a directory it may write in."""
+    nearest = Path(directory)
+    while not nearest.exists() and nearest.parent != nearest:
+        nearest = nearest.parent
+    return nearest.is_dir() and os.access(nearest, os.W_OK)
+
+
 def report() -> dict:
     """Everything ``agentkv doctor`` prints, as data; ``warnings`` lists what needs action."""
     warnings = []
@@ -172,7 +183,7 @@ def report() -> dict:
         )
     attention = _attention(warnings)
     home = agentkv_home()
-    writable = os.access(home if home.exists() else home.parent, os.W_OK)
+    writable = can_make(home)
     if not writable:
         warnings.append(f"{home} is not writable: set AGENTKV_HOME to a writable directory")
     return {

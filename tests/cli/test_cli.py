@@ -120,6 +120,19 @@ def test_doctor_warns_when_the_preload_is_off(python_env):
     assert "WARNING" in out.stdout and "AGENTKV_NO_BLAS_PRELOAD" in out.stdout
 
 
+def test_doctor_takes_a_home_whose_parents_are_still_to_be_made(tmp_path):
+    """On a new machine ``~/.cache`` may not exist yet: agentkv makes it with its home, so
+    doctor looks at the nearest directory that exists; a home that cannot be made (a file
+    in its way, which stops root too) is not writable."""
+    from agentkv.doctor import can_make
+
+    assert can_make(tmp_path / ".cache" / "agentkv")
+    assert can_make(tmp_path)
+    (tmp_path / "file").write_bytes(b"")
+    assert not can_make(tmp_path / "file" / "agentkv")
+    assert not can_make(tmp_path / "file")
+
+
 def test_importing_mlx_first_is_reported(python_env):
     code = (
         "import mlx.core, agentkv, agentkv.doctor, json; print(json.dumps(agentkv.doctor.report()))"
