@@ -16,6 +16,20 @@ def _counts(text: str, option: str = "--tokens") -> list[int]:
     return counts
 
 
+def _require(command: str, module: str) -> None:
+    """Stop with a clear error where a bench's client library is not installed (agentkv's
+    own dependencies leave it out: the ``bench`` extra has it)."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(
+            f"agentkv: error: agentkv bench {command} needs the {module} package, which agentkv "
+            "does not install by itself: pip install 'agentkv[bench]'"
+        ) from None
+
+
 def _names(text: str, allowed, option: str) -> list[str]:
     """A comma-separated choice of ``allowed`` names (in the order given), or a clear exit."""
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -72,6 +86,7 @@ def run_bench(args) -> int:
 
         run(args.model, args.tokens, args.window, peer=args.peer, as_json=args.json)
     elif name == "peers":
+        _require("peers", "openai")
         from .peers import SERVERS, run
 
         servers = tuple(_names(args.servers, SERVERS, "--servers"))
@@ -122,6 +137,7 @@ def run_bench(args) -> int:
             as_json=args.json,
         )
     elif name == "serve" and args.concurrent:
+        _require("serve --concurrent", "openai")
         from .concurrent import run
 
         run(args.concurrent, args.turns or 3, args.max_tokens or 64, as_json=args.json)

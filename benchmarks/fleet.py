@@ -60,7 +60,7 @@ def run(
             except ImportError:
                 raise SystemExit(
                     "agentkv: error: bench fleet needs --store s3://bucket/prefix, or "
-                    "moto[server] installed for a local store"
+                    "moto[server] installed for a local store (pip install 'agentkv[bench]')"
                 ) from None
             moto = S3Server(free_port()).start()
             link = StoreLink(moto.port).restore()

@@ -108,3 +108,19 @@ def test_bench_pool_s_decode_section_leaves_no_temporary_directory(python_env, t
     )
     assert done.returncode == 0, done.stderr
     assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [("peers", "--quick"), ("serve", "--concurrent", "2")])
+def test_a_bench_whose_client_library_is_missing_says_which_extra_has_it(
+    command, python_env, tmp_path
+):
+    """agentkv's own dependencies leave out the OpenAI SDK that these benches drive their
+    servers with: without it they stop at once, naming the package and the extra."""
+    shadow = tmp_path / "no-openai"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text("import sys\nsys.modules['openai'] = None\n")
+    env = dict(python_env, PYTHONPATH=f"{shadow}:{python_env['PYTHONPATH']}")
+    done = agentkv("bench", *command, "--json", env=env, cwd=tmp_path)
+    line = one_line(done, 1)
+    assert line.startswith(f"agentkv: error: agentkv bench {command[0]}")
+    assert "needs the openai package" in line and "pip install 'agentkv[bench]'" in line
